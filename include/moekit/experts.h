@@ -1,0 +1,128 @@
+// moekit: the Experts module (SPEC section 1).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+
+#include "moekit/tensor.h"
+
+namespace moekit {
+
+enum class Activation : uint8_t { silu, gelu, gelu_tanh, relu, sigmoid, identity };
+// "silu"/"swish", "gelu", "gelu_pytorch_tanh"/"gelu_new"/"gelu_fast", "relu", "sigmoid", "identity"/"linear"
+Activation parse_activation(std::string_view hidden_act);
+const char* activation_name(Activation a);
+
+enum class GateKind : uint8_t {
+  act_mul,         // act(gate) * up
+  clamped_swiglu,  // gpt-oss: gate=min(gate,limit), up=clamp(up,-limit,limit), (up+1)*gate*sigmoid(alpha*gate)
+  custom,          // ExpertsSpec::custom_gate (CPU backends only)
+};
+
+// A model-supplied gate: `gate` and `up` hold n values each; writes n outputs. f32.
+using GateFunction = std::function<void(const float* gate, const float* up, float* out, int64_t n)>;
+
+struct ExpertsSpec {
+  int64_t num_experts = 0;   // E
+  int64_t hidden = 0;        // H
+  int64_t intermediate = 0;  // I
+  Activation activation = Activation::silu;
+  bool has_gate = true;
+  bool has_bias = false;
+  bool is_transposed = false;   // weights stored [in, out]
+  bool is_concatenated = true;  // false: gate/up interleaved g0,u0,g1,u1,...
+  GateKind gate = GateKind::act_mul;
+  float alpha = 1.702f;  // clamped_swiglu
+  float limit = 7.0f;    // clamped_swiglu
+  GateFunction custom_gate;
+
+  void validate() const;          // throws naming the bad field
+  std::string to_string() const;  // reproduces the configuration
+};
+
+// Weights in the layouts of SPEC section 1 (all on one device, one floating dtype).
+struct ExpertsWeights {
+  Tensor gate_up_proj;       // has_gate: [E, 2I, H]  (is_transposed: [E, H, 2I])
+  Tensor up_proj;            // !has_gate: [E, I, H]  (is_transposed: [E, H, I])
+  Tensor down_proj;          // [E, H, I]             (is_transposed: [E, I, H])
+  Tensor gate_up_proj_bias;  // [E, 2I]  (has_gate && has_bias)
+  Tensor up_proj_bias;       // [E, I]   (!has_gate && has_bias)
+  Tensor down_proj_bias;     // [E, H]   (has_bias)
+
+  const Tensor& first() const { return gate_up_proj.defined() ? gate_up_proj : up_proj; }
+  const Tensor& first_bias() const { return gate_up_proj.defined() ? gate_up_proj_bias : up_proj_bias; }
+};
+
+// One forward call: every view already validated by Experts::forward_into.
+struct ExpertsCall {
+  TensorView hidden_states;  // [T, H] bf16 | f16 | f32
+  TensorView top_k_index;    // [T, K] i32 | i64, ids in [0, E] (E = sentinel)
+  TensorView top_k_weights;  // [T, K] f32 | bf16 | f16
+  TensorView out;            // [T, H] dtype of hidden_states
+  Stream stream = nullptr;
+  int64_t tokens() const { return hidden_states.shape.empty() ? 0 : hidden_states.shape[0]; }
+  int64_t top_k() const { return top_k_index.shape.size() < 2 ? 0 : top_k_index.shape[1]; }
+};
+
+// Per-backend cached state (repacked weights, workspaces, graphs) owned by an Experts module.
+struct BackendState {
+  virtual ~BackendState() = default;
+};
+
+class Experts {
+ public:
+  Experts() = default;
+  // implementation "" picks the default: grouped_mm where it can run, else eager.
+  Experts(ExpertsSpec spec, ExpertsWeights weights, std::string implementation = "");
+
+  const ExpertsSpec& spec() const { return spec_; }
+  const ExpertsWeights& weights() const { return weights_; }
+  Device device() const;
+  DType weight_dtype() const;
+
+  const std::string& implementation() const { return implementation_; }
+  // Switches backend at run time (no weight reload). Unknown names throw with the valid list;
+  // switching to or from deepgemm_megamoe (a load-time choice) throws.
+  void set_implementation(const std::string& name);
+
+  // out = experts(hidden_states, top_k_index, top_k_weights); T = 0 gives an empty [0, H] tensor.
+  Tensor forward(const TensorView& hidden_states, const TensorView& top_k_index,
+                 const TensorView& top_k_weights, Stream stream = nullptr) const;
+  // Writes into call.out (preallocated). Validates, then dispatches through the registry.
+  void forward_into(const ExpertsCall& call) const;
+  // Same, with an explicit backend name instead of implementation().
+  void forward_with(std::string_view backend, const ExpertsCall& call) const;
+
+  // A copy of these experts with weights on another device (state is not copied).
+  Experts to(Device device) const;
+
+  // Backend state: created on first use by `make`, kept for the life of the module.
+  template <class S, class Make>
+  S& state(std::string_view backend, Make&& make) const {
+    std::lock_guard<std::mutex> lock(*state_mutex_);
+    auto& slot = (*states_)[std::string(backend)];
+    if (!slot) slot = make();
+    return static_cast<S&>(*slot);
+  }
+  void clear_state() const;
+
+ private:
+  void validate_call(const ExpertsCall& call) const;
+
+  ExpertsSpec spec_;
+  ExpertsWeights weights_;
+  std::string implementation_;
+  std::shared_ptr<std::mutex> state_mutex_ = std::make_shared<std::mutex>();
+  std::shared_ptr<std::map<std::string, std::unique_ptr<BackendState>>> states_ =
+      std::make_shared<std::map<std::string, std::unique_ptr<BackendState>>>();
+};
+
+// Builds ExpertsWeights from the tensors of a transformers Experts module, by parameter name
+// (gate_up_proj, down_proj, up_proj, *_bias), checking shapes against the spec.
+ExpertsWeights make_experts_weights(const ExpertsSpec& spec, const std::map<std::string, Tensor>& params);
+
+}  // namespace moekit

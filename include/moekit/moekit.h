@@ -1,0 +1,10 @@
+// moekit: one include for users.
+#pragma once
+#include "moekit/dtype.h"
+#include "moekit/error.h"
+#include "moekit/experts.h"
+#include "moekit/interface.h"
+#include "moekit/tensor.h"
+#if __has_include("moekit/model.h")
+#include "moekit/model.h"
+#endif

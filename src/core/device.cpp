@@ -1,0 +1,85 @@
+// Device memory and copies. CUDA runtime calls only when built with CUDA.
+#include <cstring>
+
+#include "moekit/tensor.h"
+
+#ifdef MOEKIT_WITH_CUDA
+#include <cuda_runtime.h>
+#define MOEKIT_CUDA_OK(expr)                                                                   \
+  do {                                                                                         \
+    cudaError_t err_ = (expr);                                                                 \
+    MOEKIT_CHECK_CODE(err_ == cudaSuccess, runtime, #expr, " failed: ", cudaGetErrorString(err_)); \
+  } while (0)
+#endif
+
+namespace moekit {
+
+int cuda_device_count() {
+#ifdef MOEKIT_WITH_CUDA
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+#else
+  return 0;
+#endif
+}
+
+bool cuda_available() { return cuda_device_count() > 0; }
+
+void* device_malloc(size_t bytes, Device device) {
+#ifdef MOEKIT_WITH_CUDA
+  MOEKIT_CHECK(device.index < cuda_device_count(), "device ", device.to_string(), " not present (",
+               cuda_device_count(), " CUDA devices)");
+  MOEKIT_CUDA_OK(cudaSetDevice(device.index));
+  void* p = nullptr;
+  MOEKIT_CUDA_OK(cudaMalloc(&p, bytes));
+  return p;
+#else
+  (void)bytes;
+  MOEKIT_FAIL(not_supported, "cannot allocate on ", device.to_string(), ": moekit was built without CUDA");
+#endif
+}
+
+void device_free(void* p, Device device) {
+#ifdef MOEKIT_WITH_CUDA
+  (void)device;
+  cudaFree(p);
+#else
+  (void)p;
+  (void)device;
+#endif
+}
+
+void memcpy_any(void* dst, Device dd, const void* src, Device sd, size_t bytes, Stream s) {
+  if (bytes == 0) return;
+  if (dd.is_cpu() && sd.is_cpu()) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+#ifdef MOEKIT_WITH_CUDA
+  const cudaMemcpyKind kind = dd.is_cpu() ? cudaMemcpyDeviceToHost
+                              : sd.is_cpu() ? cudaMemcpyHostToDevice
+                                            : cudaMemcpyDeviceToDevice;
+  auto stream = static_cast<cudaStream_t>(s);
+  MOEKIT_CUDA_OK(cudaMemcpyAsync(dst, src, bytes, kind, stream));
+  MOEKIT_CUDA_OK(cudaStreamSynchronize(stream));
+#else
+  (void)s;
+  MOEKIT_FAIL(not_supported, "cannot copy between ", sd.to_string(), " and ", dd.to_string(),
+              ": moekit was built without CUDA");
+#endif
+}
+
+void stream_synchronize(Stream s, Device device) {
+  if (device.is_cpu()) return;
+#ifdef MOEKIT_WITH_CUDA
+  MOEKIT_CUDA_OK(cudaStreamSynchronize(static_cast<cudaStream_t>(s)));
+#else
+  (void)s;
+#endif
+}
+
+}  // namespace moekit

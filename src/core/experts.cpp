@@ -1,0 +1,216 @@
+#include "moekit/experts.h"
+
+#include <sstream>
+
+#include "moekit/interface.h"
+
+namespace moekit {
+
+Activation parse_activation(std::string_view a) {
+  if (a == "silu" || a == "swish") return Activation::silu;
+  if (a == "gelu") return Activation::gelu;
+  if (a == "gelu_pytorch_tanh" || a == "gelu_new" || a == "gelu_fast" || a == "gelu_tanh") return Activation::gelu_tanh;
+  if (a == "relu") return Activation::relu;
+  if (a == "sigmoid") return Activation::sigmoid;
+  if (a == "identity" || a == "linear") return Activation::identity;
+  MOEKIT_FAIL(invalid_argument, "unknown activation '", a,
+              "'; expected silu, swish, gelu, gelu_pytorch_tanh, gelu_new, relu, sigmoid or identity");
+}
+
+const char* activation_name(Activation a) {
+  switch (a) {
+    case Activation::silu: return "silu";
+    case Activation::gelu: return "gelu";
+    case Activation::gelu_tanh: return "gelu_pytorch_tanh";
+    case Activation::relu: return "relu";
+    case Activation::sigmoid: return "sigmoid";
+    case Activation::identity: return "identity";
+  }
+  return "?";
+}
+
+void ExpertsSpec::validate() const {
+  MOEKIT_CHECK(num_experts > 0, "ExpertsSpec.num_experts must be > 0, got ", num_experts);
+  MOEKIT_CHECK(hidden > 0, "ExpertsSpec.hidden must be > 0, got ", hidden);
+  MOEKIT_CHECK(intermediate > 0, "ExpertsSpec.intermediate must be > 0, got ", intermediate);
+  MOEKIT_CHECK(gate != GateKind::custom || static_cast<bool>(custom_gate),
+               "ExpertsSpec.gate is custom but custom_gate is empty");
+  MOEKIT_CHECK(has_gate || gate == GateKind::act_mul, "ExpertsSpec: a gate function needs has_gate = true");
+}
+
+std::string ExpertsSpec::to_string() const {
+  std::ostringstream os;
+  os << "ExpertsSpec{.num_experts=" << num_experts << ", .hidden=" << hidden << ", .intermediate=" << intermediate
+     << ", .activation=" << activation_name(activation) << ", .has_gate=" << has_gate << ", .has_bias=" << has_bias
+     << ", .is_transposed=" << is_transposed << ", .is_concatenated=" << is_concatenated << ", .gate="
+     << (gate == GateKind::act_mul ? "act_mul" : gate == GateKind::clamped_swiglu ? "clamped_swiglu" : "custom");
+  if (gate == GateKind::clamped_swiglu) os << ", .alpha=" << alpha << ", .limit=" << limit;
+  os << "}";
+  return os.str();
+}
+
+namespace {
+void check_param(const char* name, const Tensor& t, const Shape& expect, bool required) {
+  if (!t.defined()) {
+    MOEKIT_CHECK(!required, "experts weight '", name, "' is missing; expected shape ", shape_to_string(expect));
+    return;
+  }
+  MOEKIT_CHECK(required, "experts weight '", name, "' given but not used by this spec (check has_gate / has_bias)");
+  MOEKIT_CHECK(t.shape() == expect, "experts weight '", name, "' has shape ", shape_to_string(t.shape()),
+               ", expected ", shape_to_string(expect));
+  MOEKIT_CHECK(t.view().is_contiguous(), "experts weight '", name, "' must be contiguous");
+  MOEKIT_CHECK(is_floating(t.dtype()), "experts weight '", name, "' has dtype ", dtype_name(t.dtype()),
+               ", expected a floating type");
+}
+
+void validate_weights(const ExpertsSpec& s, const ExpertsWeights& w) {
+  const int64_t E = s.num_experts, H = s.hidden, I = s.intermediate;
+  const Shape gu = s.is_transposed ? Shape{E, H, 2 * I} : Shape{E, 2 * I, H};
+  const Shape up = s.is_transposed ? Shape{E, H, I} : Shape{E, I, H};
+  const Shape down = s.is_transposed ? Shape{E, I, H} : Shape{E, H, I};
+  check_param("gate_up_proj", w.gate_up_proj, gu, s.has_gate);
+  check_param("up_proj", w.up_proj, up, !s.has_gate);
+  check_param("down_proj", w.down_proj, down, true);
+  check_param("gate_up_proj_bias", w.gate_up_proj_bias, {E, 2 * I}, s.has_gate && s.has_bias);
+  check_param("up_proj_bias", w.up_proj_bias, {E, I}, !s.has_gate && s.has_bias);
+  check_param("down_proj_bias", w.down_proj_bias, {E, H}, s.has_bias);
+  const Tensor& first = w.first();
+  for (const Tensor* t : {&w.down_proj, &w.first_bias(), &w.down_proj_bias}) {
+    if (!t->defined()) continue;
+    MOEKIT_CHECK(t->device() == first.device(), "experts weights on different devices: ", first.device().to_string(),
+                 " and ", t->device().to_string());
+  }
+  MOEKIT_CHECK(w.down_proj.dtype() == first.dtype(), "experts weights have different dtypes: ",
+               dtype_name(first.dtype()), " and ", dtype_name(w.down_proj.dtype()));
+}
+
+bool is_megamoe(const std::string& n) { return n == "deepgemm_megamoe"; }
+}  // namespace
+
+Experts::Experts(ExpertsSpec spec, ExpertsWeights weights, std::string implementation)
+    : spec_(std::move(spec)), weights_(std::move(weights)) {
+  spec_.validate();
+  validate_weights(spec_, weights_);
+  if (implementation.empty()) implementation = default_experts_implementation(*this, weight_dtype());
+  ExpertsInterface::global().get(implementation);  // throws on an unknown name
+  implementation_ = std::move(implementation);
+}
+
+Device Experts::device() const { return weights_.first().device(); }
+DType Experts::weight_dtype() const { return weights_.first().dtype(); }
+
+void Experts::set_implementation(const std::string& name) {
+  ExpertsInterface::global().get(name);
+  MOEKIT_CHECK_CODE(is_megamoe(name) == is_megamoe(implementation_), not_supported,
+                    "cannot switch experts implementation from '", implementation_, "' to '", name,
+                    "' at run time: deepgemm_megamoe is a load-time choice; reload the model with it");
+  implementation_ = name;
+}
+
+void Experts::clear_state() const {
+  std::lock_guard<std::mutex> lock(*state_mutex_);
+  states_->clear();
+}
+
+Experts Experts::to(Device device) const {
+  ExpertsWeights w;
+  auto mv = [&](const Tensor& t) { return t.defined() ? t.to(device) : Tensor(); };
+  w.gate_up_proj = mv(weights_.gate_up_proj);
+  w.up_proj = mv(weights_.up_proj);
+  w.down_proj = mv(weights_.down_proj);
+  w.gate_up_proj_bias = mv(weights_.gate_up_proj_bias);
+  w.up_proj_bias = mv(weights_.up_proj_bias);
+  w.down_proj_bias = mv(weights_.down_proj_bias);
+  Experts e(spec_, std::move(w), implementation_);
+  return e;
+}
+
+void Experts::validate_call(const ExpertsCall& c) const {
+  const Device dev = device();
+  const auto& x = c.hidden_states;
+  MOEKIT_CHECK(x.dim() == 2, "hidden_states must be 2-D [tokens, hidden], got shape ", shape_to_string(x.shape));
+  MOEKIT_CHECK(x.shape[1] == spec_.hidden, "hidden_states has hidden size ", x.shape[1], ", experts expect ",
+               spec_.hidden);
+  MOEKIT_CHECK(x.dtype == DType::f32 || x.dtype == DType::bf16 || x.dtype == DType::f16,
+               "hidden_states dtype must be f32, bf16 or f16, got ", dtype_name(x.dtype));
+  const int64_t T = x.shape[0];
+  const auto& idx = c.top_k_index;
+  MOEKIT_CHECK(idx.dim() == 2 && idx.shape[0] == T, "top_k_index must be [", T, ", top_k], got shape ",
+               shape_to_string(idx.shape));
+  MOEKIT_CHECK(idx.dtype == DType::i32 || idx.dtype == DType::i64, "top_k_index dtype must be i32 or i64, got ",
+               dtype_name(idx.dtype));
+  MOEKIT_CHECK(idx.shape[1] >= 1 || T == 0, "top_k must be >= 1, got ", idx.shape[1]);
+  const auto& w = c.top_k_weights;
+  MOEKIT_CHECK(w.shape == idx.shape, "top_k_weights shape ", shape_to_string(w.shape), " must equal top_k_index shape ",
+               shape_to_string(idx.shape));
+  MOEKIT_CHECK(w.dtype == DType::f32 || w.dtype == DType::bf16 || w.dtype == DType::f16,
+               "top_k_weights dtype must be f32, bf16 or f16, got ", dtype_name(w.dtype));
+  MOEKIT_CHECK(c.out.shape == x.shape, "out shape ", shape_to_string(c.out.shape), " must equal hidden_states shape ",
+               shape_to_string(x.shape));
+  MOEKIT_CHECK(c.out.dtype == x.dtype, "out dtype ", dtype_name(c.out.dtype), " must equal hidden_states dtype ",
+               dtype_name(x.dtype));
+  for (const auto* v : {&x, &idx, &w, &c.out}) {
+    MOEKIT_CHECK(v->device == dev, "experts live on ", dev.to_string(), " but an argument is on ",
+                 v->device.to_string(), " (", v->to_string(), ")");
+    MOEKIT_CHECK(v->is_contiguous(), "experts arguments must be contiguous; got strides ", shape_to_string(v->strides),
+                 " for ", v->to_string(), " (make a contiguous copy first)");
+  }
+  if (dev.is_cpu()) {
+    const int64_t n = idx.numel(), E = spec_.num_experts;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t e = idx.dtype == DType::i32 ? idx.ptr<int32_t>()[i] : idx.ptr<int64_t>()[i];
+      MOEKIT_CHECK(e >= 0 && e <= E, "top_k_index[", i / idx.shape[1], ", ", i % idx.shape[1], "] = ", e,
+                   " is out of range [0, ", E, "] (", E, " experts; id ", E, " marks an expert on another rank)");
+    }
+  }
+}
+
+void Experts::forward_with(std::string_view name, const ExpertsCall& call) const {
+  validate_call(call);
+  auto backend = ExpertsInterface::global().get(name);
+  if (is_megamoe(std::string(name)) != is_megamoe(implementation_))
+    MOEKIT_FAIL(not_supported, "experts implementation '", name, "' differs from the load-time choice '",
+                implementation_, "' (deepgemm_megamoe is a load-time choice)");
+  Support s = backend->supports(*this, call.hidden_states.dtype);
+  MOEKIT_CHECK_CODE(s.ok, not_supported, "experts implementation '", name, "' cannot run these experts (",
+                    dtype_name(weight_dtype()), " weights on ", device().to_string(), ", ",
+                    dtype_name(call.hidden_states.dtype), " activations): ", s.reason);
+  if (call.tokens() == 0) return;
+  backend->prepare(*this);
+  backend->run(*this, call);
+}
+
+void Experts::forward_into(const ExpertsCall& call) const { forward_with(implementation_, call); }
+
+Tensor Experts::forward(const TensorView& hidden_states, const TensorView& top_k_index,
+                        const TensorView& top_k_weights, Stream stream) const {
+  // Non-contiguous CPU inputs are copied once; on the GPU validate_call rejects them.
+  auto dense = [](const TensorView& v) {
+    return (v.is_contiguous() || !v.device.is_cpu()) ? Tensor::wrap(v, nullptr) : Tensor::copy_of(v, v.device);
+  };
+  Tensor x = dense(hidden_states), idx = dense(top_k_index), w = dense(top_k_weights);
+  MOEKIT_CHECK(hidden_states.dim() == 2, "hidden_states must be 2-D [tokens, hidden], got shape ",
+               shape_to_string(hidden_states.shape));
+  Tensor out = Tensor::empty(hidden_states.shape, hidden_states.dtype, hidden_states.device);
+  ExpertsCall call{x.view(), idx.view(), w.view(), out.view(), stream};
+  forward_into(call);
+  return out;
+}
+
+ExpertsWeights make_experts_weights(const ExpertsSpec& spec, const std::map<std::string, Tensor>& params) {
+  ExpertsWeights w;
+  for (const auto& [name, t] : params) {
+    if (name == "gate_up_proj") w.gate_up_proj = t;
+    else if (name == "up_proj") w.up_proj = t;
+    else if (name == "down_proj") w.down_proj = t;
+    else if (name == "gate_up_proj_bias") w.gate_up_proj_bias = t;
+    else if (name == "up_proj_bias") w.up_proj_bias = t;
+    else if (name == "down_proj_bias") w.down_proj_bias = t;
+    else MOEKIT_FAIL(invalid_argument, "unknown experts parameter '", name,
+                     "'; expected gate_up_proj, up_proj, down_proj, gate_up_proj_bias, up_proj_bias, down_proj_bias");
+  }
+  validate_weights(spec, w);
+  return w;
+}
+
+}  // namespace moekit

@@ -1,0 +1,45 @@
+#include "test_util.h"
+#include "io/experts_case.h"
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+
+namespace moekit::test {
+
+std::string fixtures_dir() { return MOEKIT_FIXTURES_DIR; }
+
+Tensor randn(const Shape& shape, DType dtype, std::mt19937_64& rng, double std) {
+  Tensor f = Tensor::empty(shape, DType::f32);
+  std::normal_distribution<float> d(0.0f, float(std));
+  for (int64_t i = 0; i < f.numel(); ++i) f.ptr<float>()[i] = d(rng);
+  return f.to(dtype);
+}
+
+void poison(Tensor& t) { poison_tensor(t); }
+void random_routing(int64_t T, int64_t K, int64_t E, DType index_dtype, DType weight_dtype, std::mt19937_64& rng,
+                    Tensor& index, Tensor& weights) {
+  Tensor idx = Tensor::empty({T, K}, DType::i64), w = Tensor::empty({T, K}, DType::f32);
+  std::vector<int64_t> perm(static_cast<size_t>(E));
+  std::uniform_real_distribution<float> u(0.05f, 1.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    float s = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      idx.ptr<int64_t>()[t * K + k] = perm[size_t(k % E)];
+      s += (w.ptr<float>()[t * K + k] = u(rng));
+    }
+    for (int64_t k = 0; k < K; ++k) w.ptr<float>()[t * K + k] /= s;
+  }
+  if (index_dtype == DType::i32) {
+    Tensor i32 = Tensor::empty({T, K}, DType::i32);
+    for (int64_t i = 0; i < T * K; ++i) i32.ptr<int32_t>()[i] = int32_t(idx.ptr<int64_t>()[i]);
+    index = i32;
+  } else {
+    index = idx;
+  }
+  weights = w.to(weight_dtype);
+}
+
+}  // namespace moekit::test

@@ -1,0 +1,11 @@
+// Placeholder until the command lands.
+#include "commands.h"
+#include "moekit/error.h"
+
+namespace moekit::cli {
+void add_bench_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("bench", "not built yet");
+  cmd->allow_extras();
+  cmd->callback([] { MOEKIT_FAIL(not_supported, "moekit bench is not available in this build"); });
+}
+}  // namespace moekit::cli
