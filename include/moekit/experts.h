@@ -12,8 +12,9 @@
 
 namespace moekit {
 
-enum class Activation : uint8_t { silu, gelu, gelu_tanh, relu, sigmoid, identity };
-// "silu"/"swish", "gelu", "gelu_pytorch_tanh"/"gelu_new"/"gelu_fast", "relu", "sigmoid", "identity"/"linear"
+enum class Activation : uint8_t { silu, gelu, gelu_tanh, relu, sigmoid, identity, relu2 };
+// "silu"/"swish", "gelu", "gelu_pytorch_tanh"/"gelu_new"/"gelu_fast", "relu", "sigmoid", "identity"/"linear",
+// "relu2" (squared ReLU, Nemotron-H)
 Activation parse_activation(std::string_view hidden_act);
 const char* activation_name(Activation a);
 

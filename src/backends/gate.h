@@ -17,6 +17,7 @@ inline T activate(Activation a, T x) {
       return T(0.5) * x * (T(1) + std::tanh(k * (x + T(0.044715) * x * x * x)));
     }
     case Activation::relu: return x > T(0) ? x : T(0);
+    case Activation::relu2: return x > T(0) ? x * x : T(0);
     case Activation::sigmoid: return T(1) / (T(1) + std::exp(-x));
     case Activation::identity: return x;
   }

@@ -11,10 +11,11 @@ Activation parse_activation(std::string_view a) {
   if (a == "gelu") return Activation::gelu;
   if (a == "gelu_pytorch_tanh" || a == "gelu_new" || a == "gelu_fast" || a == "gelu_tanh") return Activation::gelu_tanh;
   if (a == "relu") return Activation::relu;
+  if (a == "relu2") return Activation::relu2;
   if (a == "sigmoid") return Activation::sigmoid;
   if (a == "identity" || a == "linear") return Activation::identity;
   MOEKIT_FAIL(invalid_argument, "unknown activation '", a,
-              "'; expected silu, swish, gelu, gelu_pytorch_tanh, gelu_new, relu, sigmoid or identity");
+              "'; expected silu, swish, gelu, gelu_pytorch_tanh, gelu_new, relu, relu2, sigmoid or identity");
 }
 
 const char* activation_name(Activation a) {
@@ -23,6 +24,7 @@ const char* activation_name(Activation a) {
     case Activation::gelu: return "gelu";
     case Activation::gelu_tanh: return "gelu_pytorch_tanh";
     case Activation::relu: return "relu";
+    case Activation::relu2: return "relu2";
     case Activation::sigmoid: return "sigmoid";
     case Activation::identity: return "identity";
   }

@@ -6,86 +6,135 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
+#include <set>
 
 namespace moekit {
 namespace {
 
-constexpr uint64_t kMaxHeader = 100ull * 1000 * 1000;  // 100 MB
+constexpr uint64_t kMaxHeader = 100ull * 1000 * 1000;  // 100 MB, as the reference implementation
+constexpr uint64_t kMaxDim = uint64_t(1) << 62;        // keeps every shape product inside int64
 
-DType parse_st_dtype(const std::string& s, const std::string& path, const std::string& name) {
-  if (s == "F32") return DType::f32;
-  if (s == "BF16") return DType::bf16;
-  if (s == "F16") return DType::f16;
-  if (s == "F64") return DType::f64;
-  if (s == "F8_E4M3") return DType::f8e4m3;
-  if (s == "F8_E8M0") return DType::ue8m0;
-  if (s == "F4") return DType::f4e2m1;
-  if (s == "I32") return DType::i32;
-  if (s == "I64") return DType::i64;
-  if (s == "U8") return DType::u8;
-  if (s == "I8") return DType::i8;
-  if (s == "BOOL") return DType::boolean;
-  MOEKIT_FAIL(io, path, ": tensor '", name, "' has unknown dtype '", s,
-              "' (known: F32, BF16, F16, F64, F8_E4M3, F8_E8M0, F4, I32, I64, U8, I8, BOOL)");
+struct DTypeName {
+  DType dtype;
+  const char* name;
+};
+constexpr DTypeName kDTypeNames[] = {
+    {DType::f32, "F32"},         {DType::bf16, "BF16"},       {DType::f16, "F16"}, {DType::f64, "F64"},
+    {DType::f8e4m3, "F8_E4M3"},  {DType::ue8m0, "F8_E8M0"},  {DType::f4e2m1, "F4"}, {DType::i32, "I32"},
+    {DType::i64, "I64"},         {DType::u8, "U8"},           {DType::i8, "I8"},   {DType::boolean, "BOOL"},
+};
+
+std::string known_dtypes() {
+  std::string s;
+  for (const auto& d : kDTypeNames) s += std::string(s.empty() ? "" : ", ") + d.name;
+  return s;
 }
 
-const char* st_dtype_name(DType t) {
-  switch (t) {
-    case DType::f32: return "F32";
-    case DType::bf16: return "BF16";
-    case DType::f16: return "F16";
-    case DType::f64: return "F64";
-    case DType::f8e4m3: return "F8_E4M3";
-    case DType::ue8m0: return "F8_E8M0";
-    case DType::f4e2m1: return "F4";
-    case DType::i32: return "I32";
-    case DType::i64: return "I64";
-    case DType::u8: return "U8";
-    case DType::i8: return "I8";
-    case DType::boolean: return "BOOL";
+// Byte size of `numel` elements of `t`; an empty string, or why there is none.
+std::string byte_size(DType t, uint64_t numel, uint64_t& bytes) {
+  const uint64_t bits = uint64_t(dtype_bits(t));
+  if (bits % 8 == 0) {
+    if (numel > std::numeric_limits<uint64_t>::max() / (bits / 8)) return "overflows the byte count";
+    bytes = numel * (bits / 8);
+    return "";
   }
-  return "?";
+  const uint64_t per_byte = 8 / bits;  // sub-byte types: whole bytes only, as the reference implementation
+  if (numel % per_byte != 0) return "does not fill whole bytes";
+  bytes = numel / per_byte;
+  return "";
+}
+
+// Up to three names close to `name` (longest shared prefix, then shared suffix), for "did you mean".
+std::string close_names(const std::string& name, const std::vector<std::string>& names) {
+  std::vector<std::pair<size_t, const std::string*>> scored;
+  for (const auto& n : names) {
+    size_t p = 0, s = 0;
+    while (p < n.size() && p < name.size() && n[p] == name[p]) ++p;
+    while (s < n.size() && s < name.size() && n[n.size() - 1 - s] == name[name.size() - 1 - s]) ++s;
+    scored.push_back({p * 4 + s, &n});
+  }
+  const size_t k = std::min<size_t>(3, scored.size());
+  std::partial_sort(scored.begin(), scored.begin() + long(k), scored.end(),
+                    [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && *a.second < *b.second); });
+  std::string out;
+  for (size_t i = 0; i < k; ++i) out += std::string(i ? ", '" : "'") + *scored[i].second + "'";
+  return out;
 }
 
 }  // namespace
 
+const char* safetensors_dtype_name(DType t) {
+  for (const auto& d : kDTypeNames)
+    if (d.dtype == t) return d.name;
+  MOEKIT_FAIL(invalid_argument, "dtype ", dtype_name(t), " has no safetensors name");
+}
+
+DType parse_safetensors_dtype(const std::string& name) {
+  for (const auto& d : kDTypeNames)
+    if (name == d.name) return d.dtype;
+  MOEKIT_FAIL(io, "unknown safetensors dtype '", name, "' (known: ", known_dtypes(), ")");
+}
+
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
   SafetensorsFile f;
   f.path_ = path;
-  int fd = ::open(path.c_str(), O_RDONLY);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   MOEKIT_CHECK_CODE(fd >= 0, io, path, ": cannot open (", std::strerror(errno), ")");
   struct stat st {};
-  if (fstat(fd, &st) != 0) {
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
-    MOEKIT_FAIL(io, path, ": cannot stat");
+    MOEKIT_FAIL(io, path, ": not a regular file");
   }
   const uint64_t size = uint64_t(st.st_size);
   if (size < 8) {
     ::close(fd);
-    MOEKIT_FAIL(io, path, ": truncated: ", size, " bytes, a safetensors file has at least 8");
+    MOEKIT_FAIL(io, path, ": truncated: ", size, " bytes, a safetensors file has at least 8 (the header length)");
   }
-  void* m = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  // Private and writable: a caller that writes into a tensor gets its own page, never a crash or a
+  // changed file.
+  void* m = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+  const int mmap_errno = errno;
   ::close(fd);
-  MOEKIT_CHECK_CODE(m != MAP_FAILED, io, path, ": mmap failed (", std::strerror(errno), ")");
+  MOEKIT_CHECK_CODE(m != MAP_FAILED, io, path, ": mmap failed (", std::strerror(mmap_errno), ")");
   f.mapping_ = std::shared_ptr<void>(m, [size](void* p) { munmap(p, size); });
+  f.file_size_ = size;
   const auto* bytes = static_cast<const uint8_t*>(m);
   uint64_t hlen = 0;
-  std::memcpy(&hlen, bytes, 8);  // little-endian
+  for (int i = 7; i >= 0; --i) hlen = (hlen << 8) | bytes[i];  // little-endian
   MOEKIT_CHECK_CODE(hlen <= kMaxHeader, io, path, ": header length ", hlen, " exceeds the 100 MB limit");
   MOEKIT_CHECK_CODE(hlen <= size - 8, io, path, ": header length ", hlen, " runs beyond the end of the file (",
-                    size, " bytes)");
+                    size, " bytes): truncated?");
+  f.header_size_ = hlen;
+
+  // Duplicate keys: JSON parsers keep one of them silently; a duplicated tensor would hide data.
+  std::vector<std::set<std::string>> open_objects;
+  std::string duplicate;
+  const nlohmann::json::parser_callback_t on_event = [&](int, nlohmann::json::parse_event_t ev, nlohmann::json& v) {
+    using E = nlohmann::json::parse_event_t;
+    if (ev == E::object_start) open_objects.emplace_back();
+    if (ev == E::object_end && !open_objects.empty()) open_objects.pop_back();
+    if (ev == E::key && !open_objects.empty() && !open_objects.back().insert(v.get<std::string>()).second &&
+        duplicate.empty())
+      duplicate = v.get<std::string>();
+    return true;
+  };
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(bytes + 8, bytes + 8 + hlen);
+    header = nlohmann::json::parse(bytes + 8, bytes + 8 + hlen, on_event);
   } catch (const std::exception& e) {
     MOEKIT_FAIL(io, path, ": header is not valid JSON (", e.what(), ")");
   }
-  MOEKIT_CHECK_CODE(header.is_object(), io, path, ": header is not a JSON object");
+  MOEKIT_CHECK_CODE(header.is_object(), io, path, ": header is not a JSON object (", header.type_name(), ")");
+  MOEKIT_CHECK_CODE(duplicate.empty(), io, path, ": header has the key '", duplicate, "' more than once");
   const uint64_t data_size = size - 8 - hlen;
   f.data_ = bytes + 8 + hlen;
+
   for (auto it = header.begin(); it != header.end(); ++it) {
     const std::string& name = it.key();
     if (name == "__metadata__") {
@@ -97,43 +146,63 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
       continue;
     }
     const auto& v = *it;
-    MOEKIT_CHECK_CODE(v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"), io,
-                      path, ": tensor '", name, "' needs dtype, shape and data_offsets");
+    MOEKIT_CHECK_CODE(v.is_object(), io, path, ": tensor '", name, "' is not an object");
+    for (const char* field : {"dtype", "shape", "data_offsets"})
+      MOEKIT_CHECK_CODE(v.contains(field), io, path, ": tensor '", name, "' has no '", field, "'");
     MOEKIT_CHECK_CODE(v["dtype"].is_string(), io, path, ": tensor '", name, "' dtype is not a string");
     SafetensorsEntry e;
     e.name = name;
-    e.dtype = parse_st_dtype(v["dtype"].get<std::string>(), path, name);
+    const std::string dt = v["dtype"].get<std::string>();
+    bool known = false;
+    for (const auto& d : kDTypeNames)
+      if (dt == d.name) e.dtype = d.dtype, known = true;
+    MOEKIT_CHECK_CODE(known, io, path, ": tensor '", name, "' has unknown dtype '", dt, "' (known: ", known_dtypes(),
+                      ")");
     MOEKIT_CHECK_CODE(v["shape"].is_array(), io, path, ": tensor '", name, "' shape is not an array");
     uint64_t numel = 1;
     for (const auto& d : v["shape"]) {
-      MOEKIT_CHECK_CODE(d.is_number_unsigned(), io, path, ": tensor '", name, "' has a bad dimension ", d.dump());
+      MOEKIT_CHECK_CODE(d.is_number_unsigned(), io, path, ": tensor '", name, "' has a bad dimension ", d.dump(),
+                        " (dimensions are non-negative integers)");
       const uint64_t x = d.get<uint64_t>();
-      MOEKIT_CHECK_CODE(x == 0 || numel <= (uint64_t(1) << 62) / x, io, path, ": tensor '", name,
-                        "' shape overflows");
+      MOEKIT_CHECK_CODE(x <= kMaxDim && (x == 0 || numel <= kMaxDim / x), io, path, ": tensor '", name, "' shape ",
+                        v["shape"].dump(), " overflows the element count");
       numel *= x;
       e.shape.push_back(int64_t(x));
     }
     const auto& off = v["data_offsets"];
     MOEKIT_CHECK_CODE(off.is_array() && off.size() == 2 && off[0].is_number_unsigned() && off[1].is_number_unsigned(),
-                      io, path, ": tensor '", name, "' data_offsets must be two unsigned integers");
+                      io, path, ": tensor '", name, "' data_offsets must be two non-negative integers, got ",
+                      off.dump());
     e.begin = off[0].get<uint64_t>();
     e.end = off[1].get<uint64_t>();
-    MOEKIT_CHECK_CODE(e.begin <= e.end, io, path, ": tensor '", name, "' offsets reversed [", e.begin, ", ", e.end, "]");
+    MOEKIT_CHECK_CODE(e.begin <= e.end, io, path, ": tensor '", name, "' offsets reversed [", e.begin, ", ", e.end,
+                      "]");
     MOEKIT_CHECK_CODE(e.end <= data_size, io, path, ": tensor '", name, "' offsets [", e.begin, ", ", e.end,
                       "] leave the data section (", data_size, " bytes): file truncated?");
-    const uint64_t expect = (numel * uint64_t(dtype_bits(e.dtype)) + 7) / 8;
+    uint64_t expect = 0;
+    const std::string size_problem = byte_size(e.dtype, numel, expect);
+    MOEKIT_CHECK_CODE(size_problem.empty(), io, path, ": tensor '", name, "' shape ", shape_to_string(e.shape), " of ",
+                      dt, " ", size_problem);
     MOEKIT_CHECK_CODE(e.end - e.begin == expect, io, path, ": tensor '", name, "' has ", e.end - e.begin,
-                      " bytes but shape ", shape_to_string(e.shape), " of ", dtype_name(e.dtype), " needs ", expect);
+                      " bytes but shape ", shape_to_string(e.shape), " of ", dt, " needs ", expect);
     f.entries_.push_back(std::move(e));
   }
-  // No two tensors may overlap.
-  std::vector<const SafetensorsEntry*> sorted;
-  for (const auto& e : f.entries_) sorted.push_back(&e);
-  std::sort(sorted.begin(), sorted.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
-  for (size_t i = 1; i < sorted.size(); ++i) {
-    MOEKIT_CHECK_CODE(sorted[i]->begin >= sorted[i - 1]->end || sorted[i - 1]->begin == sorted[i - 1]->end, io, path,
-                      ": tensors '", sorted[i - 1]->name, "' and '", sorted[i]->name, "' overlap");
+
+  // The tensors tile the data section exactly: no overlap, no gap, nothing after the last one.
+  std::sort(f.entries_.begin(), f.entries_.end(),
+            [](const auto& a, const auto& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
+  uint64_t pos = 0;
+  const SafetensorsEntry* prev = nullptr;
+  for (const auto& e : f.entries_) {
+    MOEKIT_CHECK_CODE(e.begin >= pos, io, path, ": tensors '", prev ? prev->name : "", "' [", prev ? prev->begin : 0,
+                      ", ", pos, "] and '", e.name, "' [", e.begin, ", ", e.end, "] overlap");
+    MOEKIT_CHECK_CODE(e.begin == pos, io, path, ": data bytes [", pos, ", ", e.begin,
+                      ") belong to no tensor (gap before '", e.name, "')");
+    pos = e.end;
+    prev = &e;
   }
+  MOEKIT_CHECK_CODE(pos == data_size, io, path, ": ", data_size - pos, " bytes after the last tensor's data (",
+                    data_size, " bytes of data, tensors end at ", pos, ")");
   for (size_t i = 0; i < f.entries_.size(); ++i) f.index_[f.entries_[i].name] = i;
   return f;
 }
@@ -148,14 +217,18 @@ bool SafetensorsFile::contains(const std::string& name) const { return index_.co
 
 const SafetensorsEntry& SafetensorsFile::entry(const std::string& name) const {
   auto it = index_.find(name);
-  MOEKIT_CHECK_CODE(it != index_.end(), not_found, path_, ": no tensor named '", name, "' (", entries_.size(),
-                    " tensors in the file)");
+  if (it == index_.end()) {
+    MOEKIT_FAIL(not_found, path_, ": no tensor named '", name, "' (", entries_.size(), " tensors",
+                entries_.empty() ? std::string() : "; close: " + close_names(name, names()), ")");
+  }
   return entries_[it->second];
 }
 
 Tensor SafetensorsFile::get(const std::string& name) const {
   const SafetensorsEntry& e = entry(name);
   TensorView v(const_cast<uint8_t*>(data_ + e.begin), e.dtype, e.shape, Device::cpu());
+  const uint64_t align = uint64_t(std::max(1, dtype_bits(e.dtype) / 8));
+  if (reinterpret_cast<uintptr_t>(v.data) % align != 0) return Tensor::copy_of(v, Device::cpu());
   return Tensor::wrap(v, mapping_);
 }
 
@@ -165,23 +238,45 @@ void save_safetensors(const std::string& path, const std::vector<std::pair<std::
   if (!metadata.empty()) header["__metadata__"] = metadata;
   uint64_t off = 0;
   std::vector<Tensor> host;
+  std::set<std::string> seen;
   for (const auto& [name, t] : tensors) {
-    MOEKIT_CHECK(name != "__metadata__" && !name.empty(), "save_safetensors: bad tensor name '", name, "'");
-    Tensor h = t.device().is_cpu() ? t.contiguous() : t.to(Device::cpu());
-    const uint64_t n = h.nbytes();
-    header[name] = {{"dtype", st_dtype_name(h.dtype())}, {"shape", h.shape()}, {"data_offsets", {off, off + n}}};
+    MOEKIT_CHECK(name != "__metadata__", "save_safetensors: '__metadata__' cannot name a tensor");
+    MOEKIT_CHECK(seen.insert(name).second, "save_safetensors: tensor '", name, "' given twice");
+    MOEKIT_CHECK(t.defined(), "save_safetensors: tensor '", name, "' is undefined");
+    Tensor h = t.device().is_cpu() ? t.contiguous() : t.to(Device::cpu()).contiguous();
+    uint64_t n = 0;
+    const std::string size_problem = byte_size(h.dtype(), uint64_t(h.numel()), n);
+    MOEKIT_CHECK(size_problem.empty(), "save_safetensors: tensor '", name, "' ", h.view().to_string(), " ",
+                 size_problem);
+    header[name] = {{"dtype", safetensors_dtype_name(h.dtype())},
+                    {"shape", h.shape()},
+                    {"data_offsets", {off, off + n}}};
     off += n;
     host.push_back(std::move(h));
   }
   std::string hs = header.dump();
-  while ((hs.size() + 8) % 8 != 0) hs.push_back(' ');
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  MOEKIT_CHECK_CODE(out.good(), io, path, ": cannot open for writing");
-  const uint64_t hlen = hs.size();
-  out.write(reinterpret_cast<const char*>(&hlen), 8);
-  out.write(hs.data(), std::streamsize(hs.size()));
-  for (const auto& h : host) out.write(static_cast<const char*>(h.data()), std::streamsize(h.nbytes()));
-  MOEKIT_CHECK_CODE(out.good(), io, path, ": write failed");
+  while (hs.size() % 8 != 0) hs.push_back(' ');  // data starts 8-byte aligned
+  const std::string tmp = path + ".partial";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    MOEKIT_CHECK_CODE(out.good(), io, path, ": cannot open for writing (", std::strerror(errno), ")");
+    uint8_t len[8];
+    for (int i = 0; i < 8; ++i) len[i] = uint8_t(uint64_t(hs.size()) >> (8 * i));
+    out.write(reinterpret_cast<const char*>(len), 8);
+    out.write(hs.data(), std::streamsize(hs.size()));
+    for (const auto& h : host) out.write(static_cast<const char*>(h.data()), std::streamsize(h.nbytes()));
+    out.flush();
+    if (!out.good()) {
+      out.close();
+      std::remove(tmp.c_str());
+      MOEKIT_FAIL(io, path, ": write failed");
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    std::remove(tmp.c_str());
+    MOEKIT_FAIL(io, path, ": cannot move the written file into place (", std::strerror(err), ")");
+  }
 }
 
 }  // namespace moekit

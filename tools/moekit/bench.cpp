@@ -1,11 +1,198 @@
-// Placeholder until the command lands.
+// moekit bench: times the experts backends on real models' shapes against the machine's roofline.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+
+#include <fmt/core.h>
+
+#include "bench/bench.h"
+#include "bench/report.h"
 #include "commands.h"
-#include "moekit/error.h"
+#include "moekit/interface.h"
 
 namespace moekit::cli {
-void add_bench_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("bench", "not built yet");
-  cmd->allow_extras();
-  cmd->callback([] { MOEKIT_FAIL(not_supported, "moekit bench is not available in this build"); });
+namespace {
+
+struct BenchArgs {
+  std::string shapes, dims, tokens = "1,8,64,512", backends = "all", device = "cpu", dtype = "bf16",
+                              index_dtype = "i64", routing = "uniform", json, plot;
+  bool graph = false, quiet = false;
+  int64_t graph_max_tokens = -1;
+  int warmup = 3, iters = 50, min_iters = 5;
+  double min_time = 0.2, max_seconds = 30, tolerance = -1, peak_tflops = 0, bandwidth_gbps = 0;
+  int64_t check_macs = 300'000'000;
+  uint64_t seed = 1;
+};
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  size_t pos = 0;
+  while (pos <= s.size()) {
+    const size_t comma = std::min(s.find(',', pos), s.size());
+    if (comma > pos) out.push_back(s.substr(pos, comma - pos));
+    pos = comma + 1;
+  }
+  return out;
 }
+
+bench::BenchOptions to_options(const BenchArgs& a) {
+  bench::BenchOptions o;
+  if (!a.dims.empty()) {
+    o.shapes.push_back(bench::parse_dims(a.dims));
+  } else if (a.shapes == "all") {
+    o.shapes = bench::shape_presets();
+  } else {
+    for (const auto& name : split(a.shapes.empty() ? "qwen3-30b-a3b" : a.shapes))
+      o.shapes.push_back(bench::find_shape_preset(name));
+  }
+  MOEKIT_CHECK(!o.shapes.empty(), "--shape '", a.shapes, "' names no shape");
+  o.tokens = bench::parse_token_list(a.tokens);
+  if (a.backends != "all") {
+    o.backends = split(a.backends);
+    MOEKIT_CHECK(!o.backends.empty(), "--backends '", a.backends, "' names no backend");
+    for (const auto& b : o.backends) ExpertsInterface::global().get(b);  // unknown: lists the valid names
+  }
+  o.device = Device::parse(a.device);
+  o.dtype = parse_dtype(a.dtype);
+  o.index_dtype = parse_dtype(a.index_dtype);
+  o.graph = a.graph;
+  if (a.graph_max_tokens > 0) o.graph_max_tokens = a.graph_max_tokens;
+  o.routing = bench::parse_routing(a.routing);
+  o.warmup = a.warmup;
+  o.iters = a.iters;
+  o.min_iters = std::min(a.min_iters, a.iters);
+  o.min_time_s = a.min_time;
+  o.max_seconds = a.max_seconds;
+  o.tolerance = a.tolerance;
+  o.check_macs = a.check_macs;
+  o.seed = a.seed;
+  MOEKIT_CHECK(!o.graph || o.device.is_cuda(), "--graph needs --device cuda (CUDA graphs), got --device ", a.device);
+  MOEKIT_CHECK((a.peak_tflops > 0) == (a.bandwidth_gbps > 0),
+               "give both --peak-tflops and --bandwidth-gbps, or neither (then both are measured)");
+  return o;
+}
+
+// The command that reproduces the run (configs are values: DESIGN habit 7).
+std::string command_line(const BenchArgs& a, const bench::BenchOptions& o) {
+  std::string s = "moekit bench";
+  if (!a.dims.empty()) s += " --dims " + a.dims;
+  else s += " --shape " + (a.shapes.empty() ? std::string("qwen3-30b-a3b") : a.shapes);
+  s += fmt::format(" --tokens {} --backends {} --device {} --dtype {} --routing {}", a.tokens, a.backends, a.device,
+                   a.dtype, a.routing);
+  if (a.index_dtype != "i64") s += " --index-dtype " + a.index_dtype;
+  if (o.graph) s += a.graph_max_tokens > 0 ? fmt::format(" --graph --graph-max-tokens {}", a.graph_max_tokens) : " --graph";
+  s += fmt::format(" --warmup {} --iters {} --min-iters {} --min-time {} --max-seconds {}", a.warmup, a.iters,
+                   a.min_iters, a.min_time, a.max_seconds);
+  if (a.peak_tflops > 0) s += fmt::format(" --peak-tflops {} --bandwidth-gbps {}", a.peak_tflops, a.bandwidth_gbps);
+  if (a.seed != 1) s += fmt::format(" --seed {}", a.seed);
+  return s;
+}
+
+void write_json(const std::string& path, const nlohmann::json& j) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    MOEKIT_CHECK_CODE(f.good(), io, "--json: cannot write '", path, "'");
+    f << j.dump(1) << "\n";
+  }
+  MOEKIT_CHECK_CODE(std::rename(tmp.c_str(), path.c_str()) == 0, io, "--json: cannot write '", path, "'");
+}
+
+// On a terminal: a bar redrawn in place; elsewhere (logs): one line per case. Shown once the run
+// has taken over a second.
+class ProgressBar {
+ public:
+  explicit ProgressBar(bool enabled) : enabled_(enabled), tty_(isatty(2)), t0_(std::chrono::steady_clock::now()) {}
+  void operator()(const bench::BenchProgress& p) {
+    if (!enabled_) return;
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    if (s < 1.0 && p.done < p.total) return;
+    if (!tty_) {
+      fmt::print(stderr, "[{}/{}] {:.0f} s  {}\n", p.done, p.total, s, p.label);
+      return;
+    }
+    const int width = 30, filled = p.total ? width * p.done / p.total : width;
+    fmt::print(stderr, "\r[{}{}] {}/{} {:.0f} s  {:<48.48}", std::string(size_t(filled), '#'),
+               std::string(size_t(width - filled), '.'), p.done, p.total, s, p.label);
+    if (p.done == p.total) fmt::print(stderr, "\n");
+  }
+
+ private:
+  bool enabled_, tty_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+}  // namespace
+
+void add_bench_command(CLI::App& app) {
+  auto a = std::make_shared<BenchArgs>();
+  auto* cmd = app.add_subcommand(
+      "bench", "time the experts backends on real models' shapes: checked against the f64 reference, median of many "
+               "calls, TFLOP/s, GB/s and the ratio to the roofline floor");
+  auto* shape = cmd->add_option("--shape", a->shapes,
+                                "preset(s), comma-separated, or all: qwen3-30b-a3b (default), qwen1.5-moe-a2.7b, "
+                                "mixtral-8x7b, gpt-oss-20b, deepseek-v3, olmoe-1b-7b");
+  cmd->add_option("--dims", a->dims, "a gated silu shape H,I,E,K instead of a preset")->excludes(shape);
+  cmd->add_option("--tokens", a->tokens, "token counts, comma-separated")->capture_default_str();
+  cmd->add_option("--backends", a->backends, "backend names, comma-separated, or all")->capture_default_str();
+  cmd->add_option("--device", a->device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  cmd->add_option("--dtype", a->dtype, "weights and activations")->check(CLI::IsMember({"bf16", "f16", "f32"}))->capture_default_str();
+  cmd->add_option("--index-dtype", a->index_dtype, "top_k_index dtype")->check(CLI::IsMember({"i32", "i64"}))->capture_default_str();
+  cmd->add_flag("--graph", a->graph, "also time CUDA-graph replays of the capturable backends (CUDA)");
+  cmd->add_option("--graph-max-tokens", a->graph_max_tokens, "graph replays only up to this many tokens");
+  cmd->add_option("--routing", a->routing, "uniform or skewed (Zipf-like) top-k routing")
+      ->check(CLI::IsMember({"uniform", "skewed"}))->capture_default_str();
+  cmd->add_option("--json", a->json, "write the records as JSON (rewritten after each shape)");
+  cmd->add_option("--plot", a->plot, "write a PNG plot of time vs tokens (gnuplot); one per shape");
+  cmd->add_option("--warmup", a->warmup, "warm-up calls")->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--iters", a->iters, "at most this many timed calls")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--min-iters", a->min_iters, "at least this many timed calls")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--min-time", a->min_time, "time calls for at least this many seconds (within --iters)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--max-seconds", a->max_seconds, "skip a case whose run would take longer than this")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--tolerance", a->tolerance, "relative L2 error allowed vs the f64 reference (default 1e-5 f32, 1e-2 bf16/f16)");
+  cmd->add_option("--check-macs", a->check_macs, "reference work per check; rows are subsampled to fit")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--peak-tflops", a->peak_tflops, "use this matrix rate instead of measuring it")->check(CLI::PositiveNumber);
+  cmd->add_option("--bandwidth-gbps", a->bandwidth_gbps, "use this copy bandwidth instead of measuring it")->check(CLI::PositiveNumber);
+  cmd->add_option("--seed", a->seed, "random seed")->capture_default_str();
+  cmd->add_flag("--quiet", a->quiet, "no progress on stderr");
+
+  cmd->callback([a] {
+    const bench::BenchOptions o = to_options(*a);
+    const std::string command = command_line(*a, o);
+    if (!a->quiet) fmt::print(stderr, "moekit bench: measuring the ceilings of {}...\n", o.device.to_string());
+    const bench::Ceilings ceilings = a->peak_tflops > 0 ? bench::given_ceilings(o.device, a->peak_tflops, a->bandwidth_gbps)
+                                                        : bench::measure_ceilings(o.device);
+    ProgressBar bar(!a->quiet);
+    auto on_shape = [&](const bench::BenchReport& partial) {
+      if (!a->json.empty()) write_json(a->json, bench::report_to_json(partial, o, command));
+    };
+    const bench::BenchReport report = bench::run_bench(o, ceilings, std::ref(bar), on_shape);
+    fmt::print("{}", bench::format_table(report, o));
+    fmt::print("\ncommand: {}\n", command);
+    if (!a->json.empty()) {
+      write_json(a->json, bench::report_to_json(report, o, command));
+      fmt::print("json: {}\n", a->json);
+    }
+    if (!a->plot.empty()) {
+      for (const auto& s : o.shapes) {
+        const std::string path = bench::plot_path_for(a->plot, s, o.shapes.size());
+        try {
+          bench::write_plot(report, o, s, path);
+          fmt::print("plot: {}\n", path);
+        } catch (const Error& e) {
+          // One shape with nothing to plot should not hide the others' plots.
+          if (e.code() != ErrorCode::not_supported || o.shapes.size() == 1) throw;
+          fmt::print("plot: {} skipped: {}\n", path, e.what());
+        }
+      }
+    }
+    std::fflush(stdout);
+  });
+}
+
 }  // namespace moekit::cli

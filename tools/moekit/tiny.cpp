@@ -1,11 +1,45 @@
-// Placeholder until the command lands.
+// moekit tiny --arch ARCH --out DIR [--seed N] [--dtype f32|bf16|f16] [--shards N]: a small random
+// checkpoint in transformers' format.
+#include <fmt/core.h>
+
 #include "commands.h"
-#include "moekit/error.h"
+#include "io/checkpoint.h"
+#include "model/tiny.h"
 
 namespace moekit::cli {
 void add_tiny_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("tiny", "not built yet");
-  cmd->allow_extras();
-  cmd->callback([] { MOEKIT_FAIL(not_supported, "moekit tiny is not available in this build"); });
+  struct Opts {
+    std::string arch, out, dtype = "f32";
+    uint64_t seed = 0;
+    int shards = 1;
+    bool list = false;
+  };
+  auto o = std::make_shared<Opts>();
+  auto* cmd = app.add_subcommand("tiny", "write a small random checkpoint in transformers' format (config.json, "
+                                         "generation_config.json, safetensors)");
+  std::string archs;
+  for (const auto& a : tiny_architectures()) archs += (archs.empty() ? "" : ", ") + a;
+  cmd->add_option("--arch", o->arch, "model_type: " + archs);
+  cmd->add_option("--out", o->out, "output folder (created when needed)");
+  cmd->add_option("--seed", o->seed, "random seed (the same seed writes the same bytes)");
+  cmd->add_option("--dtype", o->dtype, "weight dtype")->check(CLI::IsMember({"f32", "bf16", "f16"}));
+  cmd->add_option("--shards", o->shards, "number of safetensors shards (> 1 writes model.safetensors.index.json)")
+      ->check(CLI::Range(1, 99));
+  cmd->add_flag("--list", o->list, "list the architectures and exit");
+  cmd->callback([o] {
+    if (o->list) {
+      for (const auto& a : tiny_architectures()) fmt::print("{}\n", a);
+      return;
+    }
+    if (o->arch.empty() || o->out.empty()) throw CLI::RequiredError("--arch and --out");
+    write_tiny_checkpoint(o->arch, o->out,
+                          TinyOptions{.seed = o->seed, .dtype = parse_dtype(o->dtype), .shards = o->shards});
+    const Checkpoint ck = Checkpoint::open(o->out);
+    uint64_t bytes = 0;
+    for (const auto& f : ck.files())
+      for (const auto& e : f.entries()) bytes += e.nbytes();
+    fmt::print("wrote {}: {} ({}), {} tensors, {} bytes in {} file{}, seed {}\n", o->out, o->arch, o->dtype,
+               ck.names().size(), bytes, ck.files().size(), ck.files().size() == 1 ? "" : "s", o->seed);
+  });
 }
 }  // namespace moekit::cli

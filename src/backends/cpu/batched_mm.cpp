@@ -1,0 +1,64 @@
+// batched_mm on the CPU: one small product per (token, slot) pair, with that pair's expert weights read in place
+// (a pointer into gate_up_proj / down_proj: nothing is copied per pair). Every (pair, column tile) is one task.
+#include <algorithm>
+#include <vector>
+
+#include "backends/backends.h"
+#include "backends/cpu/common.h"
+#include "backends/cpu/parallel.h"
+
+namespace moekit::cpu {
+namespace {
+
+template <class I>
+int64_t expert_id(const void* ids, int64_t p) {
+  return int64_t(static_cast<const I*>(ids)[p]);
+}
+
+void batched_chunk(const Plan& p, const ExpertsCall& call) {
+  const int64_t T = call.tokens(), K = call.top_k(), H = p.H, N1 = p.N1;
+  const GemmKernels& k = *p.kernels;
+  const bool i32 = call.top_k_index.dtype == DType::i32;
+  // Pairs that reach an expert here (sentinels skipped), in pair order.
+  std::vector<int64_t> pair_expert, pair_token, row_of_pair(size_t(T * K), -1);
+  for (int64_t q = 0; q < T * K; ++q) {
+    const int64_t e = i32 ? expert_id<int32_t>(call.top_k_index.data, q) : expert_id<int64_t>(call.top_k_index.data, q);
+    MOEKIT_CHECK(e >= 0 && e <= p.E, "top_k_index[", q / K, ", ", q % K, "] = ", e, " is out of range [0, ", p.E, "]");
+    if (e == p.E) continue;
+    row_of_pair[size_t(q)] = int64_t(pair_expert.size());
+    pair_expert.push_back(e);
+    pair_token.push_back(q / K);
+  }
+  const int64_t pairs = int64_t(pair_expert.size());
+  FloatBuffer x = make_buffer(T * H);       // [T, H] f32 inputs
+  FloatBuffer h1 = make_buffer(pairs * N1); // [pairs, N1] first projection; gated activations in [:, :I]
+  FloatBuffer y = make_buffer(pairs * H);   // [pairs, H] down outputs
+  gather_rows(p, call, nullptr, T, x.get());
+
+  const int64_t t1 = (N1 + k.max_tile_n - 1) / k.max_tile_n;
+  parallel_tasks(pairs * t1, k.work_floats, pairs * N1 * H, [&](int64_t task, float* work) {
+    const int64_t j = task / t1, n0 = (task % t1) * k.max_tile_n;
+    k.gemm_tile(x.get() + pair_token[size_t(j)] * H, H, 1, p.first(pair_expert[size_t(j)]), n0,
+                std::min(N1, n0 + k.max_tile_n), h1.get() + j * N1, N1, work);
+  });
+  parallel_for(pairs, 8, pairs * N1 * kGateCost, [&](int64_t j) { first_epilogue_row(p, pair_expert[size_t(j)], h1.get() + j * N1); });
+
+  const int64_t t2 = (H + k.max_tile_n - 1) / k.max_tile_n;
+  parallel_tasks(pairs * t2, k.work_floats, pairs * H * p.I, [&](int64_t task, float* work) {
+    const int64_t j = task / t2, n0 = (task % t2) * k.max_tile_n, n1 = std::min(H, n0 + k.max_tile_n);
+    const int64_t e = pair_expert[size_t(j)];
+    k.gemm_tile(h1.get() + j * N1, N1, 1, p.down(e), n0, n1, y.get() + j * H, H, work);
+    down_epilogue(p, e, y.get() + j * H, H, 1, n0, n1);
+  });
+
+  combine(p, call, y.get(), H, row_of_pair.data());
+}
+
+}  // namespace
+
+void batched_mm(const Experts& experts, const ExpertsCall& call) {
+  const Plan p = make_plan(experts, call);
+  for_each_token_chunk(call, 2 * p.H + p.N1, [&](const ExpertsCall& c) { batched_chunk(p, c); });
+}
+
+}  // namespace moekit::cpu

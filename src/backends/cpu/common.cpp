@@ -1,0 +1,205 @@
+#include "backends/cpu/common.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "backends/backends.h"
+#include "backends/cpu/convert.h"
+#include "backends/cpu/parallel.h"
+#include "backends/gate.h"
+
+namespace moekit::cpu {
+
+// ---- conversions ----
+
+void load_f32(const void* src, DType t, int64_t off, int64_t n, float* dst) {
+  switch (t) {
+    case DType::f32: std::memcpy(dst, static_cast<const float*>(src) + off, size_t(n) * 4); return;
+    case DType::bf16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src) + off;
+      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+      return;
+    }
+    case DType::f16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src) + off;
+      for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(s[i]);
+      return;
+    }
+    default:
+      for (int64_t i = 0; i < n; ++i) dst[i] = float(load_as_f64(src, t, off + i));
+  }
+}
+
+void store_f32(const float* src, void* dst, DType t, int64_t off, int64_t n) {
+  switch (t) {
+    case DType::f32: std::memcpy(static_cast<float*>(dst) + off, src, size_t(n) * 4); return;
+    case DType::bf16: {
+      uint16_t* d = static_cast<uint16_t*>(dst) + off;
+      for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+      return;
+    }
+    case DType::f16: {
+      uint16_t* d = static_cast<uint16_t*>(dst) + off;
+      for (int64_t i = 0; i < n; ++i) d[i] = float_to_half(src[i]);
+      return;
+    }
+    default: MOEKIT_FAIL(internal, "store_f32: unsupported dtype ", dtype_name(t));
+  }
+}
+
+void round_row(float* x, int64_t n, DType t) {
+  if (t == DType::bf16) {
+    for (int64_t i = 0; i < n; ++i) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+  } else if (t == DType::f16) {
+    for (int64_t i = 0; i < n; ++i) x[i] = half_to_float(float_to_half(x[i]));
+  }
+}
+
+namespace {
+// x[0, n) += bias[e, n0 : n0 + n]
+void add_bias(float* x, const Tensor& bias, int64_t e, int64_t n0, int64_t n) {
+  const int64_t off = e * bias.size(1) + n0;
+  switch (bias.dtype()) {
+    case DType::f32: {
+      const float* b = bias.ptr<float>() + off;
+      for (int64_t i = 0; i < n; ++i) x[i] += b[i];
+      return;
+    }
+    case DType::bf16: {
+      const uint16_t* b = bias.ptr<uint16_t>() + off;
+      for (int64_t i = 0; i < n; ++i) x[i] += bf16_to_f32(b[i]);
+      return;
+    }
+    case DType::f16: {
+      const uint16_t* b = bias.ptr<uint16_t>() + off;
+      for (int64_t i = 0; i < n; ++i) x[i] += half_to_float(b[i]);
+      return;
+    }
+    default:
+      for (int64_t i = 0; i < n; ++i) x[i] += float(load_as_f64(bias.data(), bias.dtype(), off + i));
+  }
+}
+
+WType wtype_of(DType t) {
+  switch (t) {
+    case DType::f32: return WType::f32;
+    case DType::bf16: return WType::bf16;
+    case DType::f16: return WType::f16;
+    default: MOEKIT_FAIL(not_supported, "CPU backends take f32, bf16 or f16 weights, got ", dtype_name(t));
+  }
+}
+}  // namespace
+
+// ---- plan ----
+
+Plan make_plan(const Experts& experts, const ExpertsCall& call) {
+  const ExpertsSpec& s = experts.spec();
+  const ExpertsWeights& w = experts.weights();
+  Plan p;
+  p.spec = &s;
+  p.E = s.num_experts;
+  p.H = s.hidden;
+  p.I = s.intermediate;
+  p.N1 = s.has_gate ? 2 * s.intermediate : s.intermediate;
+  p.w1 = w.first().data();
+  p.w2 = w.down_proj.data();
+  p.wtype = wtype_of(w.first().dtype());
+  p.welem = dtype_nbytes(w.first().dtype(), 1);
+  MOEKIT_CHECK(w.first().device().is_cpu() && w.down_proj.device().is_cpu(), "CPU backends need CPU weights, got ",
+               w.first().device().to_string());
+  if (s.has_bias) {
+    p.b1 = &w.first_bias();
+    p.b2 = &w.down_proj_bias;
+  }
+  p.act = call.hidden_states.dtype;
+  p.kernels = &gemm_kernels();
+  return p;
+}
+
+void for_each_token_chunk(const ExpertsCall& call, int64_t floats_per_pair,
+                          const std::function<void(const ExpertsCall&)>& fn) {
+  constexpr int64_t kChunkBytes = int64_t(256) << 20;
+  const int64_t T = call.tokens(), K = std::max<int64_t>(1, call.top_k());
+  const int64_t per_token = std::max<int64_t>(1, K * floats_per_pair * 4);
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / per_token);
+  if (T <= chunk) {
+    fn(call);
+    return;
+  }
+  const int64_t H = call.hidden_states.shape[1];
+  for (int64_t t0 = 0; t0 < T; t0 += chunk) {
+    const int64_t n = std::min(chunk, T - t0);
+    auto rows = [&](const TensorView& v, int64_t width) {
+      TensorView r = v;
+      r.data = static_cast<uint8_t*>(v.data) + dtype_nbytes(v.dtype, t0 * width);
+      r.shape = {n, width};
+      r.strides.clear();
+      return r;
+    };
+    ExpertsCall c{rows(call.hidden_states, H), rows(call.top_k_index, K), rows(call.top_k_weights, K),
+                  rows(call.out, H), call.stream};
+    fn(c);
+  }
+}
+
+FloatBuffer make_buffer(int64_t n) { return FloatBuffer(new float[size_t(std::max<int64_t>(n, 1))]); }
+
+// ---- rows ----
+
+void gather_rows(const Plan& p, const ExpertsCall& call, const int64_t* row_pairs, int64_t rows, float* dst) {
+  const int64_t K = call.top_k(), H = p.H;
+  parallel_for(rows, 16, rows * H, [&](int64_t i) {
+    const int64_t t = row_pairs ? row_pairs[i] / K : i;
+    load_f32(call.hidden_states.data, call.hidden_states.dtype, t * H, H, dst + i * H);
+  });
+}
+
+void first_epilogue_row(const Plan& p, int64_t e, float* h) {
+  if (p.b1) add_bias(h, *p.b1, e, 0, p.N1);
+  round_row(h, p.N1, p.act);
+  apply_gate_row<float>(*p.spec, h, h);  // reads gate/up at or after the position it writes
+  round_row(h, p.I, p.act);
+}
+
+void down_epilogue(const Plan& p, int64_t e, float* y, int64_t ldy, int64_t rows, int64_t n0, int64_t n1) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = y + r * ldy + n0;
+    if (p.b2) add_bias(row, *p.b2, e, n0, n1 - n0);
+    round_row(row, n1 - n0, p.act);
+  }
+}
+
+void combine(const Plan& p, const ExpertsCall& call, const float* y, int64_t ldy, const int64_t* row_of_pair) {
+  const int64_t T = call.tokens(), K = call.top_k(), H = p.H;
+  const TensorView& wv = call.top_k_weights;
+  parallel_tasks((T + 7) / 8, H, T * K * H, [&](int64_t task, float* acc) {
+    for (int64_t t = task * 8; t < std::min(T, task * 8 + 8); ++t) {
+      std::fill(acc, acc + H, 0.0f);
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t row = row_of_pair[t * K + k];
+        if (row < 0) continue;  // expert on another rank
+        float w;
+        load_f32(wv.data, wv.dtype, t * K + k, 1, &w);
+        const float* yr = y + row * ldy;
+        for (int64_t h = 0; h < H; ++h) acc[h] += w * yr[h];
+      }
+      store_f32(acc, call.out.data, call.out.dtype, t * H, H);
+    }
+  });
+}
+
+// ---- the backends' common support rule (backends.h) ----
+
+Support supports(const Experts& experts, DType act) {
+  if (!experts.device().is_cpu())
+    return Support::no("the CPU backends need experts on the CPU, got " + experts.device().to_string());
+  const DType w = experts.weight_dtype();
+  if (w != DType::f32 && w != DType::bf16 && w != DType::f16)
+    return Support::no(std::string("CPU backends take f32, bf16 or f16 weights, got ") + dtype_name(w) +
+                       "; dequantize the experts (load option dequantize) or run them on a GPU");
+  if (act != DType::f32 && act != DType::bf16 && act != DType::f16)
+    return Support::no(std::string("CPU backends take f32, bf16 or f16 activations, got ") + dtype_name(act));
+  return Support::yes();
+}
+
+}  // namespace moekit::cpu

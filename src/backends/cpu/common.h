@@ -1,0 +1,68 @@
+// Internal: what the three CPU backends share: the per-call plan, token chunks, row gathers, the epilogues of
+// the two projections and the final combine.
+//
+// Numerics (the same in eager, batched_mm and grouped_mm): activations and weights are converted to f32 and the
+// products accumulate in f32. Intermediates are rounded to the activation dtype where transformers, running the
+// module in that dtype, materialises them: the first projection's output (after its bias), the gated activation,
+// and the down projection's output (after its bias). The routing-weighted sum over the K slots runs in f32 in
+// slot order and is rounded once to the output dtype. Sentinel slots (id == E) are skipped entirely.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+#include "backends/cpu/gemm.h"
+#include "moekit/experts.h"
+#include "routing/routing.h"
+
+namespace moekit::cpu {
+
+struct Plan {
+  const ExpertsSpec* spec = nullptr;
+  int64_t E = 0, H = 0, I = 0, N1 = 0;  // N1: width of the first projection (2I gated, I otherwise)
+  const void* w1 = nullptr;             // [E, N1, H] (transposed: [E, H, N1])
+  const void* w2 = nullptr;             // [E, H, I]  (transposed: [E, I, H])
+  WType wtype = WType::f32;
+  size_t welem = 4;                     // bytes per weight element
+  const Tensor* b1 = nullptr;           // [E, N1] or null
+  const Tensor* b2 = nullptr;           // [E, H] or null
+  DType act = DType::f32;               // activation dtype: intermediates are rounded to it
+  const GemmKernels* kernels = nullptr;
+
+  WeightMatrix first(int64_t e) const {
+    return {static_cast<const uint8_t*>(w1) + size_t(e * N1 * H) * welem, wtype, N1, H, spec->is_transposed};
+  }
+  WeightMatrix down(int64_t e) const {
+    return {static_cast<const uint8_t*>(w2) + size_t(e * H * I) * welem, wtype, H, I, spec->is_transposed};
+  }
+};
+
+Plan make_plan(const Experts& experts, const ExpertsCall& call);
+
+// Cost of the gate per element of the first projection, relative to a multiply-add (for parallel_for).
+constexpr int64_t kGateCost = 8;
+
+// Splits the call into chunks of whole tokens whose scratch (about floats_per_pair floats per (token, slot)
+// pair) stays bounded, and calls fn on each chunk's views.
+void for_each_token_chunk(const ExpertsCall& call, int64_t floats_per_pair,
+                          const std::function<void(const ExpertsCall&)>& fn);
+
+// Uninitialised float buffer.
+using FloatBuffer = std::unique_ptr<float[]>;
+FloatBuffer make_buffer(int64_t n);
+
+// dst[i, :] = f32(hidden_states[token(i), :]) for i in [0, rows), token(i) = rows_pairs[i] / K (all threads).
+void gather_rows(const Plan& p, const ExpertsCall& call, const int64_t* row_pairs, int64_t rows, float* dst);
+
+// First projection's output row h [N1] of expert e: + bias, round, gate (or activation); the I results are
+// written in place at the start of the row.
+void first_epilogue_row(const Plan& p, int64_t e, float* h);
+
+// Down projection's output y[rows, n0:n1) of expert e: + bias, round (single-threaded).
+void down_epilogue(const Plan& p, int64_t e, float* y, int64_t ldy, int64_t rows, int64_t n0, int64_t n1);
+
+// out[t, :] = round(sum over k of w[t, k] * y[row(t, k), :]) with row = row_of_pair[t * K + k], skipping -1
+// (all threads over tokens).
+void combine(const Plan& p, const ExpertsCall& call, const float* y, int64_t ldy, const int64_t* row_of_pair);
+
+}  // namespace moekit::cpu

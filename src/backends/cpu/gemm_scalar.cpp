@@ -1,0 +1,89 @@
+// GEMM micro-kernels in portable C++ (compiled with the default flags; the compiler vectorises the lane loops).
+#include <cstdint>
+
+#include "backends/cpu/gemm.h"
+
+namespace moekit::cpu {
+namespace scalar_kernels {
+
+struct Lanes {
+  float v[8];
+};
+
+struct V {
+  static constexpr int W = 8;
+  using R = Lanes;
+  static R zero() {
+    R r;
+    for (int i = 0; i < W; ++i) r.v[i] = 0.0f;
+    return r;
+  }
+  static R load(const float* p) {
+    R r;
+    for (int i = 0; i < W; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static void store(float* p, R a) {
+    for (int i = 0; i < W; ++i) p[i] = a.v[i];
+  }
+  static R bcast(float x) {
+    R r;
+    for (int i = 0; i < W; ++i) r.v[i] = x;
+    return r;
+  }
+  static float fma1(float a, float b, float c) {
+    const volatile float p = a * b;  // never contracted: lanes and tails round the same way
+    return p + c;
+  }
+  static R fma(R a, R b, R c) {
+    R r;
+    for (int i = 0; i < W; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];
+    return r;
+  }
+  static float hsum(R a) {
+    return ((a.v[0] + a.v[4]) + (a.v[2] + a.v[6])) + ((a.v[1] + a.v[5]) + (a.v[3] + a.v[7]));
+  }
+  static float f16_to_f32(uint16_t h) {
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16, em = h & 0x7fffu;
+    uint32_t bits;
+    if (em >= 0x7c00u) {
+      bits = sign | 0x7f800000u | ((em & 0x3ffu) << 13);  // inf, NaN
+    } else if (em >= 0x0400u) {
+      bits = sign | ((em + ((127u - 15u) << 10)) << 13);  // normal
+    } else {
+      const float f = float(em) * 5.9604644775390625e-8f;  // subnormal: em * 2^-24, exact
+      __builtin_memcpy(&bits, &f, 4);
+      bits |= sign;
+    }
+    float f;
+    __builtin_memcpy(&f, &bits, 4);
+    return f;
+  }
+  static R load_bf16(const uint16_t* p) {
+    R r;
+    for (int i = 0; i < W; ++i) {
+      const uint32_t b = uint32_t(p[i]) << 16;
+      __builtin_memcpy(&r.v[i], &b, 4);
+    }
+    return r;
+  }
+  static R load_f16(const uint16_t* p) {
+    R r;
+    for (int i = 0; i < W; ++i) r.v[i] = f16_to_f32(p[i]);
+    return r;
+  }
+};
+
+// SSE2 has 16 xmm registers (two per Lanes): nk 2x2 tiles, kn 4 rows x 1 vector.
+constexpr int kNkMR = 2, kNkNR = 2, kKnMR = 4, kKnNV = 1, kDirectMaxM = 4, kDirectAcc = 4;
+// nk tiles reduce their accumulators once per k block: a long block (512) amortises that.
+constexpr int64_t kKcNk = 512, kKcKn = 256, kMC = 240, kTileN = 128;
+
+#include "backends/cpu/gemm_kernels.h"
+
+}  // namespace scalar_kernels
+
+const GemmKernels kGemmScalar = {Isa::scalar, scalar_kernels::kTileN, scalar_kernels::kWorkFloats,
+                                 scalar_kernels::kDirectMaxM, &scalar_kernels::gemm_tile};
+
+}  // namespace moekit::cpu

@@ -1,0 +1,67 @@
+// grouped_mm on the CPU: pairs sorted by expert (routing/), one grouped GEMM per projection over the sorted rows
+// (every (expert, column tile) is one task, all experts at once), then unsort and combine (common.h).
+#include <algorithm>
+#include <vector>
+
+#include "backends/backends.h"
+#include "backends/cpu/common.h"
+#include "backends/cpu/parallel.h"
+
+namespace moekit::cpu {
+namespace {
+
+struct Tile {
+  int64_t expert, n0, n1;
+};
+
+// Column tiles of every active expert, largest experts first (they take longest).
+std::vector<Tile> grouped_tiles(const ExpertRouting& r, int64_t n, int64_t tile_n) {
+  std::vector<int64_t> experts = r.active_experts();
+  std::stable_sort(experts.begin(), experts.end(),
+                   [&](int64_t a, int64_t b) { return r.counts[size_t(a)] > r.counts[size_t(b)]; });
+  std::vector<Tile> tiles;
+  for (const int64_t e : experts)
+    for (int64_t n0 = 0; n0 < n; n0 += tile_n) tiles.push_back({e, n0, std::min(n, n0 + tile_n)});
+  return tiles;
+}
+
+void grouped_chunk(const Plan& p, const ExpertsCall& call) {
+  const ExpertRouting r = route_top_k(call.top_k_index.data, call.top_k_index.dtype, call.tokens(), call.top_k(), p.E);
+  const int64_t rows = r.routed(), H = p.H, N1 = p.N1;
+  const GemmKernels& k = *p.kernels;
+  FloatBuffer xy = make_buffer(rows * H);   // [rows, H] gathered inputs, then down outputs (sorted by expert)
+  FloatBuffer h1 = make_buffer(rows * N1);  // [rows, N1] first projection; gated activations in [:, :I]
+  std::vector<int64_t> row_expert(static_cast<size_t>(rows));  // [rows]
+  for (int64_t e = 0; e < p.E; ++e)
+    for (int64_t i = r.offsets[size_t(e)]; i < r.offsets[size_t(e + 1)]; ++i) row_expert[size_t(i)] = e;
+
+  gather_rows(p, call, r.sorted_pairs.data(), rows, xy.get());
+
+  const std::vector<Tile> up = grouped_tiles(r, N1, k.max_tile_n);
+  parallel_tasks(int64_t(up.size()), k.work_floats, rows * N1 * H, [&](int64_t i, float* work) {
+    const Tile& t = up[size_t(i)];
+    const int64_t r0 = r.offsets[size_t(t.expert)];
+    k.gemm_tile(xy.get() + r0 * H, H, r.counts[size_t(t.expert)], p.first(t.expert), t.n0, t.n1, h1.get() + r0 * N1,
+                N1, work);
+  });
+  parallel_for(rows, 8, rows * N1 * kGateCost, [&](int64_t i) { first_epilogue_row(p, row_expert[size_t(i)], h1.get() + i * N1); });
+
+  const std::vector<Tile> down = grouped_tiles(r, H, k.max_tile_n);
+  parallel_tasks(int64_t(down.size()), k.work_floats, rows * H * p.I, [&](int64_t i, float* work) {
+    const Tile& t = down[size_t(i)];
+    const int64_t r0 = r.offsets[size_t(t.expert)], m = r.counts[size_t(t.expert)];
+    k.gemm_tile(h1.get() + r0 * N1, N1, m, p.down(t.expert), t.n0, t.n1, xy.get() + r0 * H, H, work);
+    down_epilogue(p, t.expert, xy.get() + r0 * H, H, m, t.n0, t.n1);
+  });
+
+  combine(p, call, xy.get(), H, r.position.data());
+}
+
+}  // namespace
+
+void grouped_mm(const Experts& experts, const ExpertsCall& call) {
+  const Plan p = make_plan(experts, call);
+  for_each_token_chunk(call, p.H + p.N1, [&](const ExpertsCall& c) { grouped_chunk(p, c); });
+}
+
+}  // namespace moekit::cpu

@@ -1,0 +1,89 @@
+// grouped_mm on CUDA: pairs sorted by expert on the device, one grouped projection kernel per
+// projection over the sorted rows (offsets read on the device), then the weighted combine. No host
+// synchronisation and no allocation: capturable in a CUDA graph.
+//
+// Kernel choice per projection (transparent fallback): the tensor-core kernel (mma.sync, sm_80+) for
+// bf16/f16 weights in [out, in] layout with sizes a multiple of 8 and aligned pointers; otherwise the
+// CUDA-core kernel, which takes any dtype, layout and size.
+#include "backends/cuda/state.h"
+
+namespace moekit::cuda {
+
+void run_grouped_mm(const CallContext& c) {
+  namespace k = kernels;
+  const int64_t P = c.pairs, E = c.experts_count;
+  const int tile_m = k::grouped_tile_m(P, int(E));
+
+  auto carve = [&](Carver& w, k::RoutingBuffers& r, void*& act, float*& y) {
+    r.pair_expert = w.take<int32_t>(P);
+    r.pair_row = w.take<int32_t>(P);
+    r.sorted_pair = w.take<int32_t>(P);
+    r.block_hist = w.take<int32_t>(k::route_blocks(P) * E);
+    r.offsets = w.take<int32_t>(E + 1);
+    r.tile_offsets = w.take<int32_t>(E + 1);
+    act = w.take_bytes(P * c.inter * k::elem_bytes(c.type));  // [P, I] sorted rows
+    y = w.take<float>(P * c.hidden);                         // [P, H] sorted rows, f32
+  };
+  k::RoutingBuffers r;
+  void* act = nullptr;
+  float* y = nullptr;
+  Carver measure;
+  carve(measure, r, act, y);
+  c.ws->reserve(measure.size());
+  Carver w(c.ws->arena());
+  carve(w, r, act, y);
+  r.error = c.ws->error();
+
+  check_launch(k::route_sort(c.call.top_k_index.data, c.index_type, c.tokens, int(c.top_k), int(E), tile_m, r,
+                             c.stream),
+               "route_sort");
+
+  k::GroupedGemmArgs g1;
+  g1.type = c.type;
+  g1.a = c.call.hidden_states.data;
+  g1.lda = c.hidden;
+  g1.a_rows = r.sorted_pair;
+  g1.a_row_div = int(c.top_k);
+  g1.b = c.w1;
+  g1.b_expert_stride = c.w1_expert;
+  g1.b_stride_n = c.w1_n;
+  g1.b_stride_k = c.w1_k;
+  g1.bias = c.b1;
+  g1.bias_expert_stride = c.n1;
+  g1.offsets = r.offsets;
+  g1.tile_offsets = r.tile_offsets;
+  g1.experts = int(E);
+  g1.max_rows = P;
+  g1.n = c.inter;
+  g1.k = c.hidden;
+  g1.inter = c.inter;
+  g1.epilogue = c.first_epilogue;
+  g1.gate = c.gate;
+  g1.out = act;
+  g1.ldo = c.inter;
+  check_launch(k::grouped_gemm(g1, tile_m, c.device->arch(), c.stream), "grouped_gemm (first projection)");
+
+  k::GroupedGemmArgs g2 = g1;
+  g2.a = act;
+  g2.lda = c.inter;
+  g2.a_rows = nullptr;
+  g2.a_row_div = 1;
+  g2.b = c.w2;
+  g2.b_expert_stride = c.w2_expert;
+  g2.b_stride_n = c.w2_n;
+  g2.b_stride_k = c.w2_k;
+  g2.bias = nullptr;  // added by combine
+  g2.bias_expert_stride = 0;
+  g2.n = c.hidden;
+  g2.k = c.inter;
+  g2.epilogue = k::kEpiF32;
+  g2.out = y;
+  g2.ldo = c.hidden;
+  check_launch(k::grouped_gemm(g2, tile_m, c.device->arch(), c.stream), "grouped_gemm (second projection)");
+
+  check_launch(k::combine(c.type, c.weight_type, y, r.pair_row, r.pair_expert, c.call.top_k_weights.data, c.b2,
+                          c.tokens, int(c.top_k), c.hidden, int(E), c.call.out.data, c.stream),
+               "combine");
+}
+
+}  // namespace moekit::cuda

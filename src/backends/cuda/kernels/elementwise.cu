@@ -1,0 +1,131 @@
+// Gather of routed rows, the gate over a f32 first projection (eager), and the weighted combine.
+#include "backends/cuda/kernels/device_math.cuh"
+
+namespace moekit::cuda::kernels {
+namespace {
+
+template <class T>
+__global__ void gather_rows_kernel(const T* x, int64_t hidden, const int32_t* sorted_pair, int top_k,
+                                   const int32_t* valid_rows, T* xs, bool vec16) {
+  const int64_t r = blockIdx.x;
+  if (r >= *valid_rows) return;
+  const T* src = x + int64_t(sorted_pair[r] / top_k) * hidden;
+  T* dst = xs + r * hidden;
+  if (vec16) {
+    constexpr int kVec = 16 / sizeof(T);
+    const int64_t nv = hidden / kVec;
+    for (int64_t i = threadIdx.x; i < nv; i += blockDim.x)
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+  } else {
+    for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = src[i];
+  }
+}
+
+template <class T>
+__global__ void gate_rows_kernel(const float* h1, int64_t n1, const T* bias, const int32_t* sorted_pair,
+                                 const int32_t* pair_expert, const int32_t* valid_rows, int64_t inter,
+                                 GateParams gate, T* act) {
+  const int64_t r = blockIdx.x;
+  if (r >= *valid_rows) return;
+  const int e = pair_expert[sorted_pair[r]];
+  const float* row = h1 + r * n1;
+  const T* b = bias ? bias + int64_t(e) * n1 : nullptr;
+  for (int64_t c = blockIdx.y * int64_t(blockDim.x) + threadIdx.x; c < inter; c += int64_t(gridDim.y) * blockDim.x) {
+    float v;
+    if (gate.kind == kGateActOnly) {
+      v = activate(gate.activation, row[c] + (b ? to_f32(b[c]) : 0.0f));
+    } else {
+      const int64_t gr = gate_row(gate, c), ur = up_row(gate, c, inter);
+      v = gate_value(gate, row[gr] + (b ? to_f32(b[gr]) : 0.0f), row[ur] + (b ? to_f32(b[ur]) : 0.0f));
+    }
+    act[r * inter + c] = from_f32<T>(v);
+  }
+}
+
+constexpr int kCombineThreads = 256;
+constexpr int kCombinePerThread = 4;
+
+template <class T, class W>
+__global__ void __launch_bounds__(kCombineThreads)
+    combine_kernel(const float* y, const int32_t* pair_row, const int32_t* pair_expert, const W* weights,
+                   const T* bias2, int top_k, int64_t hidden, int experts, T* out) {
+  const int64_t t = blockIdx.x;
+  const int64_t h0 = blockIdx.y * int64_t(kCombineThreads * kCombinePerThread) + threadIdx.x;
+  float acc[kCombinePerThread];
+#pragma unroll
+  for (int j = 0; j < kCombinePerThread; ++j) acc[j] = 0.0f;
+  for (int k = 0; k < top_k; ++k) {  // slot order: deterministic
+    const int64_t p = t * top_k + k;
+    const int e = pair_expert[p];
+    if (e >= experts) continue;  // sentinel or bad id: exactly zero contribution
+    const float w = to_f32(weights[p]);
+    const float* yr = y + int64_t(pair_row ? pair_row[p] : p) * hidden;
+    const T* br = bias2 ? bias2 + int64_t(e) * hidden : nullptr;
+#pragma unroll
+    for (int j = 0; j < kCombinePerThread; ++j) {
+      const int64_t h = h0 + j * kCombineThreads;
+      if (h < hidden) acc[j] += w * (yr[h] + (br ? to_f32(br[h]) : 0.0f));
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kCombinePerThread; ++j) {
+    const int64_t h = h0 + j * kCombineThreads;
+    if (h < hidden) out[t * hidden + h] = from_f32<T>(acc[j]);
+  }
+}
+
+template <class T, class W>
+cudaError_t combine_typed(const float* y, const int32_t* pair_row, const int32_t* pair_expert, const void* weights,
+                          const void* bias2, int64_t tokens, int top_k, int64_t hidden, int experts, void* out,
+                          cudaStream_t stream) {
+  const dim3 grid(unsigned(tokens), unsigned((hidden + kCombineThreads * kCombinePerThread - 1) /
+                                             (kCombineThreads * kCombinePerThread)));
+  combine_kernel<T, W><<<grid, kCombineThreads, 0, stream>>>(y, pair_row, pair_expert, static_cast<const W*>(weights),
+                                                             static_cast<const T*>(bias2), top_k, hidden, experts,
+                                                             static_cast<T*>(out));
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t gather_rows(Elem type, const void* x, int64_t hidden, const int32_t* sorted_pair, int top_k,
+                        const int32_t* valid_rows, int64_t max_rows, void* xs, cudaStream_t stream) {
+  if (max_rows == 0) return cudaSuccess;
+  const bool vec16 = (hidden * elem_bytes(type)) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(xs) % 16 == 0;
+  return with_elem(type, [&](auto tag) {
+    using T = decltype(tag);
+    gather_rows_kernel<T><<<unsigned(max_rows), 128, 0, stream>>>(static_cast<const T*>(x), hidden, sorted_pair,
+                                                                  top_k, valid_rows, static_cast<T*>(xs), vec16);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t gate_rows(Elem type, const float* h1, int64_t n1, const void* bias, const int32_t* sorted_pair,
+                      const int32_t* pair_expert, const int32_t* valid_rows, int64_t max_rows, int64_t inter,
+                      const GateParams& gate, void* act, cudaStream_t stream) {
+  if (max_rows == 0) return cudaSuccess;
+  const dim3 grid(unsigned(max_rows), unsigned((inter + 255) / 256 < 8 ? (inter + 255) / 256 : 8));
+  return with_elem(type, [&](auto tag) {
+    using T = decltype(tag);
+    gate_rows_kernel<T><<<grid, 256, 0, stream>>>(h1, n1, static_cast<const T*>(bias), sorted_pair, pair_expert,
+                                                  valid_rows, inter, gate, static_cast<T*>(act));
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t combine(Elem type, Elem weight_type, const float* y, const int32_t* pair_row, const int32_t* pair_expert,
+                    const void* weights, const void* bias2, int64_t tokens, int top_k, int64_t hidden, int experts,
+                    void* out, cudaStream_t stream) {
+  if (tokens == 0 || hidden == 0) return cudaSuccess;
+  return with_elem(type, [&](auto tag) {
+    using T = decltype(tag);
+    return with_elem(weight_type, [&](auto wtag) {
+      using W = decltype(wtag);
+      return combine_typed<T, W>(y, pair_row, pair_expert, weights, bias2, tokens, top_k, hidden, experts, out,
+                                 stream);
+    });
+  });
+}
+
+}  // namespace moekit::cuda::kernels

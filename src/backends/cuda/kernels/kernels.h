@@ -1,0 +1,148 @@
+// CUDA kernels of the experts backends: raw pointers, sizes, a stream; each returns a cudaError_t.
+// Nothing here knows about tensors, the registry or workspaces (src/backends/cuda/*.cpp own those).
+//
+// Vocabulary: T tokens, K slots per token (top_k), P = T * K (token, slot) pairs, pair p = t * K + k;
+// E experts; "sorted rows" are the pairs routed to a local expert, stably sorted by expert.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace moekit::cuda::kernels {
+
+enum class Elem : int { f32 = 0, bf16 = 1, f16 = 2 };  // activations, weights, routing weights
+enum class Index : int { i32 = 0, i64 = 1 };           // top_k_index
+
+inline int elem_bytes(Elem t) { return t == Elem::f32 ? 4 : 2; }
+
+// The gate applied to the first projection (SPEC section 1).
+struct GateParams {
+  int kind = 0;          // kGateActMul, kGateClampedSwiglu, kGateActOnly (has_gate = false)
+  int activation = 0;    // moekit::Activation: silu, gelu, gelu_tanh, relu, sigmoid, identity
+  int concatenated = 1;  // 1: rows [gate | up]; 0: interleaved g0, u0, g1, u1, ...
+  float alpha = 1.702f;  // clamped_swiglu
+  float limit = 7.0f;
+};
+constexpr int kGateActMul = 0, kGateClampedSwiglu = 1, kGateActOnly = 2;
+
+// Epilogues of the projection kernels.
+//   kEpiGated:   out[r, c] = gate(acc(gate row of c) + bias, acc(up row of c) + bias), c < n (= I), dtype of A
+//   kEpiActOnly: out[r, c] = act(acc(row c) + bias), dtype of A
+//   kEpiF32:     out[r, c] = acc(row c) in f32 (second projection; its bias is added by combine)
+constexpr int kEpiGated = 0, kEpiActOnly = 1, kEpiF32 = 2;
+
+// ---- routing (routing.cu) ----
+
+// Error word: the smallest (token << 40 | slot << 32 | uint32(id)) over bad ids (id < 0 or id > E),
+// kNoRoutingError when there were none. Set with atomicMin: the same word whatever the thread order.
+constexpr unsigned long long kNoRoutingError = ~0ull;
+inline void decode_routing_error(unsigned long long w, int64_t* token, int* slot, int32_t* id) {
+  *token = int64_t(w >> 40);
+  *slot = int((w >> 32) & 0xff);
+  *id = int32_t(uint32_t(w & 0xffffffffu));
+}
+
+constexpr int kRouteThreads = 256;  // pairs per routing block
+constexpr int kRouteMaxExperts = 1024;
+inline int64_t route_blocks(int64_t pairs) { return (pairs + kRouteThreads - 1) / kRouteThreads; }
+
+struct RoutingBuffers {
+  int32_t* pair_expert = nullptr;   // [P] expert of each pair; E when dropped (sentinel or bad id)
+  int32_t* pair_row = nullptr;      // [P] sorted row of each pair, -1 when dropped
+  int32_t* sorted_pair = nullptr;   // [P] pair of each sorted row (the first offsets[E] rows are valid)
+  int32_t* block_hist = nullptr;    // [route_blocks(P), E] scratch
+  int32_t* offsets = nullptr;       // [E + 1] first sorted row of each expert; offsets[E] = valid rows
+  int32_t* tile_offsets = nullptr;  // [E + 1] first row tile of each expert, tiles of `tile_m` rows
+  unsigned long long* error = nullptr;  // [1] sticky error word (see above)
+};
+
+// pair_expert only (no sort): for kernels that index the weights per pair.
+cudaError_t route_validate(const void* top_k_index, Index index_type, int64_t tokens, int top_k, int experts,
+                           int32_t* pair_expert, unsigned long long* error, cudaStream_t stream);
+// Stable counting sort of the pairs by expert (three launches, deterministic: no order-dependent atomics).
+cudaError_t route_sort(const void* top_k_index, Index index_type, int64_t tokens, int top_k, int experts, int tile_m,
+                       const RoutingBuffers& b, cudaStream_t stream);
+
+// ---- element-wise (elementwise.cu) ----
+
+// xs[r, :] = x[sorted_pair[r] / top_k, :] for r < *valid_rows; launched for max_rows rows.
+cudaError_t gather_rows(Elem type, const void* x, int64_t hidden, const int32_t* sorted_pair, int top_k,
+                        const int32_t* valid_rows, int64_t max_rows, void* xs, cudaStream_t stream);
+
+// act[r, :] = gate(h1[r, :] + bias[e]) for r < *valid_rows, e = pair_expert[sorted_pair[r]].
+// h1 [max_rows, n1] f32 (n1 = 2I gated, I otherwise); bias [E, n1] of `type` or null; act [max_rows, inter].
+cudaError_t gate_rows(Elem type, const float* h1, int64_t n1, const void* bias, const int32_t* sorted_pair,
+                      const int32_t* pair_expert, const int32_t* valid_rows, int64_t max_rows, int64_t inter,
+                      const GateParams& gate, void* act, cudaStream_t stream);
+
+// out[t, :] = round( sum over k in slot order of w[t, k] * (y[row(t, k), :] + bias2[e]) ), f32 sum.
+// row(t, k) = pair_row[p] (or p when pair_row is null); pairs with pair_expert[p] >= E are skipped.
+// y [rows, hidden] f32; bias2 [E, hidden] of `type` or null; w [T, K] of `weight_type`.
+cudaError_t combine(Elem type, Elem weight_type, const float* y, const int32_t* pair_row, const int32_t* pair_expert,
+                    const void* routing_weights, const void* bias2, int64_t tokens, int top_k, int64_t hidden,
+                    int experts, void* out, cudaStream_t stream);
+
+// ---- grouped projections over sorted rows (grouped_gemm_*.cu) ----
+
+struct GroupedGemmArgs {
+  Elem type = Elem::bf16;  // A, B, bias and (kEpiGated / kEpiActOnly) the output
+  const void* a = nullptr;  // A rows of k elements, row stride lda
+  int64_t lda = 0;
+  const int32_t* a_rows = nullptr;  // sorted row r reads A row a_rows[r] / a_row_div; null: A row r
+  int a_row_div = 1;
+  const void* b = nullptr;  // weight element (n, k) of expert e: b[e * b_expert_stride + n * b_stride_n + k * b_stride_k]
+  int64_t b_expert_stride = 0, b_stride_n = 0, b_stride_k = 0;
+  const void* bias = nullptr;  // bias[e * bias_expert_stride + n] or null (kEpiGated / kEpiActOnly)
+  int64_t bias_expert_stride = 0;
+  const int32_t* offsets = nullptr;       // [E + 1] device
+  const int32_t* tile_offsets = nullptr;  // [E + 1] device, for tile_m
+  int experts = 0;
+  int64_t max_rows = 0;  // upper bound on the sorted rows (sizes the grid)
+  int64_t n = 0;         // output columns: I for kEpiGated, else weight rows
+  int64_t k = 0;         // reduction length
+  int64_t inter = 0;     // I: up row of gated column c is I + c (concatenated)
+  int epilogue = kEpiF32;
+  GateParams gate;
+  void* out = nullptr;  // [max_rows, ldo]
+  int64_t ldo = 0;
+};
+
+// Upper bound on the row tiles of all experts together: sum over e of ceil(rows_e / tile_m).
+inline int64_t grouped_max_tiles(int64_t max_rows, int experts, int tile_m) {
+  return (max_rows + tile_m - 1) / tile_m + (max_rows < experts ? max_rows : experts);
+}
+// Row tile height for these sizes: 16, 32, 64 or 128 (route_sort must use the same).
+int grouped_tile_m(int64_t max_rows, int experts);
+// Whether the tensor-core kernel serves these arguments on a device of this compute capability.
+bool grouped_gemm_mma_ok(const GroupedGemmArgs& a, int arch);
+// Runs the tensor-core kernel when grouped_gemm_mma_ok, else the SIMT kernel (any dtype, layout, alignment).
+cudaError_t grouped_gemm(const GroupedGemmArgs& a, int tile_m, int arch, cudaStream_t stream);
+// The two kernels, for tests and measurements.
+cudaError_t grouped_gemm_mma(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);
+cudaError_t grouped_gemm_simt(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);
+
+// ---- per-pair GEMV (gemv.cu): each (token, slot) pair reads its expert's weights in place ----
+
+struct PairGemvArgs {
+  Elem type = Elem::bf16;
+  const void* a = nullptr;  // pair p reads A row p / a_row_div, k elements
+  int64_t lda = 0;
+  int a_row_div = 1;
+  const void* b = nullptr;  // weight rows of k contiguous elements: row n of expert e at b + e * b_expert_stride + n * k
+  int64_t b_expert_stride = 0;
+  const void* bias = nullptr;  // bias[e * bias_expert_stride + n] or null
+  int64_t bias_expert_stride = 0;
+  const int32_t* pair_expert = nullptr;  // [P]; pairs with id >= experts are skipped
+  int experts = 0;
+  int64_t pairs = 0;
+  int64_t n = 0, k = 0, inter = 0;
+  int epilogue = kEpiF32;
+  GateParams gate;
+  void* out = nullptr;  // [P, ldo]
+  int64_t ldo = 0;
+};
+// Whether pair_gemv serves these sizes (the A row is staged in shared memory).
+bool pair_gemv_ok(Elem type, int64_t k);
+cudaError_t pair_gemv(const PairGemvArgs& a, cudaStream_t stream);
+
+}  // namespace moekit::cuda::kernels

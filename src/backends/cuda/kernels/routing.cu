@@ -1,0 +1,182 @@
+// Device-side routing: validate expert ids, count pairs per expert, offsets, and the stable
+// permutation of the (token, slot) pairs sorted by expert. No host synchronisation.
+//
+// route_sort is a counting sort in three launches over blocks of kRouteThreads pairs:
+//   1. histogram: per block, the count of each expert and each pair's rank among the block's pairs of
+//      its expert (warp match + per-warp counts in shared memory: no atomics, so the ranks are stable);
+//   2. scan (one block): expert offsets, tile offsets and each block's base row per expert;
+//   3. place: row = base + rank; sorted_pair[row] = pair.
+#include <climits>
+
+#include "backends/cuda/kernels/device_math.cuh"
+
+namespace moekit::cuda::kernels {
+namespace {
+
+constexpr int kRouteWarps = kRouteThreads / 32;
+constexpr int kScanThreads = 1024;
+static_assert(kRouteMaxExperts <= kScanThreads, "route_scan handles one expert per thread");
+
+template <class IdxT>
+__device__ __forceinline__ int load_expert(const IdxT* index, int64_t p, int top_k, int experts,
+                                           unsigned long long* error) {
+  const long long v = static_cast<long long>(index[p]);
+  if (v >= 0 && v <= experts) return static_cast<int>(v);  // v == experts: sentinel, dropped
+  const int32_t clamped = v < INT_MIN ? INT_MIN : (v > INT_MAX ? INT_MAX : static_cast<int32_t>(v));
+  const unsigned long long t = static_cast<unsigned long long>(p / top_k);
+  const unsigned long long key = ((t < (1ull << 24) ? t : (1ull << 24) - 1) << 40) |
+                                 (static_cast<unsigned long long>(p % top_k & 0xff) << 32) |
+                                 static_cast<uint32_t>(clamped);
+  atomicMin(error, key);
+  return experts;
+}
+
+template <class IdxT>
+__global__ void route_validate_kernel(const IdxT* index, int64_t pairs, int top_k, int experts,
+                                      int32_t* pair_expert, unsigned long long* error) {
+  const int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (p < pairs) pair_expert[p] = load_expert(index, p, top_k, experts, error);
+}
+
+template <class IdxT>
+__global__ void __launch_bounds__(kRouteThreads)
+    route_histogram_kernel(const IdxT* index, int64_t pairs, int top_k, int experts, int32_t* pair_expert,
+                           int32_t* pair_row, int32_t* block_hist, unsigned long long* error) {
+  extern __shared__ int32_t warp_count[];  // [kRouteWarps, experts]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int i = threadIdx.x; i < kRouteWarps * experts; i += kRouteThreads) warp_count[i] = 0;
+  __syncthreads();
+  const int64_t p = blockIdx.x * int64_t(kRouteThreads) + threadIdx.x;
+  int e = experts;  // past the end or dropped
+  if (p < pairs) {
+    e = load_expert(index, p, top_k, experts, error);
+    pair_expert[p] = e;
+  }
+  const unsigned same = __match_any_sync(0xffffffffu, e);
+  const int rank_in_warp = __popc(same & ((1u << lane) - 1u));
+  if (e < experts && rank_in_warp == 0) warp_count[warp * experts + e] = __popc(same);
+  __syncthreads();
+  if (p < pairs) {
+    int rank = -1;
+    if (e < experts) {
+      rank = rank_in_warp;
+      for (int w = 0; w < warp; ++w) rank += warp_count[w * experts + e];
+    }
+    pair_row[p] = rank;  // rank within the block; route_place adds the block's base
+  }
+  for (int x = threadIdx.x; x < experts; x += kRouteThreads) {
+    int s = 0;
+    for (int w = 0; w < kRouteWarps; ++w) s += warp_count[w * experts + x];
+    block_hist[blockIdx.x * int64_t(experts) + x] = s;
+  }
+}
+
+__device__ __forceinline__ int warp_inclusive_scan(int v) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int u = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += u;
+  }
+  return v;
+}
+
+// Exclusive block-wide scan of v over kScanThreads threads; returns the exclusive prefix.
+__device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int incl = warp_inclusive_scan(v);
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  if (warp == 0) warp_sums[lane] = warp_inclusive_scan(warp_sums[lane]);
+  __syncthreads();
+  const int r = incl - v + (warp > 0 ? warp_sums[warp - 1] : 0);
+  __syncthreads();  // warp_sums is reused by the next scan
+  return r;
+}
+
+__global__ void __launch_bounds__(kScanThreads)
+    route_scan_kernel(int32_t* block_hist, int nblocks, int experts, int tile_m, int32_t* offsets,
+                      int32_t* tile_offsets) {
+  __shared__ int warp_sums[32];
+  const int e = threadIdx.x;
+  int total = 0;
+  if (e < experts) {
+#pragma unroll 8
+    for (int b = 0; b < nblocks; ++b) total += block_hist[b * int64_t(experts) + e];
+  }
+  const int tiles = (total + tile_m - 1) / tile_m;
+  const int row0 = block_exclusive_scan(total, warp_sums);
+  const int tile0 = block_exclusive_scan(tiles, warp_sums);
+  if (e < experts) {
+    offsets[e] = row0;
+    tile_offsets[e] = tile0;
+    int run = row0;
+    for (int b = 0; b < nblocks; ++b) {
+      const int64_t i = b * int64_t(experts) + e;
+      const int c = block_hist[i];
+      block_hist[i] = run;
+      run += c;
+    }
+  }
+  if (e == experts - 1) {
+    offsets[experts] = row0 + total;
+    tile_offsets[experts] = tile0 + tiles;
+  }
+}
+
+__global__ void route_place_kernel(int64_t pairs, int experts, const int32_t* pair_expert, int32_t* pair_row,
+                                   const int32_t* block_base, int32_t* sorted_pair) {
+  const int64_t p = blockIdx.x * int64_t(kRouteThreads) + threadIdx.x;
+  if (p >= pairs) return;
+  const int e = pair_expert[p];
+  if (e >= experts) return;
+  const int row = block_base[blockIdx.x * int64_t(experts) + e] + pair_row[p];
+  pair_row[p] = row;
+  sorted_pair[row] = int32_t(p);
+}
+
+template <class IdxT>
+cudaError_t route_sort_typed(const IdxT* index, int64_t tokens, int top_k, int experts, int tile_m,
+                             const RoutingBuffers& b, cudaStream_t stream) {
+  const int64_t pairs = tokens * top_k;
+  const int64_t nblocks = route_blocks(pairs);
+  const size_t smem = size_t(kRouteWarps) * experts * sizeof(int32_t);
+  route_histogram_kernel<IdxT><<<unsigned(nblocks), kRouteThreads, smem, stream>>>(
+      index, pairs, top_k, experts, b.pair_expert, b.pair_row, b.block_hist, b.error);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  route_scan_kernel<<<1, kScanThreads, 0, stream>>>(b.block_hist, int(nblocks), experts, tile_m, b.offsets,
+                                                    b.tile_offsets);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  route_place_kernel<<<unsigned(nblocks), kRouteThreads, 0, stream>>>(pairs, experts, b.pair_expert, b.pair_row,
+                                                                      b.block_hist, b.sorted_pair);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t route_validate(const void* index, Index index_type, int64_t tokens, int top_k, int experts,
+                           int32_t* pair_expert, unsigned long long* error, cudaStream_t stream) {
+  const int64_t pairs = tokens * top_k;
+  if (pairs == 0) return cudaSuccess;
+  const unsigned grid = unsigned((pairs + 255) / 256);
+  if (index_type == Index::i32)
+    route_validate_kernel<<<grid, 256, 0, stream>>>(static_cast<const int32_t*>(index), pairs, top_k, experts,
+                                                    pair_expert, error);
+  else
+    route_validate_kernel<<<grid, 256, 0, stream>>>(static_cast<const int64_t*>(index), pairs, top_k, experts,
+                                                    pair_expert, error);
+  return cudaGetLastError();
+}
+
+cudaError_t route_sort(const void* index, Index index_type, int64_t tokens, int top_k, int experts, int tile_m,
+                       const RoutingBuffers& b, cudaStream_t stream) {
+  if (experts < 1 || experts > kRouteMaxExperts || tile_m < 1) return cudaErrorInvalidValue;
+  if (tokens * top_k == 0) return cudaSuccess;
+  if (index_type == Index::i32)
+    return route_sort_typed(static_cast<const int32_t*>(index), tokens, top_k, experts, tile_m, b, stream);
+  return route_sort_typed(static_cast<const int64_t*>(index), tokens, top_k, experts, tile_m, b, stream);
+}
+
+}  // namespace moekit::cuda::kernels

@@ -1,0 +1,12 @@
+// Internal: the CUDA backends' per-call policy knobs (no CUDA headers: tests and benchmarks set them).
+#pragma once
+#include <cstdint>
+
+namespace moekit::cuda {
+
+// Largest number of (token, slot) pairs for which batched_mm runs per-pair GEMVs; above it batched_mm
+// runs the grouped kernels. Setting it returns the previous value (process-wide).
+int64_t batched_gemv_max_pairs();
+int64_t set_batched_gemv_max_pairs(int64_t pairs);
+
+}  // namespace moekit::cuda

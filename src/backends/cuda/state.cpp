@@ -1,0 +1,100 @@
+#include "backends/cuda/state.h"
+
+#include <atomic>
+
+namespace moekit::cuda {
+
+StreamWorkspace::StreamWorkspace(int device, cudaStream_t stream)
+    : device_(device), stream_(stream), host_(kHostBytes) {
+  error_ = DeviceBuffer(sizeof(unsigned long long), device);
+  DeviceGuard guard(device);
+  MOEKIT_CUDA_CALL(cudaMemsetAsync(error_.data(), 0xff, sizeof(unsigned long long), stream));  // kNoRoutingError
+}
+
+void StreamWorkspace::reserve(size_t bytes) {
+  if (bytes <= arena_.size()) return;
+  MOEKIT_CHECK_CODE(!stream_is_capturing(stream_), runtime, "the CUDA experts workspace needs ", bytes,
+                    " bytes but has ", arena_.size(),
+                    " during graph capture: run one forward with these shapes on the stream before capturing "
+                    "(ExpertsGraph does this)");
+  // Earlier calls on this stream may still use the old arena.
+  MOEKIT_CUDA_CALL(cudaStreamSynchronize(stream_));
+  arena_ = DeviceBuffer();
+  const size_t rounded = (bytes + (size_t(2) << 20) - 1) / (size_t(2) << 20) * (size_t(2) << 20);
+  arena_ = DeviceBuffer(rounded, device_);
+}
+
+StreamWorkspace& CudaState::workspace(cudaStream_t stream, int device) {
+  if (!find(stream))
+    MOEKIT_CHECK_CODE(!stream_is_capturing(stream), runtime,
+                      "the CUDA experts workspace for this stream must exist before graph capture: run one forward "
+                      "with these shapes on the stream first (ExpertsGraph does this)");
+  auto& slot = workspaces_[stream];
+  if (!slot) {
+    try {
+      slot = std::make_unique<StreamWorkspace>(device, stream);
+    } catch (...) {
+      workspaces_.erase(stream);
+      throw;
+    }
+  }
+  return *slot;
+}
+
+StreamWorkspace* CudaState::find(cudaStream_t stream) {
+  auto it = workspaces_.find(stream);
+  return it == workspaces_.end() ? nullptr : it->second.get();
+}
+
+void CudaState::release(cudaStream_t stream) {
+  auto it = workspaces_.find(stream);
+  if (it == workspaces_.end()) return;
+  (void)cudaStreamSynchronize(stream);
+  workspaces_.erase(it);
+}
+
+std::shared_ptr<CublasHandle> CudaState::cublas(int device) {
+  if (!cublas_) cublas_ = shared_cublas_handle(device);
+  return cublas_;
+}
+
+CudaState& cuda_state(const Experts& experts) {
+  return experts.state<CudaState>("cuda", [] { return std::make_unique<CudaState>(); });
+}
+
+void check_and_clear_error(StreamWorkspace& ws, cudaStream_t sync_stream, int64_t experts) {
+  DeviceGuard guard(ws.device());
+  MOEKIT_CUDA_CALL(cudaStreamSynchronize(sync_stream));
+  auto* host = static_cast<unsigned long long*>(ws.host());
+  MOEKIT_CUDA_CALL(cudaMemcpyAsync(host, ws.error(), sizeof(unsigned long long), cudaMemcpyDeviceToHost, ws.stream()));
+  MOEKIT_CUDA_CALL(cudaStreamSynchronize(ws.stream()));
+  const unsigned long long word = *host;
+  if (word == kernels::kNoRoutingError) return;
+  MOEKIT_CUDA_CALL(cudaMemsetAsync(ws.error(), 0xff, sizeof(unsigned long long), ws.stream()));
+  MOEKIT_CUDA_CALL(cudaStreamSynchronize(ws.stream()));
+  int64_t token = 0;
+  int slot = 0;
+  int32_t id = 0;
+  kernels::decode_routing_error(word, &token, &slot, &id);
+  MOEKIT_FAIL(invalid_argument, "top_k_index[", token, ", ", slot, "] = ", id, " is out of range [0, ", experts, "] (",
+              experts, " experts; id ", experts,
+              " marks an expert on another rank); that slot contributed nothing to the output");
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return;
+  (void)cudaGetLastError();
+  MOEKIT_FAIL(runtime, "CUDA kernel launch '", what, "' failed: ", cudaGetErrorName(err), " (",
+              cudaGetErrorString(err), ")");
+}
+
+namespace {
+// T = 1..8 with K = 8 on 128 experts: per-pair GEMVs; above that the grouped kernels share each
+// expert's weights between its rows.
+std::atomic<int64_t> g_gemv_max_pairs{64};
+}  // namespace
+
+int64_t batched_gemv_max_pairs() { return g_gemv_max_pairs.load(); }
+int64_t set_batched_gemv_max_pairs(int64_t pairs) { return g_gemv_max_pairs.exchange(pairs); }
+
+}  // namespace moekit::cuda

@@ -1,0 +1,112 @@
+// Internal: what the CUDA backends keep per Experts module (workspaces per stream, the error word, the
+// cuBLAS handle), and the validated description of one call that the three backends share.
+#pragma once
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "backends/cuda/common.h"
+#include "backends/cuda/policy.h"
+#include "backends/cuda/kernels/kernels.h"
+#include "moekit/experts.h"
+
+namespace moekit::cuda {
+
+// Device scratch for calls enqueued on one stream (calls on one stream are ordered, so they can share
+// it). Grown before use, never during graph capture; freed with the module.
+class StreamWorkspace {
+ public:
+  StreamWorkspace(int device, cudaStream_t stream);
+  // Makes the arena at least `bytes` long. Throws during capture when it would have to grow.
+  void reserve(size_t bytes);
+  void* arena() const { return arena_.data(); }
+  // The sticky routing error word (kernels::kNoRoutingError when clean).
+  unsigned long long* error() const { return static_cast<unsigned long long*>(error_.data()); }
+  void* host() const { return host_.data(); }  // pinned, kHostBytes
+  static constexpr size_t kHostBytes = 8 * 1024;
+  cudaStream_t stream() const { return stream_; }
+  int device() const { return device_; }
+
+ private:
+  int device_;
+  cudaStream_t stream_;
+  DeviceBuffer arena_, error_;
+  PinnedBuffer host_;
+};
+
+// Carves typed, 256-byte aligned sub-buffers out of an arena; with a null base it only measures.
+class Carver {
+ public:
+  explicit Carver(void* base = nullptr) : base_(static_cast<char*>(base)) {}
+  template <class T>
+  T* take(int64_t count) {
+    offset_ = (offset_ + 255) / 256 * 256;
+    T* p = base_ ? reinterpret_cast<T*>(base_ + offset_) : nullptr;
+    offset_ += size_t(count) * sizeof(T);
+    return p;
+  }
+  void* take_bytes(int64_t bytes) { return take<char>(bytes); }
+  size_t size() const { return offset_; }
+
+ private:
+  char* base_;
+  size_t offset_ = 0;
+};
+
+class CudaState final : public BackendState {
+ public:
+  std::mutex mutex;  // held for a whole call: one enqueueing thread per module at a time
+  // The workspace of `stream`, created on first use (not during capture).
+  StreamWorkspace& workspace(cudaStream_t stream, int device);
+  StreamWorkspace* find(cudaStream_t stream);
+  void release(cudaStream_t stream);
+  std::shared_ptr<CublasHandle> cublas(int device);
+
+ private:
+  std::map<cudaStream_t, std::unique_ptr<StreamWorkspace>> workspaces_;
+  std::shared_ptr<CublasHandle> cublas_;
+};
+
+CudaState& cuda_state(const Experts& experts);
+
+// Synchronises `sync_stream`, reads and clears the error word of `ws`; throws naming the first bad id.
+void check_and_clear_error(StreamWorkspace& ws, cudaStream_t sync_stream, int64_t experts);
+
+// One validated call, with everything the kernels need.
+struct CallContext {
+  CallContext(const Experts& e, const ExpertsCall& c) : experts(e), call(c) {}
+  const Experts& experts;
+  const ExpertsCall& call;
+  cudaStream_t stream = nullptr;
+  const DeviceInfo* device = nullptr;
+  StreamWorkspace* ws = nullptr;
+  kernels::Elem type = kernels::Elem::bf16;         // activations and weights
+  kernels::Elem weight_type = kernels::Elem::f32;   // routing weights
+  kernels::Index index_type = kernels::Index::i32;  // top_k_index
+  int64_t tokens = 0, top_k = 0, pairs = 0, hidden = 0, inter = 0, n1 = 0;
+  int experts_count = 0;
+  kernels::GateParams gate;
+  int first_epilogue = kernels::kEpiGated;
+  bool transposed = false;
+  // First projection: element (n, h) of expert e at w1[e * w1_expert + n * w1_n + h * w1_k]; bias [E, n1].
+  const void* w1 = nullptr;
+  int64_t w1_expert = 0, w1_n = 0, w1_k = 0;
+  const void* b1 = nullptr;
+  // Second projection: element (h, i) of expert e at w2[e * w2_expert + h * w2_n + i * w2_k]; bias [E, H].
+  const void* w2 = nullptr;
+  int64_t w2_expert = 0, w2_n = 0, w2_k = 0;
+  const void* b2 = nullptr;
+};
+
+// The backends (eager.cpp, batched_mm.cpp, grouped_mm.cpp). Each enqueues the whole forward.
+void run_eager(const CallContext& c);
+void run_batched_mm(const CallContext& c);
+void run_grouped_mm(const CallContext& c);
+
+// Whether batched_mm runs its per-pair GEMV kernels for this call (else the grouped kernels).
+bool batched_uses_gemv(const CallContext& c);
+
+// Checks a kernel launcher's status, naming the kernel.
+void check_launch(cudaError_t err, const char* what);
+
+}  // namespace moekit::cuda

@@ -1,0 +1,189 @@
+// The two ceilings of the roofline, measured once at the start of a run.
+#include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <vector>
+
+#include <fmt/core.h>
+
+#include "bench/bench.h"
+#include "bench/cpu_gemm.h"
+#include "bench/random.h"
+#include "moekit/interface.h"
+#ifdef MOEKIT_WITH_CUDA
+#include "bench/cuda_bench.h"
+#endif
+
+namespace moekit::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::string cpu_model_name() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) != 0) continue;
+    const auto colon = line.find(':');
+    if (colon == std::string::npos) break;
+    std::string name = line.substr(colon + 1);
+    name.erase(0, name.find_first_not_of(" \t"));
+    return name;
+  }
+  return "unknown CPU";
+}
+
+// Largest data cache the CPU reports (L3 where there is one).
+int64_t cpu_cache_bytes() {
+  int64_t best = 0;
+  for (int index = 0; index < 8; ++index) {
+    std::ifstream in(fmt::format("/sys/devices/system/cpu/cpu0/cache/index{}/size", index));
+    std::string s;
+    if (!(in >> s) || s.empty()) continue;
+    int64_t v = std::atoll(s.c_str());
+    if (s.back() == 'K') v *= 1024;
+    if (s.back() == 'M') v *= 1024 * 1024;
+    best = std::max(best, v);
+  }
+#ifdef _SC_LEVEL3_CACHE_SIZE
+  if (best == 0) best = std::max<int64_t>(0, sysconf(_SC_LEVEL3_CACHE_SIZE));
+#endif
+  return best > 0 ? best : 32ll << 20;
+}
+
+// Best GFLOP/s of the blocked f32 GEMM at a size that runs at least ~0.2 s in all.
+double cpu_blocked_gemm_gflops() {
+  double best = 0;
+  for (int64_t n = 256; n <= 2048; n *= 2) {
+    std::vector<float> a(size_t(n * n)), b(size_t(n * n)), c(size_t(n * n));
+    for (size_t i = 0; i < a.size(); ++i) a[i] = normal_at(21, i), b[i] = normal_at(22, i);
+    double spent = 0;
+    for (int rep = 0; rep < 3; ++rep) {
+      const auto t0 = Clock::now();
+      gemm_f32(n, n, n, a.data(), b.data(), c.data());
+      const double s = seconds_since(t0);
+      spent += s;
+      best = std::max(best, 2.0 * double(n) * n * n / s / 1e9);
+    }
+    if (spent > 0.6) break;  // large enough to be past the cache effects that matter
+  }
+  return best;
+}
+
+// GFLOP/s of moekit's grouped_mm on one dense expert (E = K = 1), or 0 when it is too slow to measure.
+double cpu_grouped_mm_gflops() {
+  auto run = [](int64_t T, int64_t H, int64_t I, int reps) {
+    ShapePreset shape{.name = "dense", .hidden = H, .intermediate = I, .num_experts = 1, .top_k = 1};
+    const ExpertsSpec spec = shape.spec();
+    Tensor gu = Tensor::empty({1, 2 * I, H}, DType::f32), down = Tensor::empty({1, H, I}, DType::f32);
+    Tensor x = Tensor::empty({T, H}, DType::f32), out = Tensor::empty({T, H}, DType::f32);
+    Tensor idx = Tensor::zeros({T, 1}, DType::i32), w = Tensor::empty({T, 1}, DType::f32);
+    for (int64_t i = 0; i < gu.numel(); ++i) gu.ptr<float>()[i] = 0.02f * normal_at(31, uint64_t(i));
+    for (int64_t i = 0; i < down.numel(); ++i) down.ptr<float>()[i] = 0.02f * normal_at(32, uint64_t(i));
+    for (int64_t i = 0; i < x.numel(); ++i) x.ptr<float>()[i] = normal_at(33, uint64_t(i));
+    for (int64_t i = 0; i < T; ++i) w.ptr<float>()[i] = 1.0f;
+    ExpertsWeights weights;
+    weights.gate_up_proj = gu;
+    weights.down_proj = down;
+    Experts experts(spec, weights, "grouped_mm");
+    const ExpertsCall call{x.view(), idx.view(), w.view(), out.view(), nullptr};
+    double best = 0;
+    for (int rep = 0; rep < reps; ++rep) {
+      const auto t0 = Clock::now();
+      experts.forward_with("grouped_mm", call);
+      best = std::max(best, forward_flops(shape, T) / seconds_since(t0) / 1e9);
+    }
+    return best;
+  };
+  try {
+    const double probe = run(32, 256, 256, 2);
+    const double big_flops = forward_flops({.hidden = 1024, .intermediate = 1024, .num_experts = 1, .top_k = 1}, 512);
+    if (probe <= 0 || big_flops / (probe * 1e9) > 1.0) return probe;  // the large case would take over a second
+    return std::max(probe, run(512, 1024, 1024, 3));
+  } catch (const Error&) {
+    return 0;
+  }
+}
+
+// Multi-threaded memcpy of buffers far beyond the cache; GB/s counting bytes read plus written.
+double cpu_copy_gbps(int64_t cache_bytes) {
+  const size_t bytes = size_t(std::max<int64_t>(256ll << 20, 8 * cache_bytes));
+  std::unique_ptr<char[]> src(new char[bytes]), dst(new char[bytes]);
+  const int threads = omp_get_max_threads();
+  const size_t chunk = (bytes + size_t(threads) - 1) / size_t(threads);
+  auto copy = [&] {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < threads; ++t) {
+      const size_t begin = size_t(t) * chunk, end = std::min(bytes, begin + chunk);
+      if (begin < end) std::memcpy(dst.get() + begin, src.get() + begin, end - begin);
+    }
+  };
+  std::memset(src.get(), 1, bytes);  // touch every page before timing
+  copy();
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = Clock::now();
+    copy();
+    best = std::max(best, 2.0 * double(bytes) / seconds_since(t0) / 1e9);
+  }
+  return best;
+}
+
+}  // namespace
+
+Ceilings given_ceilings(Device device, double peak_tflops, double bandwidth_gbps) {
+  MOEKIT_CHECK(peak_tflops > 0 && bandwidth_gbps > 0, "given ceilings must be > 0, got ", peak_tflops,
+               " TFLOP/s and ", bandwidth_gbps, " GB/s");
+  Ceilings c;
+  c.peak_tflops = peak_tflops;
+  c.bandwidth_gbps = bandwidth_gbps;
+  c.method = "given on the command line";
+  if (device.is_cpu()) {
+    c.card = fmt::format("{} ({} threads)", cpu_model_name(), omp_get_max_threads());
+    c.cache_bytes = cpu_cache_bytes();
+    return c;
+  }
+#ifdef MOEKIT_WITH_CUDA
+  const cuda::CardInfo info = cuda::card_info(device.index);
+  c.card = info.name;
+  c.cache_bytes = info.l2_bytes;
+  return c;
+#else
+  MOEKIT_FAIL(not_supported, "device ", device.to_string(), ": moekit was built without CUDA");
+#endif
+}
+
+Ceilings measure_ceilings(Device device) {
+  Ceilings c;
+  if (device.is_cpu()) {
+    c.card = fmt::format("{} ({} threads)", cpu_model_name(), omp_get_max_threads());
+    c.cache_bytes = cpu_cache_bytes();
+    const double blocked = cpu_blocked_gemm_gflops();
+    const double grouped = cpu_grouped_mm_gflops();
+    c.peak_tflops = std::max(blocked, grouped) / 1e3;
+    c.bandwidth_gbps = cpu_copy_gbps(c.cache_bytes);
+    c.method = fmt::format("peak: best of a blocked f32 GEMM ({:.1f} GFLOP/s) and grouped_mm on one dense expert "
+                           "({:.1f} GFLOP/s); bandwidth: multi-threaded memcpy, read + write",
+                           blocked, grouped);
+    return c;
+  }
+#ifdef MOEKIT_WITH_CUDA
+  const cuda::CardInfo info = cuda::card_info(device.index);
+  c.card = info.name;
+  c.cache_bytes = info.l2_bytes;
+  c.peak_tflops = cuda::gemm_bf16_tflops(device.index, 8192);
+  c.bandwidth_gbps = cuda::copy_gbps(device.index, size_t(2) << 30);
+  c.method = "peak: cuBLAS bf16 GEMM 8192^3 on random data; bandwidth: 2 GiB device-to-device copy, read + write";
+  return c;
+#else
+  MOEKIT_FAIL(not_supported, "device ", device.to_string(), ": moekit was built without CUDA");
+#endif
+}
+
+}  // namespace moekit::bench

@@ -1,0 +1,93 @@
+// Model::generate: prefill then one token per step with the KV cache, EOS / min_new_tokens, sampling, and
+// the decode-step switch of SPEC section 4 (restored by a guard, also when a step throws).
+#include <algorithm>
+#include <chrono>
+
+#include "generate/sampling.h"
+#include "model/model_impl.h"
+#include "moekit/error.h"
+
+namespace moekit {
+
+void GenerationConfig::validate() const {
+  MOEKIT_CHECK(max_new_tokens >= 0, "max_new_tokens must be >= 0, got ", max_new_tokens);
+  MOEKIT_CHECK(min_new_tokens >= 0, "min_new_tokens must be >= 0, got ", min_new_tokens);
+  if (do_sample) {
+    MOEKIT_CHECK(temperature > 0, "temperature must be > 0 when sampling, got ", temperature);
+    MOEKIT_CHECK(top_k >= 0, "top_k must be >= 0 (0 = off), got ", top_k);
+    MOEKIT_CHECK(top_p > 0 && top_p <= 1, "top_p must be in (0, 1], got ", top_p);
+  }
+}
+
+double GenerationResult::tokens_per_s() const { return decode_ms > 0 ? double(decode_steps) * 1000.0 / decode_ms : 0.0; }
+
+namespace {
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::vector<float> row(const Tensor& logits, int64_t r) {
+  const int64_t V = logits.size(1);
+  const float* p = logits.ptr<float>() + r * V;
+  return std::vector<float>(p, p + V);
+}
+}  // namespace
+
+GenerationResult Model::generate(const std::vector<int64_t>& prompt, const GenerationConfig& gc) {
+  gc.validate();
+  MOEKIT_CHECK(!prompt.empty(), "generate: the prompt is empty; give at least one token id");
+  const std::vector<int64_t> eos = gc.eos_token_ids.value_or(impl_->config.eos_token_ids);
+  GenerationResult res;
+
+  ExpertsMapGuard guard(*this);  // restores the map however generation ends
+  res.prefill_experts = guard.saved();
+  res.decode_experts = gc.decode_experts_implementation
+                           ? ExpertsMap()
+                           : decode_experts_map(res.prefill_experts, device(), gc.decode_switch);
+  if (gc.decode_experts_implementation) {
+    // Validated (and merged with the current map) by a trial switch, undone by the guard.
+    set_experts_implementation(*gc.decode_experts_implementation);
+    res.decode_experts = get_experts_implementation();
+    set_experts_implementation(res.prefill_experts);
+  }
+  if (gc.max_new_tokens == 0 && !gc.keep_prompt_logits) return res;
+
+  KvCache cache;
+  impl_->reserve(cache, int64_t(prompt.size()) + gc.max_new_tokens);
+  generate::TokenSampler sampler(gc);
+  auto pick = [&](std::vector<float> logits) {
+    const bool too_early = int64_t(res.tokens.size()) < gc.min_new_tokens;
+    const int64_t tok = sampler.next(logits, too_early ? eos : std::vector<int64_t>{});
+    res.tokens.push_back(tok);
+    if (gc.on_token) gc.on_token(tok);
+    return tok;
+  };
+  auto done = [&](int64_t tok) {
+    if (std::find(eos.begin(), eos.end(), tok) != eos.end()) {
+      res.stopped_on_eos = true;
+      return true;
+    }
+    return int64_t(res.tokens.size()) >= gc.max_new_tokens;
+  };
+
+  auto t0 = std::chrono::steady_clock::now();
+  Tensor logits = impl_->forward(prompt, cache, gc.keep_prompt_logits);
+  if (gc.keep_prompt_logits) res.prompt_logits = logits;
+  int64_t tok = -1;
+  if (gc.max_new_tokens > 0) tok = pick(row(logits, logits.size(0) - 1));
+  res.prefill_ms = ms_since(t0);
+  if (tok < 0 || done(tok)) return res;
+
+  if (res.decode_experts != res.prefill_experts) set_experts_implementation(res.decode_experts);
+  t0 = std::chrono::steady_clock::now();
+  while (true) {
+    logits = impl_->forward({tok}, cache, false);
+    ++res.decode_steps;
+    tok = pick(row(logits, 0));
+    if (done(tok)) break;
+  }
+  res.decode_ms = ms_since(t0);
+  return res;
+}
+
+}  // namespace moekit

@@ -1,0 +1,253 @@
+// Checkpoint tensors -> the decoder's weights: name and shape checks, dtype conversion, experts fusion.
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "model/model_impl.h"
+#include "moekit/error.h"
+
+namespace moekit::model {
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+// Reads tensors by name, remembering every problem so that one error can list them all.
+class TensorReader {
+ public:
+  TensorReader(const Checkpoint& ckpt, DType dtype, Device device) : ck_(ckpt), dtype_(dtype), device_(device) {}
+
+  bool has(const std::string& name) const { return ck_.contains(name); }
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+
+  // The tensor converted to `as` (default: the model dtype) on the model's device, or an undefined tensor
+  // (problem recorded) when missing or of another shape.
+  Tensor get(const std::string& name, const Shape& shape, std::optional<DType> as = std::nullopt) {
+    Tensor t = host(name, shape);
+    if (!t.defined()) return t;
+    return t.to(as.value_or(dtype_)).to(device_);
+  }
+  // The checkpoint tensor as stored (CPU, zero-copy), after the same checks.
+  Tensor host(const std::string& name, const Shape& shape) {
+    if (!ck_.contains(name)) {
+      missing_.push_back(name + " " + shape_to_string(shape));
+      return {};
+    }
+    Tensor t = ck_.get(name);
+    if (t.shape() != shape) {
+      wrong_.push_back(name + " is " + shape_to_string(t.shape()) + ", expected " + shape_to_string(shape));
+      return {};
+    }
+    if (!is_floating(t.dtype()) || t.dtype() == DType::f4e2m1 || t.dtype() == DType::ue8m0) {
+      wrong_.push_back(name + " has dtype " + dtype_name(t.dtype()) + ", expected a floating type");
+      return {};
+    }
+    return t;
+  }
+  void missing(const std::string& what) { missing_.push_back(what); }
+  void wrong(const std::string& what) { wrong_.push_back(what); }
+
+  void throw_if_problems(const std::string& model_type) const {
+    if (missing_.empty() && wrong_.empty()) return;
+    std::ostringstream os;
+    os << ck_.dir() << ": checkpoint does not match model_type " << model_type << ":";
+    auto list = [&](const char* what, const std::vector<std::string>& v) {
+      if (v.empty()) return;
+      os << " " << v.size() << " tensor(s) " << what << ":";
+      for (size_t i = 0; i < v.size() && i < 12; ++i) os << (i ? ", " : " ") << v[i];
+      if (v.size() > 12) os << ", ... (" << v.size() - 12 << " more)";
+      os << ".";
+    };
+    list("missing", missing_);
+    list("with a wrong shape or dtype", wrong_);
+    MOEKIT_FAIL(not_found, os.str());
+  }
+
+ private:
+  const Checkpoint& ck_;
+  DType dtype_;
+  Device device_;
+  std::vector<std::string> missing_, wrong_;
+};
+
+// Rows of several checkpoint tensors stacked into one new tensor of the model dtype.
+Tensor stack_rows(const std::vector<Tensor>& parts, const Shape& shape, DType dtype, Device device) {
+  Tensor out = Tensor::empty(shape, dtype, Device::cpu());
+  size_t off = 0;
+  for (const Tensor& p : parts) {
+    const Tensor c = p.contiguous();
+    convert(c.data(), c.dtype(), static_cast<char*>(out.data()) + off * dtype_nbytes(dtype, 1), dtype, c.numel());
+    off += size_t(c.numel());
+  }
+  MOEKIT_ASSERT(int64_t(off) == out.numel());
+  return out.to(device);
+}
+
+Linear linear(TensorReader& r, const std::string& name, int64_t out, int64_t in, bool bias) {
+  Linear l;
+  l.w = r.get(name + ".weight", {out, in});
+  if (bias) l.b = r.get(name + ".bias", {out});
+  return l;
+}
+
+// gate_proj / up_proj / down_proj of a dense MLP, gate and up stacked into one [2I, H] projection.
+DenseMlp dense_mlp(TensorReader& r, const std::string& p, int64_t H, int64_t I, const std::string& gate = "gate_proj",
+                   const std::string& up = "up_proj", const std::string& down = "down_proj") {
+  DenseMlp m;
+  Tensor g = r.host(p + gate + ".weight", {I, H}), u = r.host(p + up + ".weight", {I, H});
+  if (g.defined() && u.defined()) m.gate_up.w = stack_rows({g, u}, {2 * I, H}, r.dtype(), r.device());
+  m.down.w = r.get(p + down + ".weight", {H, I});
+  return m;
+}
+
+void load_attention(TensorReader& r, const std::string& p, const TextConfig& c, AttentionWeights& a) {
+  const int64_t H = c.hidden_size, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, D = c.head_dim;
+  if (c.mla) {
+    const int64_t dqk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+    if (c.q_lora_rank > 0) {
+      a.q_a = linear(r, p + "q_a_proj", c.q_lora_rank, H, c.qkv_bias);
+      a.q_a_norm = r.get(p + "q_a_layernorm.weight", {c.q_lora_rank});
+      a.q_b = linear(r, p + "q_b_proj", Hq * dqk, c.q_lora_rank, false);
+    } else {
+      a.q = linear(r, p + "q_proj", Hq * dqk, H, false);
+    }
+    a.kv_a = linear(r, p + "kv_a_proj_with_mqa", c.kv_lora_rank + c.qk_rope_head_dim, H, c.qkv_bias);
+    a.kv_a_norm = r.get(p + "kv_a_layernorm.weight", {c.kv_lora_rank});
+    a.kv_b = linear(r, p + "kv_b_proj", Hq * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank, false);
+    a.o = linear(r, p + "o_proj", H, Hq * c.v_head_dim, c.o_bias);
+    return;
+  }
+  a.q = linear(r, p + "q_proj", Hq * D, H, c.qkv_bias);
+  a.k = linear(r, p + "k_proj", Hkv * D, H, c.qkv_bias);
+  a.v = linear(r, p + "v_proj", Hkv * D, H, c.qkv_bias);
+  a.o = linear(r, p + "o_proj", H, Hq * D, c.o_bias);
+  if (c.qk_norm == QkNorm::per_head) {
+    a.q_norm = r.get(p + "q_norm.weight", {D});
+    a.k_norm = r.get(p + "k_norm.weight", {D});
+  } else if (c.qk_norm == QkNorm::full) {
+    a.q_norm = r.get(p + "q_norm.weight", {Hq * D});
+    a.k_norm = r.get(p + "k_norm.weight", {Hkv * D});
+  }
+  if (c.attention_sinks) a.sinks = r.get(p + "sinks", {Hq}, DType::f32);
+}
+
+// Already-fused experts (gpt-oss, qwen3_vl_moe, or checkpoints saved fused) load as they are; the layout
+// follows the shapes as transformers' loading does ([E, 2I, H] as is, [E, H, 2I] transposed).
+// Per-expert tensors are fused into gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I].
+ExpertsWeights load_experts(TensorReader& r, const Checkpoint& ck, const std::string& p, ExpertsSpec& spec,
+                            const MoeNaming& n) {
+  const int64_t E = spec.num_experts, H = spec.hidden, I = spec.intermediate;
+  ExpertsWeights w;
+  const std::string gu_name = p + "gate_up_proj";
+  if (ck.contains(gu_name) || spec.is_transposed) {
+    const Shape plain{E, 2 * I, H}, transposed{E, H, 2 * I};
+    Shape gu_shape = spec.is_transposed ? transposed : plain;
+    if (ck.contains(gu_name)) {
+      const Shape got = ck.get(gu_name).shape();
+      if (got == plain && got != transposed) spec.is_transposed = false;
+      else if (got == transposed && got != plain) spec.is_transposed = true;
+      gu_shape = spec.is_transposed ? transposed : plain;
+    }
+    w.gate_up_proj = r.get(gu_name, gu_shape);
+    w.down_proj = r.get(p + "down_proj", spec.is_transposed ? Shape{E, I, H} : Shape{E, H, I});
+    if (spec.has_bias) {
+      w.gate_up_proj_bias = r.get(p + "gate_up_proj_bias", {E, 2 * I});
+      w.down_proj_bias = r.get(p + "down_proj_bias", {E, H});
+    }
+    return w;
+  }
+  std::vector<Tensor> gu_parts, down_parts;
+  bool complete = true;
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string q = p + std::to_string(e) + ".";
+    Tensor g = r.host(q + n.gate_proj + ".weight", {I, H});
+    Tensor u = r.host(q + n.up_proj + ".weight", {I, H});
+    Tensor d = r.host(q + n.down_proj + ".weight", {H, I});
+    complete = complete && g.defined() && u.defined() && d.defined();
+    if (!complete) continue;
+    gu_parts.push_back(g);
+    gu_parts.push_back(u);
+    down_parts.push_back(d);
+  }
+  if (!complete) return w;
+  w.gate_up_proj = stack_rows(gu_parts, {E, 2 * I, H}, r.dtype(), r.device());
+  w.down_proj = stack_rows(down_parts, {E, H, I}, r.dtype(), r.device());
+  return w;
+}
+
+void load_moe(TensorReader& r, const Checkpoint& ck, const std::string& lp, TextConfig& c, MoeBlock& m,
+              const std::string& experts_implementation) {
+  const MoeNaming& n = c.naming;
+  const int64_t E = c.num_experts, H = c.hidden_size;
+  // Mixtral's block is "block_sparse_moe" in published checkpoints and "mlp" once renamed.
+  std::string block = n.block;
+  if (!ck.contains(lp + block + "." + n.router + ".weight") && ck.contains(lp + "mlp." + n.router + ".weight"))
+    block = "mlp";
+  const std::string p = lp + block + ".";
+  m.router_w = r.get(p + n.router + ".weight", {E, H}, DType::f32);  // routing in f32
+  if (c.router_bias) m.router_b = r.get(p + n.router + ".bias", {E}, DType::f32);
+  if (c.router == RouterKind::grouped_sigmoid) {
+    const std::string bias_name = p + n.router + ".e_score_correction_bias";
+    m.correction_bias = r.get(bias_name, {E}, DType::f32);
+  }
+  ExpertsSpec spec = c.experts;
+  ExpertsWeights w = load_experts(r, ck, p + "experts.", spec, n);
+  if (w.gate_up_proj.defined() && w.down_proj.defined() && (!spec.has_bias || (w.gate_up_proj_bias.defined() &&
+                                                                               w.down_proj_bias.defined()))) {
+    c.experts.is_transposed = spec.is_transposed;
+    m.experts = Experts(spec, std::move(w), experts_implementation);
+  }
+  if (c.shared_expert_intermediate_size > 0 && !n.shared.empty()) {
+    m.has_shared = true;
+    m.shared = dense_mlp(r, p + n.shared + ".", H, c.shared_expert_intermediate_size);
+    if (!n.shared_gate.empty()) m.shared_gate = r.get(p + n.shared_gate + ".weight", {1, H});
+  }
+}
+
+std::string find_prefix(const Checkpoint& ck) {
+  static const char* kCandidates[] = {"model.", "model.language_model.", "language_model.model.",
+                                      "model.text_model.", "language_model.", ""};
+  for (const char* p : kCandidates)
+    if (ck.contains(std::string(p) + "embed_tokens.weight")) return p;
+  std::string looked;
+  for (const char* p : kCandidates) looked += (looked.empty() ? "" : ", ") + std::string(p) + "embed_tokens.weight";
+  MOEKIT_FAIL(not_found, ck.dir(), ": no token embedding found (looked for ", looked, ")");
+}
+
+}  // namespace
+
+Weights load_weights(const Checkpoint& ck, TextConfig& c, DType dtype, Device device,
+                     const std::string& experts_implementation) {
+  TensorReader r(ck, dtype, device);
+  Weights w;
+  const std::string prefix = find_prefix(ck);
+  const int64_t H = c.hidden_size, V = c.vocab_size;
+  // gpt-oss keeps its norms in f32 (transformers' _keep_in_fp32_modules).
+  const DType norm_dtype = c.norm_weight_before_cast ? DType::f32 : dtype;
+  w.embed = r.get(prefix + "embed_tokens.weight", {V, H});
+  w.layers.resize(size_t(c.num_hidden_layers));
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    Layer& L = w.layers[size_t(i)];
+    const std::string lp = prefix + "layers." + str(i) + ".";
+    L.input_norm = r.get(lp + "input_layernorm.weight", {H}, norm_dtype);
+    L.post_norm = r.get(lp + "post_attention_layernorm.weight", {H}, norm_dtype);
+    L.window = c.sliding_window[size_t(i)];
+    load_attention(r, lp + "self_attn.", c, L.attn);
+    L.is_moe = c.moe_layer[size_t(i)];
+    if (L.is_moe) load_moe(r, ck, lp, c, L.moe, experts_implementation);
+    else L.mlp = dense_mlp(r, lp + "mlp.", H, c.intermediate_size);
+  }
+  w.norm = r.get(prefix + "norm.weight", {H}, norm_dtype);
+  if (c.tie_word_embeddings) {
+    w.lm_head = w.embed;
+  } else {
+    std::string head = "lm_head.weight";
+    for (const char* cand : {"lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight"})
+      if (ck.contains(cand)) { head = cand; break; }
+    w.lm_head = r.get(head, {V, H});
+  }
+  r.throw_if_problems(c.model_type);
+  return w;
+}
+
+}  // namespace moekit::model

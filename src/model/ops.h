@@ -1,0 +1,83 @@
+// Internal: the layer ops the model runtime is written with, dispatched by device.
+//
+// Every op takes tensor views (data on the op's device), computes in f32 whatever the storage dtype
+// (f32 | bf16 | f16) and writes its output in the output's dtype. 2-D inputs may carry a row stride
+// (strides {ld, 1}); outputs are contiguous unless stated. The CPU implementation is ops_cpu.cpp; a CUDA
+// one returns its table from cuda_ops() (ops_cuda.cu), nullptr while the model has no CUDA layer ops.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "moekit/config.h"
+#include "moekit/experts.h"
+#include "moekit/tensor.h"
+
+namespace moekit::model {
+
+struct RopeSpec {
+  std::vector<float> inv_freq;  // [rot_dim / 2]
+  float attention_scaling = 1.0f;
+  bool interleaved = false;  // DeepSeek: pairs (x0, x1), (x2, x3), ... ; else halves
+  int64_t rot_dim() const { return int64_t(inv_freq.size()) * 2; }
+};
+// The inverse frequencies and cos/sin scaling of transformers' ROPE_INIT_FUNCTIONS for `rope` over `head_dim`.
+RopeSpec make_rope(const RopeConfig& rope, int64_t head_dim, int64_t max_position_embeddings);
+
+struct RouterSpec {
+  RouterKind kind = RouterKind::softmax_topk;
+  int64_t top_k = 1;
+  bool norm_topk_prob = false;
+  float routed_scaling_factor = 1.0f;
+  int64_t n_group = 1, topk_group = 1;
+};
+
+class DeviceOps {
+ public:
+  virtual ~DeviceOps() = default;
+  // out [n, H] = table [V, H] rows ids[0..n) (ids on the host, checked against V).
+  virtual void embedding(const int64_t* ids, int64_t n, const TensorView& table, const TensorView& out) const = 0;
+  // y [M, N] = x [M, K] @ w [N, K]^T + bias [N] (bias.data may be null).
+  virtual void linear(const TensorView& x, const TensorView& w, const TensorView& bias, const TensorView& y) const = 0;
+  // y [M, D] = rmsnorm(x [M, D]) * w [D]; x may equal y. weight_before_cast: (w * x_hat) rounded once
+  // (gpt-oss), else w * round(x_hat) as transformers' RMSNorm does in low precision.
+  virtual void rmsnorm(const TensorView& x, const TensorView& w, float eps, bool weight_before_cast,
+                       const TensorView& y) const = 0;
+  // In place on x [T, heads, S] (strides allowed on the first two dimensions): rotates dims
+  // [offset, offset + rot_dim) of every head; row t sits at position pos0 + t.
+  virtual void rope(const TensorView& x, int64_t offset, int64_t pos0, const RopeSpec& rope) const = 0;
+  // out [T, Hq, Dv] = softmax(q k^T * scale) v with q [T, Hq, Dk], k [S, Hkv, Dk], v [S, Hkv, Dv]
+  // (Hq a multiple of Hkv). Query t sits at position pos0 + t and sees keys j <= pos0 + t, and only
+  // j > pos0 + t - window when window > 0. sinks [Hq] f32 (data may be null): one extra logit per head
+  // that takes probability mass and contributes no value (gpt-oss).
+  virtual void attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                         int64_t pos0, float scale, int64_t window, const TensorView& sinks) const = 0;
+  // out [M, I] = act(gate_up[:, :I]) * gate_up[:, I:]  (gate_up [M, 2I]).
+  virtual void act_mul(const TensorView& gate_up, Activation act, const TensorView& out) const = 0;
+  // out = a + b, same shapes; out may alias a or b.
+  virtual void add(const TensorView& a, const TensorView& b, const TensorView& out) const = 0;
+  // out [M, H] += sigmoid(gate [M, 1]) * x [M, H]  (qwen2_moe's shared expert).
+  virtual void add_sigmoid_gated(const TensorView& x, const TensorView& gate, const TensorView& out) const = 0;
+  // x = clamp(x, -limit, limit) in place.
+  virtual void clamp(const TensorView& x, float limit) const = 0;
+  // Router selection: logits [T, E] f32 -> index [T, K] i32, weights [T, K] f32.
+  // correction_bias [E] f32 (grouped_sigmoid only; data may be null).
+  virtual void route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
+                     const TensorView& index, const TensorView& weights) const = 0;
+  // Multi-head latent attention: kvb [T, H * (nope + dv)] and the roped shared key k_rot [T, rope] give
+  // k [T, H, nope + rope] (k_nope then k_rot) and v [T, H, dv].
+  virtual void mla_expand(const TensorView& kvb, const TensorView& k_rot, int64_t nope, const TensorView& k,
+                          const TensorView& v) const = 0;
+};
+
+const DeviceOps* cpu_ops();
+const DeviceOps* cuda_ops();  // nullptr while no CUDA layer ops are built
+bool has_ops(Device device);
+// The ops of a device; throws Error(not_supported) naming the device when there are none.
+const DeviceOps& ops_for(Device device);
+
+// Views: rows [begin, begin + count) of a tensor's first dimension, and a 2-D column range with a row stride.
+TensorView rows(const TensorView& t, int64_t begin, int64_t count);
+TensorView columns(const TensorView& t2d, int64_t begin, int64_t count);
+TensorView reshaped(const TensorView& t, const Shape& shape);  // contiguous views only
+
+}  // namespace moekit::model

@@ -1,0 +1,546 @@
+// CPU layer ops: OpenMP over rows / heads / output tiles, f32 accumulation, any float storage dtype.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+
+#include "backends/gate.h"
+#include "model/ops.h"
+#include "moekit/error.h"
+
+namespace moekit::model {
+namespace {
+
+size_t esize(DType t) { return dtype_nbytes(t, 1); }
+
+void check_float(const TensorView& v, const char* what) {
+  MOEKIT_CHECK(v.dtype == DType::f32 || v.dtype == DType::bf16 || v.dtype == DType::f16, what,
+               " must be f32, bf16 or f16, got ", v.to_string());
+  MOEKIT_CHECK(v.device.is_cpu(), what, " must be on the CPU, got ", v.to_string());
+}
+
+// Row stride of a 2-D (or flattened N-D contiguous) view whose innermost stride is 1.
+int64_t row_stride(const TensorView& v, const char* what) {
+  MOEKIT_CHECK(v.dim() == 2, what, " must be 2-D, got ", v.to_string());
+  MOEKIT_CHECK(v.stride(1) == 1, what, " must have unit inner stride, got ", shape_to_string(v.strides));
+  return v.stride(0);
+}
+
+const char* row_ptr(const TensorView& v, int64_t r, int64_t ld) {
+  return static_cast<const char*>(v.data) + size_t(r * ld) * esize(v.dtype);
+}
+char* row_ptr_mut(const TensorView& v, int64_t r, int64_t ld) {
+  return static_cast<char*>(v.data) + size_t(r * ld) * esize(v.dtype);
+}
+
+inline void load_f32(const void* src, DType t, float* dst, int64_t n) {
+  if (t == DType::f32) std::memcpy(dst, src, size_t(n) * 4);
+  else if (t == DType::bf16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+  } else convert(src, t, dst, DType::f32, n);
+}
+inline void store_f32(const float* src, void* dst, DType t, int64_t n) {
+  if (t == DType::f32) std::memcpy(dst, src, size_t(n) * 4);
+  else convert(src, DType::f32, dst, t, n);
+}
+// The value an f32 takes once stored in t.
+inline float round_as(DType t, float v) {
+  if (t == DType::bf16) return bf16_to_f32(f32_to_bf16(v));
+  if (t == DType::f16) return f16_to_f32(f32_to_f16(v));
+  return v;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void dot4(const float* x, const float* w, int64_t K, float* out) {
+  const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+  float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+  for (int64_t k = 0; k < K; ++k) {
+    const float xv = x[k];
+    a0 += xv * w0[k];
+    a1 += xv * w1[k];
+    a2 += xv * w2[k];
+    a3 += xv * w3[k];
+  }
+  out[0] = a0;
+  out[1] = a1;
+  out[2] = a2;
+  out[3] = a3;
+}
+
+// A 2-D view's rows as f32: the view itself when it already is f32, else a converted copy in `buf`.
+const float* rows_f32(const TensorView& v, int64_t ld, std::vector<float>& buf, int64_t& out_ld) {
+  const int64_t M = v.shape[0], K = v.shape[1];
+  if (v.dtype == DType::f32) {
+    out_ld = ld;
+    return static_cast<const float*>(v.data);
+  }
+  buf.resize(size_t(M * K));
+#pragma omp parallel for schedule(static) if (M * K > 65536)
+  for (int64_t m = 0; m < M; ++m) load_f32(row_ptr(v, m, ld), v.dtype, buf.data() + m * K, K);
+  out_ld = K;
+  return buf.data();
+}
+
+class CpuOps final : public DeviceOps {
+ public:
+  void embedding(const int64_t* ids, int64_t n, const TensorView& table, const TensorView& out) const override {
+    check_float(table, "embedding table");
+    check_float(out, "embedding output");
+    MOEKIT_CHECK(table.dim() == 2 && table.is_contiguous(), "embedding table must be a contiguous [V, H] tensor");
+    const int64_t V = table.shape[0], H = table.shape[1];
+    MOEKIT_CHECK(out.is_contiguous() && out.numel() == n * H, "embedding output must hold [", n, ", ", H, "]");
+    for (int64_t i = 0; i < n; ++i)
+      MOEKIT_CHECK(ids[i] >= 0 && ids[i] < V, "token id ", ids[i], " at position ", i, " is out of range [0, ", V,
+                   ") (vocab_size ", V, ")");
+    std::vector<float> row(static_cast<size_t>(H));
+    for (int64_t i = 0; i < n; ++i) {
+      const char* src = row_ptr(table, ids[i], H);
+      char* dst = static_cast<char*>(out.data) + size_t(i * H) * esize(out.dtype);
+      if (table.dtype == out.dtype) std::memcpy(dst, src, size_t(H) * esize(out.dtype));
+      else {
+        load_f32(src, table.dtype, row.data(), H);
+        store_f32(row.data(), dst, out.dtype, H);
+      }
+    }
+  }
+
+  void linear(const TensorView& x, const TensorView& w, const TensorView& bias, const TensorView& y) const override {
+    check_float(x, "linear input");
+    check_float(w, "linear weight");
+    check_float(y, "linear output");
+    const int64_t ldx = row_stride(x, "linear input");
+    MOEKIT_CHECK(w.dim() == 2 && w.is_contiguous(), "linear weight must be a contiguous [N, K] tensor, got ",
+                 w.to_string());
+    const int64_t M = x.shape[0], K = x.shape[1], N = w.shape[0];
+    MOEKIT_CHECK(w.shape[1] == K, "linear: input has ", K, " features, weight ", w.to_string(), " expects ",
+                 w.shape[1]);
+    MOEKIT_CHECK(y.dim() == 2 && y.shape[0] == M && y.shape[1] == N && y.is_contiguous(),
+                 "linear output must be a contiguous [", M, ", ", N, "] tensor, got ", y.to_string());
+    if (M == 0 || N == 0) return;
+    std::vector<float> bias_f;
+    if (bias.data) {
+      MOEKIT_CHECK(bias.numel() == N, "linear bias must have ", N, " values, got ", bias.to_string());
+      bias_f.resize(size_t(N));
+      load_f32(bias.data, bias.dtype, bias_f.data(), N);
+    }
+    std::vector<float> xbuf;
+    int64_t lx = 0;
+    const float* xf = rows_f32(x, ldx, xbuf, lx);
+    std::vector<float> ybuf;
+    float* yf = y.dtype == DType::f32 ? static_cast<float*>(y.data) : (ybuf.resize(size_t(M * N)), ybuf.data());
+    const bool wf32 = w.dtype == DType::f32;
+    constexpr int64_t NB = 16, MB = 64;
+    const int64_t tiles_n = (N + NB - 1) / NB, tiles_m = (M + MB - 1) / MB;
+#pragma omp parallel if (M * N * K > 32768)
+    {
+      std::vector<float> wbuf(wf32 ? 0 : size_t(NB * K));
+#pragma omp for collapse(2) schedule(static)
+      for (int64_t tn = 0; tn < tiles_n; ++tn) {
+        for (int64_t tm = 0; tm < tiles_m; ++tm) {
+          const int64_t n0 = tn * NB, n1 = std::min(N, n0 + NB);
+          const int64_t m0 = tm * MB, m1 = std::min(M, m0 + MB);
+          const float* wb;
+          if (wf32) wb = static_cast<const float*>(w.data) + n0 * K;
+          else {
+            load_f32(row_ptr(w, n0, K), w.dtype, wbuf.data(), (n1 - n0) * K);
+            wb = wbuf.data();
+          }
+          for (int64_t m = m0; m < m1; ++m) {
+            const float* xr = xf + m * lx;
+            float* yr = yf + m * N;
+            int64_t n = n0;
+            for (; n + 4 <= n1; n += 4) dot4(xr, wb + (n - n0) * K, K, yr + n);
+            for (; n < n1; ++n) yr[n] = dot(xr, wb + (n - n0) * K, K);
+            if (!bias_f.empty())
+              for (int64_t j = n0; j < n1; ++j) yr[j] += bias_f[size_t(j)];
+          }
+        }
+      }
+    }
+    if (y.dtype != DType::f32) {
+#pragma omp parallel for schedule(static) if (M * N > 65536)
+      for (int64_t m = 0; m < M; ++m) store_f32(yf + m * N, row_ptr_mut(y, m, N), y.dtype, N);
+    }
+  }
+
+  void rmsnorm(const TensorView& x, const TensorView& w, float eps, bool weight_before_cast,
+               const TensorView& y) const override {
+    check_float(x, "rmsnorm input");
+    check_float(w, "rmsnorm weight");
+    check_float(y, "rmsnorm output");
+    const int64_t ldx = row_stride(x, "rmsnorm input");
+    const int64_t M = x.shape[0], D = x.shape[1];
+    MOEKIT_CHECK(w.numel() == D, "rmsnorm weight has ", w.numel(), " values, rows have ", D);
+    MOEKIT_CHECK(y.dim() == 2 && y.shape[0] == M && y.shape[1] == D, "rmsnorm output must be [", M, ", ", D,
+                 "], got ", y.to_string());
+    const int64_t ldy = row_stride(y, "rmsnorm output");
+    std::vector<float> wf(static_cast<size_t>(D));
+    load_f32(w.data, w.dtype, wf.data(), D);
+    const DType in_t = x.dtype;
+#pragma omp parallel if (M * D > 16384)
+    {
+      std::vector<float> row(static_cast<size_t>(D));
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < M; ++m) {
+        load_f32(row_ptr(x, m, ldx), x.dtype, row.data(), D);
+        double ss = 0;
+        for (int64_t i = 0; i < D; ++i) ss += double(row[size_t(i)]) * row[size_t(i)];
+        const float variance = float(ss / double(D));
+        const float r = 1.0f / std::sqrt(variance + eps);
+        for (int64_t i = 0; i < D; ++i) {
+          const float h = row[size_t(i)] * r;
+          row[size_t(i)] = weight_before_cast ? wf[size_t(i)] * h : wf[size_t(i)] * round_as(in_t, h);
+        }
+        store_f32(row.data(), row_ptr_mut(y, m, ldy), y.dtype, D);
+      }
+    }
+  }
+
+  void rope(const TensorView& x, int64_t offset, int64_t pos0, const RopeSpec& rope) const override {
+    check_float(x, "rope input");
+    MOEKIT_CHECK(x.dim() == 3 && x.stride(2) == 1, "rope input must be [T, heads, S] with unit inner stride, got ",
+                 x.to_string());
+    const int64_t T = x.shape[0], NH = x.shape[1], S = x.shape[2], half = int64_t(rope.inv_freq.size());
+    const int64_t rd = 2 * half;
+    MOEKIT_CHECK(offset >= 0 && offset + rd <= S, "rope: dims [", offset, ", ", offset + rd,
+                 ") do not fit heads of size ", S);
+    const int64_t s0 = x.stride(0), s1 = x.stride(1);
+    const DType t = x.dtype;
+#pragma omp parallel if (T * NH * rd > 16384)
+    {
+      std::vector<float> c(static_cast<size_t>(half)), s(static_cast<size_t>(half));
+      std::vector<float> v(static_cast<size_t>(rd)), o(static_cast<size_t>(rd));
+#pragma omp for schedule(static)
+      for (int64_t ti = 0; ti < T; ++ti) {
+        const float pos = float(pos0 + ti);
+        for (int64_t i = 0; i < half; ++i) {
+          const float f = pos * rope.inv_freq[size_t(i)];
+          // transformers casts cos/sin to the activation dtype before using them.
+          c[size_t(i)] = round_as(t, std::cos(f) * rope.attention_scaling);
+          s[size_t(i)] = round_as(t, std::sin(f) * rope.attention_scaling);
+        }
+        for (int64_t h = 0; h < NH; ++h) {
+          char* p = static_cast<char*>(x.data) + size_t(ti * s0 + h * s1 + offset) * esize(t);
+          load_f32(p, t, v.data(), rd);
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = rope.interleaved ? v[size_t(2 * i)] : v[size_t(i)];
+            const float x2 = rope.interleaved ? v[size_t(2 * i + 1)] : v[size_t(i + half)];
+            o[size_t(i)] = x1 * c[size_t(i)] - x2 * s[size_t(i)];
+            o[size_t(i + half)] = x2 * c[size_t(i)] + x1 * s[size_t(i)];
+          }
+          store_f32(o.data(), p, t, rd);
+        }
+      }
+    }
+  }
+
+  void attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out, int64_t pos0,
+                 float scale, int64_t window, const TensorView& sinks) const override {
+    check_float(q, "attention q");
+    check_float(k, "attention k");
+    check_float(v, "attention v");
+    check_float(out, "attention output");
+    MOEKIT_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "attention operands must be 3-D");
+    for (const auto* t : {&q, &k, &v, &out})
+      MOEKIT_CHECK(t->is_contiguous(), "attention operands must be contiguous, got ", t->to_string());
+    const int64_t T = q.shape[0], Hq = q.shape[1], Dk = q.shape[2];
+    const int64_t S = k.shape[0], Hkv = k.shape[1], Dv = v.shape[2];
+    MOEKIT_CHECK(k.shape[2] == Dk && v.shape[0] == S && v.shape[1] == Hkv && Hkv > 0 && Hq % Hkv == 0,
+                 "attention: q ", q.to_string(), ", k ", k.to_string(), ", v ", v.to_string(), " do not match");
+    MOEKIT_CHECK(out.shape == Shape({T, Hq, Dv}), "attention output must be [", T, ", ", Hq, ", ", Dv, "], got ",
+                 out.to_string());
+    MOEKIT_CHECK(pos0 >= 0 && pos0 + T <= S, "attention: queries at positions [", pos0, ", ", pos0 + T,
+                 ") need that many keys, got ", S);
+    std::vector<float> sink_f;
+    if (sinks.data) {
+      MOEKIT_CHECK(sinks.numel() == Hq, "attention sinks must have ", Hq, " values, got ", sinks.to_string());
+      sink_f.resize(size_t(Hq));
+      load_f32(sinks.data, sinks.dtype, sink_f.data(), Hq);
+    }
+    std::vector<float> qbuf, kbuf, vbuf;
+    int64_t ld = 0;
+    const float* qf = rows_f32(reshaped(q, {T, Hq * Dk}), Hq * Dk, qbuf, ld);
+    const float* kf = rows_f32(reshaped(k, {S, Hkv * Dk}), Hkv * Dk, kbuf, ld);
+    const float* vf = rows_f32(reshaped(v, {S, Hkv * Dv}), Hkv * Dv, vbuf, ld);
+    std::vector<float> obuf;
+    float* of = out.dtype == DType::f32 ? static_cast<float*>(out.data)
+                                        : (obuf.resize(size_t(T * Hq * Dv)), obuf.data());
+    const int64_t group = Hq / Hkv;
+#pragma omp parallel if (T * Hq * S * (Dk + Dv) > 65536)
+    {
+      std::vector<float> p(static_cast<size_t>(S)), acc(static_cast<size_t>(Dv));
+#pragma omp for collapse(2) schedule(static)
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t h = 0; h < Hq; ++h) {
+          const int64_t pos = pos0 + t, g = h / group;
+          const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+          const float* qr = qf + (t * Hq + h) * Dk;
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t j = lo; j <= pos; ++j) {
+            const float sc = dot(qr, kf + (j * Hkv + g) * Dk, Dk) * scale;
+            p[size_t(j - lo)] = sc;
+            mx = std::max(mx, sc);
+          }
+          const bool has_sink = !sink_f.empty();
+          if (has_sink) mx = std::max(mx, sink_f[size_t(h)]);
+          float sum = 0;
+          for (int64_t j = lo; j <= pos; ++j) {
+            const float e = std::exp(p[size_t(j - lo)] - mx);
+            p[size_t(j - lo)] = e;
+            sum += e;
+          }
+          if (has_sink) sum += std::exp(sink_f[size_t(h)] - mx);
+          const float inv = 1.0f / sum;
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          for (int64_t j = lo; j <= pos; ++j) {
+            const float pj = p[size_t(j - lo)] * inv;
+            const float* vr = vf + (j * Hkv + g) * Dv;
+#pragma omp simd
+            for (int64_t d = 0; d < Dv; ++d) acc[size_t(d)] += pj * vr[d];
+          }
+          std::memcpy(of + (t * Hq + h) * Dv, acc.data(), size_t(Dv) * 4);
+        }
+      }
+    }
+    if (out.dtype != DType::f32) store_f32(of, out.data, out.dtype, T * Hq * Dv);
+  }
+
+  void act_mul(const TensorView& gu, Activation act, const TensorView& out) const override {
+    check_float(gu, "act_mul input");
+    check_float(out, "act_mul output");
+    const int64_t ld = row_stride(gu, "act_mul input");
+    const int64_t M = gu.shape[0], I = gu.shape[1] / 2;
+    MOEKIT_CHECK(gu.shape[1] % 2 == 0 && out.dim() == 2 && out.shape[0] == M && out.shape[1] == I &&
+                     out.is_contiguous(),
+                 "act_mul: input ", gu.to_string(), " and output ", out.to_string(), " do not match");
+#pragma omp parallel if (M * I > 16384)
+    {
+      std::vector<float> row(static_cast<size_t>(2 * I)), o(static_cast<size_t>(I));
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < M; ++m) {
+        load_f32(row_ptr(gu, m, ld), gu.dtype, row.data(), 2 * I);
+        for (int64_t i = 0; i < I; ++i) o[size_t(i)] = activate(act, row[size_t(i)]) * row[size_t(I + i)];
+        store_f32(o.data(), row_ptr_mut(out, m, I), out.dtype, I);
+      }
+    }
+  }
+
+  void add(const TensorView& a, const TensorView& b, const TensorView& out) const override {
+    check_float(a, "add input");
+    check_float(b, "add input");
+    check_float(out, "add output");
+    MOEKIT_CHECK(a.shape == b.shape && a.shape == out.shape && a.is_contiguous() && b.is_contiguous() &&
+                     out.is_contiguous(),
+                 "add: shapes ", a.to_string(), ", ", b.to_string(), ", ", out.to_string(), " must match");
+    const int64_t n = a.numel();
+    if (a.dtype == DType::f32 && b.dtype == DType::f32 && out.dtype == DType::f32) {
+      const float *pa = a.ptr<float>(), *pb = b.ptr<float>();
+      float* po = out.ptr<float>();
+#pragma omp parallel for simd schedule(static) if (n > 65536)
+      for (int64_t i = 0; i < n; ++i) po[i] = pa[i] + pb[i];
+      return;
+    }
+    constexpr int64_t kChunk = 4096;
+#pragma omp parallel if (n > 65536)
+    {
+      std::vector<float> fa(static_cast<size_t>(kChunk)), fb(static_cast<size_t>(kChunk));
+#pragma omp for schedule(static)
+      for (int64_t c = 0; c < (n + kChunk - 1) / kChunk; ++c) {
+        const int64_t i0 = c * kChunk, len = std::min(kChunk, n - i0);
+        load_f32(static_cast<const char*>(a.data) + size_t(i0) * esize(a.dtype), a.dtype, fa.data(), len);
+        load_f32(static_cast<const char*>(b.data) + size_t(i0) * esize(b.dtype), b.dtype, fb.data(), len);
+        for (int64_t i = 0; i < len; ++i) fa[size_t(i)] += fb[size_t(i)];
+        store_f32(fa.data(), static_cast<char*>(out.data) + size_t(i0) * esize(out.dtype), out.dtype, len);
+      }
+    }
+  }
+
+  void add_sigmoid_gated(const TensorView& x, const TensorView& gate, const TensorView& out) const override {
+    check_float(x, "gated add input");
+    check_float(gate, "gated add gate");
+    check_float(out, "gated add output");
+    MOEKIT_CHECK(x.dim() == 2 && x.shape == out.shape && x.is_contiguous() && out.is_contiguous() &&
+                     gate.numel() == x.shape[0] && gate.is_contiguous(),
+                 "gated add: x ", x.to_string(), ", gate ", gate.to_string(), ", out ", out.to_string());
+    const int64_t M = x.shape[0], H = x.shape[1];
+    std::vector<float> g(static_cast<size_t>(M));
+    load_f32(gate.data, gate.dtype, g.data(), M);
+#pragma omp parallel if (M * H > 65536)
+    {
+      std::vector<float> xr(static_cast<size_t>(H)), orow(static_cast<size_t>(H));
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < M; ++m) {
+        // transformers rounds sigmoid(gate) and the product to the activation dtype.
+        const float s = round_as(x.dtype, 1.0f / (1.0f + std::exp(-g[size_t(m)])));
+        load_f32(row_ptr(x, m, H), x.dtype, xr.data(), H);
+        load_f32(row_ptr(out, m, H), out.dtype, orow.data(), H);
+        for (int64_t i = 0; i < H; ++i) orow[size_t(i)] += round_as(x.dtype, s * xr[size_t(i)]);
+        store_f32(orow.data(), row_ptr_mut(out, m, H), out.dtype, H);
+      }
+    }
+  }
+
+  void clamp(const TensorView& x, float limit) const override {
+    check_float(x, "clamp input");
+    MOEKIT_CHECK(x.is_contiguous(), "clamp input must be contiguous, got ", x.to_string());
+    const int64_t n = x.numel();
+    std::vector<float> f(static_cast<size_t>(n));
+    load_f32(x.data, x.dtype, f.data(), n);
+    for (auto& v : f) v = std::min(std::max(v, -limit), limit);
+    store_f32(f.data(), x.data, x.dtype, n);
+  }
+
+  void route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
+             const TensorView& index, const TensorView& weights) const override;
+
+  void mla_expand(const TensorView& kvb, const TensorView& k_rot, int64_t nope, const TensorView& k,
+                  const TensorView& v) const override {
+    check_float(kvb, "mla kv_b output");
+    check_float(k_rot, "mla k_rot");
+    MOEKIT_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() && kvb.is_contiguous(),
+                 "mla_expand: k ", k.to_string(), " and v ", v.to_string(), " must be contiguous 3-D");
+    const int64_t T = k.shape[0], H = k.shape[1], dk = k.shape[2], dv = v.shape[2], rope = dk - nope;
+    const int64_t ldr = row_stride(k_rot, "mla k_rot");
+    MOEKIT_CHECK(kvb.numel() == T * H * (nope + dv) && k_rot.shape[0] == T && k_rot.shape[1] == rope &&
+                     v.shape[0] == T && v.shape[1] == H,
+                 "mla_expand: kvb ", kvb.to_string(), ", k_rot ", k_rot.to_string(), ", k ", k.to_string(), ", v ",
+                 v.to_string(), " do not match");
+    std::vector<float> row(static_cast<size_t>(H * (nope + dv))), kr(static_cast<size_t>(rope));
+    std::vector<float> ko(static_cast<size_t>(H * dk)), vo(static_cast<size_t>(H * dv));
+    for (int64_t t = 0; t < T; ++t) {
+      load_f32(row_ptr(kvb, t, H * (nope + dv)), kvb.dtype, row.data(), H * (nope + dv));
+      load_f32(row_ptr(k_rot, t, ldr), k_rot.dtype, kr.data(), rope);
+      for (int64_t h = 0; h < H; ++h) {
+        const float* src = row.data() + h * (nope + dv);
+        std::copy(src, src + nope, ko.data() + h * dk);
+        std::copy(kr.begin(), kr.end(), ko.data() + h * dk + nope);
+        std::copy(src + nope, src + nope + dv, vo.data() + h * dv);
+      }
+      store_f32(ko.data(), row_ptr_mut(k, t, H * dk), k.dtype, H * dk);
+      store_f32(vo.data(), row_ptr_mut(v, t, H * dv), v.dtype, H * dv);
+    }
+  }
+};
+
+// Indices of the k largest values (ties: lower index first), largest first.
+void top_k_desc(const float* v, int64_t n, int64_t k, std::vector<int32_t>& order) {
+  order.resize(size_t(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
+    return v[a] > v[b] || (v[a] == v[b] && a < b);
+  });
+  order.resize(size_t(k));
+}
+
+void CpuOps::route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
+                   const TensorView& index, const TensorView& weights) const {
+  MOEKIT_CHECK(logits.dtype == DType::f32 && logits.dim() == 2 && logits.is_contiguous(),
+               "router logits must be a contiguous f32 [T, E] tensor, got ", logits.to_string());
+  const int64_t T = logits.shape[0], E = logits.shape[1], K = spec.top_k;
+  MOEKIT_CHECK(K >= 1 && K <= E, "router top_k ", K, " must be in [1, ", E, "]");
+  MOEKIT_CHECK(index.dtype == DType::i32 && index.shape == Shape({T, K}) && weights.dtype == DType::f32 &&
+                   weights.shape == Shape({T, K}),
+               "router outputs must be index i32 [", T, ", ", K, "] and weights f32 [", T, ", ", K, "]");
+  const float* bias = nullptr;
+  if (correction_bias.data) {
+    MOEKIT_CHECK(correction_bias.dtype == DType::f32 && correction_bias.numel() == E,
+                 "router correction bias must be f32 [", E, "], got ", correction_bias.to_string());
+    bias = correction_bias.ptr<float>();
+  }
+  if (spec.kind == RouterKind::grouped_sigmoid)
+    MOEKIT_CHECK(spec.n_group >= 1 && E % spec.n_group == 0 && spec.topk_group >= 1 &&
+                     spec.topk_group <= spec.n_group && K <= spec.topk_group * (E / spec.n_group),
+                 "grouped router: n_group ", spec.n_group, ", topk_group ", spec.topk_group, " and top_k ", K,
+                 " do not fit ", E, " experts");
+  const float* lg = logits.ptr<float>();
+  int32_t* out_idx = index.ptr<int32_t>();
+  float* out_w = weights.ptr<float>();
+#pragma omp parallel if (T * E > 16384)
+  {
+    std::vector<float> p(static_cast<size_t>(E)), choice(static_cast<size_t>(E));
+    std::vector<float> gscore(static_cast<size_t>(spec.n_group));
+    std::vector<int32_t> order, gorder;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      const float* l = lg + t * E;
+      int32_t* oi = out_idx + t * K;
+      float* ow = out_w + t * K;
+      switch (spec.kind) {
+        case RouterKind::softmax_topk: {
+          const float mx = *std::max_element(l, l + E);
+          float sum = 0;
+          for (int64_t e = 0; e < E; ++e) sum += (p[size_t(e)] = std::exp(l[e] - mx));
+          for (auto& x : p) x /= sum;
+          top_k_desc(p.data(), E, K, order);
+          float s = 0;
+          for (int64_t j = 0; j < K; ++j) s += p[size_t(order[size_t(j)])];
+          for (int64_t j = 0; j < K; ++j) {
+            oi[j] = order[size_t(j)];
+            ow[j] = spec.norm_topk_prob ? p[size_t(order[size_t(j)])] / s : p[size_t(order[size_t(j)])];
+          }
+          break;
+        }
+        case RouterKind::topk_softmax: {
+          top_k_desc(l, E, K, order);
+          const float mx = l[order[0]];
+          float sum = 0;
+          for (int64_t j = 0; j < K; ++j) sum += (ow[j] = std::exp(l[order[size_t(j)]] - mx));
+          for (int64_t j = 0; j < K; ++j) {
+            oi[j] = order[size_t(j)];
+            ow[j] /= sum;
+          }
+          break;
+        }
+        case RouterKind::grouped_sigmoid: {
+          const int64_t G = spec.n_group, per = E / G;
+          for (int64_t e = 0; e < E; ++e) {
+            p[size_t(e)] = 1.0f / (1.0f + std::exp(-l[e]));
+            choice[size_t(e)] = p[size_t(e)] + (bias ? bias[e] : 0.0f);
+          }
+          // A group's score: the sum of its two best choice scores.
+          for (int64_t g = 0; g < G; ++g) {
+            top_k_desc(choice.data() + g * per, per, std::min<int64_t>(2, per), gorder);
+            float s = 0;
+            for (int32_t i : gorder) s += choice[size_t(g * per + i)];
+            gscore[size_t(g)] = s;
+          }
+          top_k_desc(gscore.data(), G, spec.topk_group, gorder);
+          std::vector<bool> keep(static_cast<size_t>(G), false);
+          for (int32_t g : gorder) keep[size_t(g)] = true;
+          for (int64_t e = 0; e < E; ++e)
+            if (!keep[size_t(e / per)]) choice[size_t(e)] = -std::numeric_limits<float>::infinity();
+          top_k_desc(choice.data(), E, K, order);
+          float s = 0;
+          for (int64_t j = 0; j < K; ++j) s += p[size_t(order[size_t(j)])];
+          for (int64_t j = 0; j < K; ++j) {
+            oi[j] = order[size_t(j)];
+            float wv = p[size_t(order[size_t(j)])];
+            if (spec.norm_topk_prob) wv /= (s + 1e-20f);
+            ow[j] = wv * spec.routed_scaling_factor;
+          }
+          break;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+const DeviceOps* cpu_ops() {
+  static const CpuOps ops;
+  return &ops;
+}
+
+}  // namespace moekit::model

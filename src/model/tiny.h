@@ -1,0 +1,37 @@
+// Small random checkpoints in transformers' own format, for tests, demos and benchmarks of the runtime.
+#pragma once
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "moekit/tensor.h"
+
+namespace moekit {
+
+struct TinyOptions {
+  uint64_t seed = 0;
+  DType dtype = DType::f32;  // f32, bf16 or f16: the weights and the config's "dtype"
+  int shards = 1;            // > 1: model-0000i-of-0000n.safetensors + model.safetensors.index.json
+};
+
+// The model_types write_tiny_checkpoint knows: qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v3,
+// gpt_oss and qwen3_vl_moe (multimodal: the MoE backbone in text_config, a small vision tower).
+std::vector<std::string> tiny_architectures();
+
+// Writes DIR/config.json and generation_config.json as transformers saves them for that model_type,
+// and the weights with the tensor names and layouts of published checkpoints (per-expert
+// experts.{e}.gate_proj/up_proj/down_proj, Mixtral's w1/w2/w3, gpt-oss's fused transposed experts
+// with biases, Qwen3-VL-MoE's fused [E, H, 2I] / [E, I, H]). Values: normal-ish with std 0.15
+// (RMSNorm weights 1 + 0.1 noise, biases 0.1 noise), a pure function of (arch, seed, tensor name).
+// Creates DIR when needed; replaces an earlier checkpoint's weight files there.
+void write_tiny_checkpoint(const std::string& arch, const std::string& dir, uint64_t seed);
+void write_tiny_checkpoint(const std::string& arch, const std::string& dir, const TinyOptions& options);
+
+// The config.json written for arch (dtype float32); throws not_found listing the known ones.
+nlohmann::json tiny_config(const std::string& arch);
+// The tensors of a checkpoint of that config, sorted by name: (name, shape).
+std::vector<std::pair<std::string, Shape>> tiny_tensor_shapes(const nlohmann::json& config);
+
+}  // namespace moekit

@@ -1,0 +1,439 @@
+// The differential test of every registered experts backend (after ggml's test-backend-ops): each backend that
+// is available on a device runs a sweep of dtypes, token counts, experts, top-k, odd sizes, empty experts,
+// sentinels, index dtypes and flag combinations, and is compared with the f64 reference by relative L2 error.
+// A new backend (or a CUDA device) needs no new code here. Also: the CPU GEMM on every instruction set this CPU
+// has, the routing, determinism, and that batched_mm does not copy weights per pair.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <new>
+
+#include "backends/cpu/convert.h"
+#include "backends/cpu/gemm.h"
+#include "backends/reference.h"
+#include "routing/routing.h"
+#include "test_experts_problem.h"
+
+using namespace moekit;
+using namespace moekit::test;
+
+// ---- allocation counting (batched_mm must not copy weights per pair) ----
+
+namespace {
+std::atomic<bool> g_count_allocations{false};
+std::atomic<int64_t> g_allocated_bytes{0};
+}  // namespace
+
+void* operator new(size_t n) {
+  if (g_count_allocations.load(std::memory_order_relaxed)) g_allocated_bytes += int64_t(n);
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](size_t n) { return operator new(n); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, size_t) noexcept { std::free(p); }
+void operator delete[](void* p, size_t) noexcept { std::free(p); }
+
+namespace {
+
+std::vector<Device> test_devices() {
+  std::vector<Device> d{Device::cpu()};
+  if (cuda_available()) d.push_back(Device::cuda(0));
+  return d;
+}
+
+struct Outcome {
+  int ok = 0, fail = 0, unsupported = 0;
+};
+
+// Runs every available backend on every device on one problem; prints a line per backend.
+void run_all_backends(const ProblemConfig& cfg, uint64_t seed, Outcome& outcome) {
+  const ExpertsProblem p = make_problem(cfg, seed);
+  const double tol = tolerance_for(cfg.act);
+  for (const Device dev : test_devices()) {
+    const Experts experts = p.experts.to(dev);
+    const Tensor x = p.hidden_states.to(dev), idx = p.top_k_index.to(dev), w = p.top_k_weights.to(dev);
+    for (const auto& backend : ExpertsInterface::global().backends()) {
+      const std::string name(backend->name());
+      if (!backend->available(dev)) continue;  // reported once in AvailabilityIsExplained
+      const Support s = backend->supports(experts, cfg.act);
+      if (!s) {
+        ++outcome.unsupported;
+        std::printf("  %-16s %-7s %s  NOT SUPPORTED (%s)\n", name.c_str(), dev.to_string().c_str(),
+                    cfg.to_string().c_str(), s.reason.c_str());
+        continue;
+      }
+      Tensor out = Tensor::empty(x.shape(), x.dtype(), dev);
+      if (out.numel()) poison(out);
+      std::string error;
+      double err = 0;
+      try {
+        experts.forward_with(name, ExpertsCall{x.view(), idx.view(), w.view(), out.view(), nullptr});
+        stream_synchronize(nullptr, dev);
+        err = relative_l2(out.view(), p.reference);
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      const bool ok = error.empty() && err <= tol;
+      ok ? ++outcome.ok : ++outcome.fail;
+      std::printf("  %-16s %-7s %s  %s (rel L2 %.2e, tolerance %.0e)%s%s\n", name.c_str(), dev.to_string().c_str(),
+                  cfg.to_string().c_str(), ok ? "OK" : "FAIL", err, tol, error.empty() ? "" : " error: ",
+                  error.c_str());
+      EXPECT_TRUE(ok) << name << " on " << dev.to_string() << ": " << cfg.to_string() << " rel L2 " << err
+                      << " > " << tol << " " << error;
+    }
+  }
+}
+
+// Every flag combination with one activation each (cycled), the gate kinds where they apply.
+std::vector<ProblemConfig> flag_combinations() {
+  std::vector<ProblemConfig> out;
+  const Activation acts[] = {Activation::silu, Activation::gelu, Activation::gelu_tanh, Activation::relu,
+                             Activation::sigmoid, Activation::identity, Activation::relu2};
+  int n = 0;
+  for (int has_gate = 0; has_gate < 2; ++has_gate)
+    for (int bias = 0; bias < 2; ++bias)
+      for (int tr = 0; tr < 2; ++tr)
+        for (int concat = 0; concat < (has_gate ? 2 : 1); ++concat)
+          for (int gate = 0; gate < (has_gate ? 3 : 1); ++gate) {
+            ProblemConfig c;
+            c.has_gate = has_gate;
+            c.has_bias = bias;
+            c.transposed = tr;
+            c.concatenated = has_gate ? bool(concat) : true;
+            c.gate = has_gate ? GateKind(gate) : GateKind::act_mul;
+            c.activation = acts[n++ % 7];
+            out.push_back(c);
+          }
+  return out;
+}
+
+const DType kFloatTypes[] = {DType::f32, DType::bf16, DType::f16};
+
+// Sanitizer builds are ~20x slower: they run every kSample-th sweep case.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr int kSample = 6;
+#else
+constexpr int kSample = 1;
+#endif
+// Whether sweep case n runs (a hash, so the sample is not aligned with the cycled parameters).
+bool sampled(uint64_t n) {
+  n = (n + 0x9e3779b97f4a7c15ull) * 0xbf58476d1ce4e5b9ull;
+  return (n >> 33) % kSample == 0;
+}
+
+}  // namespace
+
+TEST(Backends, AvailabilityIsExplained) {
+  for (const Device dev : test_devices())
+    for (const auto& b : ExpertsInterface::global().backends()) {
+      const Support s = b->available(dev);
+      std::printf("  %-16s %-7s %s\n", std::string(b->name()).c_str(), dev.to_string().c_str(),
+                  s ? "available" : ("NOT SUPPORTED: " + s.reason).c_str());
+      if (!s) EXPECT_FALSE(s.reason.empty()) << b->name();
+    }
+  for (const char* n : {"eager", "batched_mm", "grouped_mm"})
+    EXPECT_TRUE(ExpertsInterface::global().get(n)->available(Device::cpu())) << n;
+}
+
+// Full product of flags x activation dtype x weight dtype on small odd shapes; tokens, experts, top-k, routing
+// weight dtype, index dtype, sentinels and empty experts cycle with the case number.
+TEST(Backends, SweepSmallShapesEveryFlagAndDtype) {
+  const int64_t tokens[] = {0, 1, 5, 7};
+  const int64_t ek[][2] = {{1, 1}, {8, 1}, {8, 2}, {8, 8}, {3, 2}};
+  Outcome o;
+  int n = 0;
+  for (const ProblemConfig& flags : flag_combinations())
+    for (const DType act : kFloatTypes)
+      for (const DType wdt : kFloatTypes) {
+        ProblemConfig c = flags;
+        c.act = act;
+        c.wdt = wdt;
+        c.rwt = kFloatTypes[n % 3];
+        c.idt = n % 2 ? DType::i32 : DType::i64;
+        c.T = tokens[n % 4];
+        c.E = ek[(n / 4) % 5][0];
+        c.K = ek[(n / 4) % 5][1];
+        c.H = n % 2 ? 33 : 47;
+        c.I = n % 2 ? 47 : 33;
+        c.sentinels = n % 3 == 0;
+        c.empty_experts = n % 5 == 1;
+        if (sampled(n)) run_all_backends(c, 1000 + n, o);
+        ++n;
+      }
+  std::printf("small sweep: %d OK, %d FAIL, %d NOT SUPPORTED\n", o.ok, o.fail, o.unsupported);
+  EXPECT_EQ(o.fail, 0);
+  EXPECT_GT(o.ok, 0);
+}
+
+// Larger token counts, 60 experts, top-8, sizes that cross the GEMM's tiles and k blocks; flags and dtypes
+// sampled with a fixed seed.
+TEST(Backends, SweepLargerShapesSampled) {
+  struct Shape {
+    int64_t T, E, K, H, I;
+  };
+  const Shape shapes[] = {{64, 8, 2, 130, 47},  {333, 8, 2, 47, 130}, {333, 1, 1, 33, 47},  {64, 60, 8, 130, 33},
+                          {333, 60, 2, 33, 47}, {64, 8, 8, 520, 33},  {333, 2, 2, 47, 600}, {5, 60, 8, 130, 130},
+                          {64, 3, 1, 260, 130}, {333, 8, 1, 130, 47}};
+  const std::vector<ProblemConfig> flags = flag_combinations();
+  std::mt19937_64 rng(7);
+  Outcome o;
+  int n = 0;
+  for (const Shape& s : shapes)
+    for (int rep = 0; rep < 3; ++rep, ++n) {
+      ProblemConfig c = flags[rng() % flags.size()];
+      c.act = kFloatTypes[rng() % 3];
+      c.wdt = kFloatTypes[rng() % 3];
+      c.rwt = kFloatTypes[rng() % 3];
+      c.idt = rng() % 2 ? DType::i32 : DType::i64;
+      c.T = s.T;
+      c.E = s.E;
+      c.K = s.K;
+      c.H = s.H;
+      c.I = s.I;
+      c.sentinels = rep == 1;
+      c.empty_experts = rep == 2;
+      if (sampled(n)) run_all_backends(c, 5000 + n, o);
+    }
+  std::printf("larger sweep: %d OK, %d FAIL, %d NOT SUPPORTED\n", o.ok, o.fail, o.unsupported);
+  EXPECT_EQ(o.fail, 0);
+}
+
+// The CPU backends on every instruction set this CPU has (MOEKIT_CPU_ISA chooses one for a whole process).
+TEST(Backends, CpuEveryInstructionSet) {
+  const std::vector<ProblemConfig> flags = flag_combinations();
+  for (const cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512}) {
+    if (!cpu::isa_supported(isa)) {
+      std::printf("ISA %s: NOT SUPPORTED on this CPU (not tested here)\n", cpu::isa_name(isa));
+      continue;
+    }
+    cpu::set_isa_override(isa);
+    Outcome o;
+    for (size_t i = 0; i < flags.size(); ++i) {
+      ProblemConfig c = flags[i];
+      c.act = kFloatTypes[i % 3];
+      c.wdt = kFloatTypes[(i / 3) % 3];
+      c.rwt = kFloatTypes[(i + 1) % 3];
+      c.T = i % 2 ? 70 : 3;
+      c.E = 5;
+      c.K = 2;
+      c.H = i % 3 ? 41 : 530;
+      c.I = i % 3 ? 35 : 19;
+      c.sentinels = i % 4 == 0;
+      if (sampled(i)) run_all_backends(c, 9000 + i, o);
+    }
+    cpu::clear_isa_override();
+    std::printf("ISA %s: %d OK, %d FAIL\n", cpu::isa_name(isa), o.ok, o.fail);
+    EXPECT_EQ(o.fail, 0) << cpu::isa_name(isa);
+  }
+}
+
+TEST(Backends, SentinelSlotsContributeExactlyZero) {
+  ProblemConfig c;
+  c.T = 9;
+  c.E = 4;
+  c.K = 3;
+  c.H = 24;
+  c.I = 16;
+  c.has_bias = true;
+  for (const Device dev : test_devices()) {
+    ExpertsProblem p = make_problem(c, 11);
+    // token 0: every slot on another rank; token 1: two of three; routing weights there are NaN.
+    for (int64_t k = 0; k < 3; ++k) p.top_k_index.ptr<int64_t>()[k] = 4;
+    p.top_k_index.ptr<int64_t>()[3] = 4;
+    p.top_k_index.ptr<int64_t>()[5] = 4;
+    for (int64_t i : {0, 1, 2, 3, 5}) p.top_k_weights.ptr<float>()[i] = NAN;
+    const auto ref = reference_forward(p.experts, p.hidden_states, p.top_k_index, p.top_k_weights);
+    const Experts experts = p.experts.to(dev);
+    for (const auto& b : ExpertsInterface::global().backends()) {
+      if (!b->available(dev) || !b->supports(experts, DType::f32)) continue;
+      const Tensor x = p.hidden_states.to(dev), idx = p.top_k_index.to(dev), w = p.top_k_weights.to(dev);
+      Tensor out = Tensor::empty(x.shape(), x.dtype(), dev);
+      poison(out);
+      experts.forward_with(b->name(), ExpertsCall{x.view(), idx.view(), w.view(), out.view(), nullptr});
+      const Tensor host = out.to(Device::cpu());
+      for (int64_t h = 0; h < c.H; ++h) EXPECT_EQ(f32_to_bits(host.ptr<float>()[h]), 0u) << b->name() << " h=" << h;
+      EXPECT_LE(relative_l2(out.view(), ref), 1e-5) << b->name();
+    }
+  }
+}
+
+TEST(Backends, DeterministicRunToRunAndAcrossThreadCounts) {
+  ProblemConfig c;
+  c.act = DType::bf16;
+  c.wdt = DType::bf16;
+  c.T = 97;
+  c.E = 8;
+  c.K = 4;
+  c.H = 136;
+  c.I = 72;
+  c.has_bias = true;
+  c.sentinels = true;
+  const ExpertsProblem p = make_problem(c, 21);
+  const int threads = omp_get_max_threads();
+  for (const Device dev : test_devices()) {
+    const Experts experts = p.experts.to(dev);
+    const Tensor x = p.hidden_states.to(dev), idx = p.top_k_index.to(dev), w = p.top_k_weights.to(dev);
+    for (const auto& b : ExpertsInterface::global().backends()) {
+      if (!b->available(dev) || !b->supports(experts, c.act)) continue;
+      std::vector<Tensor> outs;
+      for (int run = 0; run < 3; ++run) {
+        omp_set_num_threads(run == 2 ? 1 : std::max(2, threads));
+        Tensor out = Tensor::empty(x.shape(), x.dtype(), dev);
+        poison(out);
+        experts.forward_with(b->name(), ExpertsCall{x.view(), idx.view(), w.view(), out.view(), nullptr});
+        outs.push_back(out.to(Device::cpu()));
+      }
+      omp_set_num_threads(threads);
+      for (int run = 1; run < 3; ++run)
+        EXPECT_EQ(std::memcmp(outs[0].data(), outs[size_t(run)].data(), outs[0].nbytes()), 0)
+            << b->name() << " on " << dev.to_string() << ": run " << run << " differs";
+    }
+  }
+}
+
+// transformers' batched_mm gathers gate_up_proj[expert_ids] (a weight copy per pair); moekit's reads in place.
+TEST(Backends, BatchedMmDoesNotCopyWeightsPerPair) {
+  ProblemConfig c;
+  c.T = 64;
+  c.E = 4;
+  c.K = 4;
+  c.H = 128;
+  c.I = 96;
+  const ExpertsProblem p = make_problem(c, 31);
+  Tensor out = Tensor::empty(p.hidden_states.shape(), p.hidden_states.dtype());
+  const ExpertsCall call{p.hidden_states.view(), p.top_k_index.view(), p.top_k_weights.view(), out.view(), nullptr};
+  p.experts.forward_with("batched_mm", call);  // warm up per-thread scratch
+  g_allocated_bytes = 0;
+  g_count_allocations = true;
+  p.experts.forward_with("batched_mm", call);
+  g_count_allocations = false;
+  const int64_t pairs = c.T * c.K;
+  const int64_t per_pair_weights = (2 * c.I * c.H + c.H * c.I) * 4;  // what a per-pair copy would take
+  const int64_t activations = (c.T * c.H + pairs * (2 * c.I + c.H)) * 4 * 2;  // scratch, with slack
+  std::printf("batched_mm allocated %lld bytes; per-pair weight copies would take %lld\n",
+              (long long)g_allocated_bytes.load(), (long long)(pairs * per_pair_weights));
+  EXPECT_LT(g_allocated_bytes.load(), activations);
+  EXPECT_LT(g_allocated_bytes.load(), pairs * per_pair_weights / 20);
+}
+
+// ---- routing ----
+
+TEST(Routing, StableCountingSortDropsSentinels) {
+  for (const DType idt : {DType::i32, DType::i64}) {
+    // [4, 2]: ids in [0, 3], 3 = sentinel
+    const int64_t ids[] = {2, 0, 3, 2, 0, 2, 3, 3};
+    Tensor t = Tensor::empty({4, 2}, idt);
+    for (int i = 0; i < 8; ++i) {
+      if (idt == DType::i32) t.ptr<int32_t>()[i] = int32_t(ids[i]);
+      else t.ptr<int64_t>()[i] = ids[i];
+    }
+    const ExpertRouting r = route_top_k(t.data(), idt, 4, 2, 3);
+    EXPECT_EQ(r.counts, (std::vector<int64_t>{2, 0, 3}));
+    EXPECT_EQ(r.offsets, (std::vector<int64_t>{0, 2, 2, 5}));
+    EXPECT_EQ(r.sorted_pairs, (std::vector<int64_t>{1, 4, 0, 3, 5}));
+    EXPECT_EQ(r.position, (std::vector<int64_t>{2, 0, -1, 3, 1, 4, -1, -1}));
+    EXPECT_EQ(r.active_experts(), (std::vector<int64_t>{0, 2}));
+    EXPECT_EQ(r.routed(), 5);
+  }
+  const ExpertRouting empty = route_top_k(nullptr, DType::i64, 0, 4, 3);
+  EXPECT_EQ(empty.routed(), 0);
+  const int64_t bad[] = {0, 5};
+  try {
+    route_top_k(bad, DType::i64, 1, 2, 3);
+    FAIL() << "id 5 accepted with 3 experts";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("= 5"), std::string::npos) << e.what();
+  }
+}
+
+// ---- the CPU GEMM ----
+
+namespace {
+// C = A x W^T in double, W as stored.
+std::vector<double> gemm_reference(const std::vector<float>& a, const Tensor& w, int64_t m, int64_t n, int64_t k,
+                                   bool transposed) {
+  std::vector<double> c(size_t(m * n), 0.0);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double s = 0;
+      for (int64_t kk = 0; kk < k; ++kk)
+        s += double(a[size_t(i * k + kk)]) * load_as_f64(w.data(), w.dtype(), transposed ? kk * n + j : j * k + kk);
+      c[size_t(i * n + j)] = s;
+    }
+  return c;
+}
+}  // namespace
+
+TEST(CpuGemm, EveryIsaLayoutAndDtypeMatchesDouble) {
+  struct Dims {
+    int64_t m, n, k;
+  };
+  // m <= 4 reads W in place; above, packed panels; k > 512 crosses k blocks, n > 128 column tiles.
+  const Dims dims[] = {{1, 1, 1},     {1, 37, 33},   {2, 16, 8},     {3, 130, 47},   {4, 65, 519},
+                       {5, 33, 130},  {7, 129, 600}, {13, 200, 1030}, {250, 45, 31}, {6, 17, 9}};
+  std::mt19937_64 rng(3);
+  for (const cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512}) {
+    if (!cpu::isa_supported(isa)) continue;
+    cpu::set_isa_override(isa);
+    const cpu::GemmKernels& kern = cpu::gemm_kernels();
+    EXPECT_EQ(kern.isa, isa);
+    for (const Dims d : dims)
+      for (const DType wdt : kFloatTypes)
+        for (const bool tr : {false, true}) {
+          const Tensor af = randn({d.m, d.k}, DType::f32, rng);
+          std::vector<float> a(af.ptr<float>(), af.ptr<float>() + d.m * d.k);
+          const Tensor w = randn(tr ? Shape{d.k, d.n} : Shape{d.n, d.k}, wdt, rng);
+          const cpu::WeightMatrix wm{w.data(), wdt == DType::f32 ? cpu::WType::f32 : wdt == DType::bf16 ? cpu::WType::bf16 : cpu::WType::f16,
+                                     d.n, d.k, tr};
+          std::vector<float> c(size_t(d.m * d.n), NAN);
+          cpu::gemm(kern, a.data(), d.k, d.m, wm, c.data(), d.n);
+          const auto ref = gemm_reference(a, w, d.m, d.n, d.k, tr);
+          std::vector<double> got(c.begin(), c.end());
+          const double err = relative_l2(got, ref);
+          EXPECT_LT(err, 2e-6) << cpu::isa_name(isa) << " m=" << d.m << " n=" << d.n << " k=" << d.k << " "
+                               << dtype_name(wdt) << (tr ? " [K,N]" : " [N,K]");
+          // An element's value does not depend on how the columns are split into tiles.
+          std::vector<float> c2(size_t(d.m * d.n), NAN), work(size_t(kern.work_floats));
+          for (int64_t n0 = 0; n0 < d.n; n0 += 7)
+            kern.gemm_tile(a.data(), d.k, d.m, wm, n0, std::min(d.n, n0 + 7), c2.data(), d.n, work.data());
+          EXPECT_EQ(std::memcmp(c.data(), c2.data(), c.size() * 4), 0)
+              << cpu::isa_name(isa) << " m=" << d.m << " n=" << d.n << " k=" << d.k << ": tiling changed bits";
+        }
+    cpu::clear_isa_override();
+  }
+  // Forcing an ISA the CPU lacks is an error naming it.
+  if (!cpu::isa_supported(cpu::Isa::avx512)) {
+    try {
+      cpu::set_isa_override(cpu::Isa::avx512);
+      FAIL() << "avx512 forced on a CPU without it";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("avx512"), std::string::npos);
+    }
+  }
+}
+
+TEST(CpuConvert, HalfConversionsAreExact) {
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float ref = f16_to_f32(uint16_t(h));
+    const float got = cpu::half_to_float(uint16_t(h));
+    if (std::isnan(ref)) {
+      EXPECT_TRUE(std::isnan(got)) << h;
+      continue;
+    }
+    ASSERT_EQ(f32_to_bits(got), f32_to_bits(ref)) << h;
+    ASSERT_EQ(cpu::float_to_half(ref), h) << h;
+  }
+  std::mt19937_64 rng(5);
+  for (int i = 0; i < 200000; ++i) {
+    uint32_t bits = uint32_t(rng());
+    if (i % 2) bits = (bits & 0x807fffffu) | (uint32_t(100 + rng() % 50) << 23);  // around the f16 range
+    const float f = bits_to_f32(bits);
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(cpu::float_to_half(f), f32_to_f16(f)) << std::hex << bits;
+  }
+}
