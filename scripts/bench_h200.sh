@@ -6,17 +6,17 @@
 # Runs from the repository root on the GPU machine (no installs there: it needs the moekit binary
 # built here with CUDA, and python3 with torch and transformers, which that machine has):
 #   scripts/bench_h200.sh [OUT_DIR]
-# Environment: MOEKIT_BIN (default build-bench/bin/moekit), HF_BENCH (default .device/hf_bench.py),
-# MOEKIT_LIBS (extra shared libraries for the binary, default .device/lib), BENCH_SECONDS and
+# Environment: MOEKIT_BIN (default build-bench/bin/moekit), HF_BENCH (default .device/bench/hf_bench.py),
+# MOEKIT_LIBS (extra shared libraries for the binary, default .device/bench/lib), BENCH_SECONDS and
 # HF_SECONDS (time limits of the two runs), SHAPES, TOKENS.
 set -uo pipefail
 out=${1:-${OUT:-out/h200}}
 mkdir -p "$out"
 bin=${MOEKIT_BIN:-build-bench/bin/moekit}
-hf=${HF_BENCH:-.device/hf_bench.py}
+hf=${HF_BENCH:-.device/bench/hf_bench.py}
 shapes=${SHAPES:-qwen3-30b-a3b,qwen1.5-moe-a2.7b,mixtral-8x7b,gpt-oss-20b,olmoe-1b-7b,deepseek-v3}
 tokens=${TOKENS:-1,8,64,512,4096,16384}
-export LD_LIBRARY_PATH="${MOEKIT_LIBS:-$PWD/.device/lib}:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+export LD_LIBRARY_PATH="${MOEKIT_LIBS:-$PWD/.device/bench/lib}:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 t0=$SECONDS
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv; lscpu | head -20; } \

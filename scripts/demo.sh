@@ -1,5 +1,61 @@
 #!/usr/bin/env bash
-# The main job on the embedded default: a tiny checkpoint, generation with each backend.
+# make demo: a tiny random checkpoint written by `moekit tiny`, greedy generation with every experts
+# backend that runs on this machine's CPU (the tokens must be identical), timings per backend, and the
+# backends table.
+#   scripts/demo.sh [BUILD_DIR]
+#   MOEKIT_DEMO_ARCH   model_type of the checkpoint (default qwen3_moe; `moekit tiny --list` lists them)
+#   MOEKIT_DEMO_DIR    where the checkpoint is written (default BUILD_DIR/demo)
 set -euo pipefail
 BUILD=${1:-build}
-"$BUILD/bin/moekit" backends
+MOEKIT="$BUILD/bin/moekit"
+ARCH=${MOEKIT_DEMO_ARCH:-qwen3_moe}
+WORK=${MOEKIT_DEMO_DIR:-$BUILD/demo}
+CKPT="$WORK/$ARCH"
+PROMPT="1,17,42,7,99,3,150,64,23,5,88,12"
+NEW_TOKENS=32
+
+step() { echo "[demo] $*" >&2; }
+fail() { echo "[demo] error: $*" >&2; exit 1; }
+[ -x "$MOEKIT" ] || fail "$MOEKIT not found; build first (make build)"
+
+step "writing a tiny random $ARCH checkpoint to $CKPT (moekit tiny) ..."
+"$MOEKIT" tiny --arch "$ARCH" --out "$CKPT" --seed 0 >/dev/null
+
+# Backends that run on this CPU: the rows of `moekit backends` whose "runs" column says yes.
+mapfile -t BACKENDS < <("$MOEKIT" backends --device cpu | awk 'NR > 1 && $2 == "yes" { print $1 }')
+[ "${#BACKENDS[@]}" -gt 0 ] || fail "no experts backend runs on this CPU"
+
+field() {  # field NAME JSON: a number from the JSON line
+  sed -E "s/.*\"$1\":(-?[0-9.eE+-]+).*/\1/" <<<"$2"
+}
+
+echo
+echo "moekit demo: greedy generation on a tiny $ARCH checkpoint ($CKPT)"
+echo "prompt ids: $PROMPT; $NEW_TOKENS new tokens; timings after one warm-up run"
+echo
+printf '%-14s %12s %12s %12s\n' "backend" "prefill ms" "decode ms" "tokens/s"
+FIRST_IDS=""
+SAME=yes
+declare -A IDS
+for be in "${BACKENDS[@]}"; do
+  step "generating with $be ..."
+  json=$("$MOEKIT" run --quiet --model "$CKPT" --prompt-ids "$PROMPT" --max-new-tokens "$NEW_TOKENS" \
+    --min-new-tokens "$NEW_TOKENS" --experts "$be" --warmup 1 --json) || fail "moekit run failed with backend $be"
+  ids=$(sed -E 's/.*"generated_ids":\[([^]]*)\].*/\1/' <<<"$json")
+  IDS[$be]=$ids
+  printf '%-14s %12.3f %12.3f %12.1f\n' "$be" "$(field prefill_ms "$json")" "$(field decode_ms "$json")" \
+    "$(field tokens_per_s "$json")"
+  if [ -z "$FIRST_IDS" ]; then FIRST_IDS=$ids; elif [ "$ids" != "$FIRST_IDS" ]; then SAME=no; fi
+done
+echo
+if [ "$SAME" = yes ]; then
+  echo "generated ids (identical with ${BACKENDS[*]}):"
+  echo "  ${FIRST_IDS//,/ }"
+else
+  echo "generated ids DIFFER between backends:"
+  for be in "${BACKENDS[@]}"; do printf '  %-12s %s\n' "$be" "${IDS[$be]//,/ }"; done
+fi
+echo
+echo "experts backends on this machine (moekit backends):"
+"$MOEKIT" backends
+[ "$SAME" = yes ] || fail "backends generated different tokens"

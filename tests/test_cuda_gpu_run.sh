@@ -2,59 +2,71 @@
 # The CUDA checks on a GPU machine, from a build folder made elsewhere (tests, CLI):
 #   tests/test_cuda_gpu_run.sh [BUILD_DIR] [quick]
 # CUDA tests, compute-sanitizer memcheck and racecheck on a reduced filter, `moekit check --device
-# cuda` on every experts fixture, and the timing on the qwen3-30b-a3b shape. Logs go to $OUT (or
-# ./out); the summary is printed last.
+# cuda` on every experts fixture, and the timing on the qwen3-30b-a3b shape. $OUT (or ./out) gets
+# summary.txt and logs.tgz (every log); the summary is printed last.
 set -uo pipefail
 BUILD=${1:-build-cuda}
 MODE=${2:-full}
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
+DEST=${OUT:-$PWD/out}
+OUT=$(mktemp -d)/logs
+mkdir -p "$OUT" "$DEST"
 ROOT=$PWD
 # The test binaries find the fixtures and the CLI under the absolute source path they were built at.
 SRC=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$BUILD/CMakeCache.txt")
 if [ -n "$SRC" ] && [ "$SRC" != "$ROOT" ] && [ ! -e "$SRC" ]; then
   mkdir -p "$(dirname "$SRC")" && ln -s "$ROOT" "$SRC"
 fi
-[ -d "$BUILD/lib" ] && export LD_LIBRARY_PATH="$ROOT/$BUILD/lib:${LD_LIBRARY_PATH:-}"
+# Libraries the build machine had and this one may lack (fmt, gomp) travel in $BUILD/lib; cuBLAS comes
+# from the CUDA toolkit, or else from the Python wheels.
+LIBS="$ROOT/$BUILD/lib:/usr/local/cuda/lib64"
+if ! ldconfig -p | grep -q libcublas.so.13 && [ ! -e /usr/local/cuda/lib64/libcublas.so.13 ]; then
+  W=$(python3 -c 'import nvidia.cublas, os; print(os.path.dirname(nvidia.cublas.__file__))' 2>/dev/null)
+  [ -n "$W" ] && LIBS="$LIBS:$W/lib"
+fi
+export LD_LIBRARY_PATH="$LIBS:${LD_LIBRARY_PATH:-}"
 BIN=$ROOT/$BUILD/bin
 SUMMARY=$OUT/summary.txt
 : > "$SUMMARY"
 say() { echo "$*" | tee -a "$SUMMARY"; }
-run() {  # run NAME CMD...: log to $OUT/NAME.log, record the status
-  local name=$1; shift
+run() {  # run NAME LIMIT_S CMD...: log to $OUT/NAME.log, record the status
+  local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   say "$(printf '%-28s rc=%-3d %4ds  %s' "$name" "$rc" $((SECONDS - t0)) "$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$name.log" | tr '\n' ' ')")"
   return $rc
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee -a "$SUMMARY"
-run test_cuda_backends "$BIN/test_cuda_backends"
-run test_cuda_graph "$BIN/test_cuda_graph"
-[ -x "$BIN/test_backends" ] && run test_backends "$BIN/test_backends"
+ldd "$BIN/test_cuda_backends" "$BIN/moekit" | grep "not found" | tee -a "$SUMMARY"
+"$BIN/moekit" backends --device cuda 2>&1 | tee -a "$SUMMARY" || "$BIN/moekit" backends 2>&1 | tee -a "$SUMMARY"
+run test_cuda_backends 150 "$BIN/test_cuda_backends"
+run test_cuda_graph 60 "$BIN/test_cuda_graph"
+[ -x "$BIN/test_backends" ] && run test_backends 90 "$BIN/test_backends"
 for f in tests/fixtures/experts/*.safetensors; do
-  run "check_$(basename "$f" .safetensors)" "$BIN/moekit" check --device cuda --case "$f"
+  run "check_$(basename "$f" .safetensors)" 30 "$BIN/moekit" check --device cuda --case "$f"
 done
+if [ "$MODE" = full ]; then
+  run timing 150 "$BIN/test_cuda_bench" --gtest_also_run_disabled_tests
+  sed -n '/^qwen3/,/^\[/p' "$OUT/timing.log" | tee -a "$SUMMARY"
+fi
 if command -v compute-sanitizer > /dev/null; then
-  FILTER='CudaBackends.SweepOddAndLargeSizes:CudaBackends.BadIdsAreReported:CudaBackends.SweepFlags:CudaBackends.DeterministicRunToRun'
-  run memcheck_backends compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/test_cuda_backends" --gtest_filter="$FILTER"
-  run memcheck_graph compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/test_cuda_graph"
-  run racecheck_backends compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/test_cuda_backends" \
-    --gtest_filter='CudaBackends.SweepOddAndLargeSizes:CudaBackends.DeterministicRunToRun'
-  run synccheck_backends compute-sanitizer --tool synccheck --error-exitcode 9 "$BIN/test_cuda_backends" \
-    --gtest_filter='CudaBackends.SweepOddAndLargeSizes'
+  FILTER='CudaBackends.SweepFlags:CudaBackends.BadIdsAreReported:CudaBackends.DeterministicRunToRun:CudaBackends.MatchTheFixtures'
+  run memcheck_backends 90 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/test_cuda_backends" --gtest_filter="$FILTER"
+  run memcheck_graph 45 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/test_cuda_graph"
+  run racecheck_backends 60 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/test_cuda_backends" \
+    --gtest_filter='CudaBackends.DeterministicRunToRun:CudaBackends.SweepActivations'
+  run synccheck_backends 30 compute-sanitizer --tool synccheck --error-exitcode 9 "$BIN/test_cuda_backends" \
+    --gtest_filter='CudaBackends.DeterministicRunToRun'
   for t in memcheck_backends memcheck_graph racecheck_backends synccheck_backends; do
     say "  $t: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$t.log" | tail -1)"
   done
 else
   say "compute-sanitizer: not found"
 fi
-if [ "$MODE" = full ]; then
-  run timing "$BIN/test_cuda_bench" --gtest_also_run_disabled_tests
-  sed -n '/^qwen3/,/^\[/p' "$OUT/timing.log" | tee -a "$SUMMARY"
-fi
 for n in test_cuda_backends test_cuda_graph test_backends; do
   [ -f "$OUT/$n.log" ] && grep -E '^\[  FAILED  \]|Failure|rel L2' "$OUT/$n.log" | head -20 >> "$SUMMARY"
 done
+cp "$SUMMARY" "$DEST/summary.txt"
+tar czf "$DEST/logs.tgz" -C "$(dirname "$OUT")" logs
 echo "==== summary"; cat "$SUMMARY"

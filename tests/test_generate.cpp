@@ -1,7 +1,6 @@
 // Generation: sampling determinism, EOS and min_new_tokens, the decode-step switch and its restore
 // (also when a step throws), and the `moekit run` command.
 #include <gtest/gtest.h>
-
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -167,9 +166,7 @@ TEST(DecodeSwitch, MapIsRestoredWhenAUserBackendThrowsDuringDecode) {
   try {
     model.generate(kPrompt, gc);
     FAIL() << "expected the decode step to throw";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("on purpose"), std::string::npos) << e.what();
-  }
+  } catch (const Error& e) { EXPECT_NE(std::string(e.what()).find("on purpose"), std::string::npos) << e.what(); }
   EXPECT_EQ(model.get_experts_implementation(), start);
   for (const Experts* e : model.experts_modules()) EXPECT_EQ(e->implementation(), start.at(""));
 
@@ -217,9 +214,9 @@ TEST(RunCommand, JsonLineHasTokensMapsAndTimings) {
   const Tensor gen = ref.get("generated_ids");
   const std::vector<int64_t> expect(gen.ptr<int64_t>() + 11, gen.ptr<int64_t>() + gen.size(1));
   const fs::path logits = fs::temp_directory_path() / ("moekit_run_logits_" + std::to_string(::getpid()));
-  const CliResult r = run_cli("run --quiet --model " + dir + " --prompt-ids " + ids_arg(kPrompt) +
-                              " --max-new-tokens 20 --min-new-tokens 20 --experts =eager --json --dump-logits " +
-                              logits.string());
+  const CliResult r =
+      run_cli("run --quiet --model " + dir + " --prompt-ids " + ids_arg(kPrompt) +
+              " --max-new-tokens 20 --min-new-tokens 20 --experts =eager --json --dump-logits " + logits.string());
   ASSERT_EQ(r.status, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["generated_ids"].get<std::vector<int64_t>>(), expect);

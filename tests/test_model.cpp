@@ -1,11 +1,10 @@
 // The model runtime against transformers' reference logits and greedy tokens, for every fixture model and
 // every CPU experts backend; the experts_implementation map; config and checkpoint errors.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
-#include <unistd.h>
-
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -160,9 +159,7 @@ TEST(ExpertsImplementation, UnknownNamesAndKeysAreErrorsListingTheValidOnes) {
   try {
     model.set_experts_implementation(ExpertsMap{{"vision_config", "eager"}});
     FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("vision_config"), std::string::npos) << e.what();
-  }
+  } catch (const Error& e) { EXPECT_NE(std::string(e.what()).find("vision_config"), std::string::npos) << e.what(); }
   EXPECT_EQ(model.get_experts_implementation(), before);
   EXPECT_THROW(Model::from_pretrained(models_dir() + "/mixtral", ModelOptions{.experts_implementation = "nope"}),
                Error);
@@ -171,8 +168,8 @@ TEST(ExpertsImplementation, UnknownNamesAndKeysAreErrorsListingTheValidOnes) {
 TEST(ExpertsImplementation, MultimodalMapHasOneEntryPerSubConfig) {
   const std::string dir = models_dir() + "/qwen3_vl_moe";
   if (!fs::exists(dir + "/model.safetensors")) GTEST_SKIP() << "no multimodal fixture";
-  Model model = Model::from_pretrained(dir, ModelOptions{.experts_implementation =
-                                                             ExpertsMap{{"vision_config", "eager"}}});
+  Model model =
+      Model::from_pretrained(dir, ModelOptions{.experts_implementation = ExpertsMap{{"vision_config", "eager"}}});
   const ExpertsMap start = model.get_experts_implementation();
   EXPECT_EQ(start, (ExpertsMap{{"", "grouped_mm"}, {"text_config", "grouped_mm"}, {"vision_config", "eager"}}));
   // Keys left out keep their value; the text_config entry drives the decoder's experts.
@@ -213,9 +210,7 @@ void write_json(const fs::path& p, const nlohmann::json& j) { std::ofstream(p) <
 std::string load_error(const std::string& dir) {
   try {
     Model::from_pretrained(dir);
-  } catch (const Error& e) {
-    return e.what();
-  }
+  } catch (const Error& e) { return e.what(); }
   return "";
 }
 

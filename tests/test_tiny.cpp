@@ -274,10 +274,10 @@ TEST(TinyTransformers, LoadsWithoutMissingOrUnexpectedKeys) {
   std::string dirs;
   for (const auto& arch : kArchs) {
     write_tiny_checkpoint(arch, dir.file(arch), 1);
-    dirs += " " + dir.file(arch);
+    dirs.append(" ").append(dir.file(arch));
   }
   write_tiny_checkpoint("qwen3_vl_moe", dir.file("vl_bf16"), TinyOptions{.seed = 2, .dtype = DType::bf16, .shards = 2});
-  dirs += " " + dir.file("vl_bf16");
+  dirs.append(" ").append(dir.file("vl_bf16"));
   std::ofstream(dir.file("check.py")) << R"py(
 import json, os, sys, tempfile, warnings
 warnings.filterwarnings("ignore")

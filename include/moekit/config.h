@@ -39,11 +39,11 @@ enum class QkNorm : uint8_t {
 
 // How a checkpoint names and lays out one MoE block's tensors.
 struct MoeNaming {
-  std::string block = "mlp";           // layers.{i}.<block>
-  std::string router = "gate";         // <block>.<router>.weight
+  std::string block = "mlp";                                                          // layers.{i}.<block>
+  std::string router = "gate";                                                        // <block>.<router>.weight
   std::string gate_proj = "gate_proj", up_proj = "up_proj", down_proj = "down_proj";  // per-expert names
-  std::string shared = "";             // <block>.<shared>.{gate,up,down}_proj.weight ("" = none)
-  std::string shared_gate = "";        // <block>.<shared_gate>.weight [1, H] ("" = none)
+  std::string shared = "";       // <block>.<shared>.{gate,up,down}_proj.weight ("" = none)
+  std::string shared_gate = "";  // <block>.<shared_gate>.weight [1, H] ("" = none)
 };
 
 // The decoder that holds the MoE layers (the whole model, or a multimodal model's text_config).
@@ -55,8 +55,8 @@ struct TextConfig {
   int64_t num_attention_heads = 0;
   int64_t num_key_value_heads = 0;
   int64_t head_dim = 0;
-  int64_t intermediate_size = 0;       // dense MLP layers
-  int64_t moe_intermediate_size = 0;   // one expert
+  int64_t intermediate_size = 0;      // dense MLP layers
+  int64_t moe_intermediate_size = 0;  // one expert
   int64_t num_experts = 0;
   int64_t num_experts_per_tok = 0;
   int64_t max_position_embeddings = 0;
@@ -96,13 +96,13 @@ struct TextConfig {
 };
 
 struct ModelConfig {
-  std::string dir;          // checkpoint folder
-  std::string model_type;   // top-level model_type
-  std::string text_config_key;            // "" when the decoder is the top level, else e.g. "text_config"
-  std::vector<std::string> sub_configs;   // names of the sub-configs present (text_config, vision_config, ...)
+  std::string dir;                       // checkpoint folder
+  std::string model_type;                // top-level model_type
+  std::string text_config_key;           // "" when the decoder is the top level, else e.g. "text_config"
+  std::vector<std::string> sub_configs;  // names of the sub-configs present (text_config, vision_config, ...)
   TextConfig text;
-  std::optional<std::string> dtype;       // "float32", "bfloat16", ... as written in config.json
-  std::vector<int64_t> eos_token_ids;     // generation_config.json, else config.json
+  std::optional<std::string> dtype;    // "float32", "bfloat16", ... as written in config.json
+  std::vector<int64_t> eos_token_ids;  // generation_config.json, else config.json
   std::optional<int64_t> bos_token_id;
   bool has_quantization_config = false;
 

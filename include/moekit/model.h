@@ -25,8 +25,8 @@ using ExpertsMap = std::map<std::string, std::string>;
 class ExpertsImplementation {
  public:
   ExpertsImplementation() = default;
-  ExpertsImplementation(std::string name);  // NOLINT: implicit on purpose, like transformers' str | dict
-  ExpertsImplementation(const char* name);  // NOLINT
+  ExpertsImplementation(std::string name);       // NOLINT: implicit on purpose, like transformers' str | dict
+  ExpertsImplementation(const char* name);       // NOLINT
   ExpertsImplementation(ExpertsMap per_config);  // NOLINT
 
   // "grouped_mm" (every sub-model) or "=grouped_mm,text_config=eager" (a map; empty key = top level).
@@ -85,8 +85,8 @@ struct GenerationConfig {
   int64_t min_new_tokens = 0;  // EOS is suppressed before this many new tokens
   bool do_sample = false;      // greedy when false
   float temperature = 1.0f;
-  int64_t top_k = 50;          // 0: off
-  float top_p = 1.0f;          // 1: off
+  int64_t top_k = 50;  // 0: off
+  float top_p = 1.0f;  // 1: off
   uint64_t seed = 0;
   // Stop tokens; default: the checkpoint's eos_token_id (generation_config.json, else config.json).
   std::optional<std::vector<int64_t>> eos_token_ids;
@@ -103,8 +103,8 @@ struct GenerationConfig {
 struct GenerationResult {
   std::vector<int64_t> tokens;  // the new tokens only
   bool stopped_on_eos = false;
-  ExpertsMap prefill_experts;   // map used by the prefill
-  ExpertsMap decode_experts;    // map used by the decode steps
+  ExpertsMap prefill_experts;  // map used by the prefill
+  ExpertsMap decode_experts;   // map used by the decode steps
   double prefill_ms = 0, decode_ms = 0;
   int64_t decode_steps = 0;
   double tokens_per_s() const;  // new tokens after the first, per second of decode

@@ -103,7 +103,7 @@ double cpu_grouped_mm_gflops() {
   };
   try {
     const double probe = run(32, 256, 256, 2);
-    const double big_flops = forward_flops({.hidden = 1024, .intermediate = 1024, .num_experts = 1, .top_k = 1}, 512);
+    const double big_flops = forward_flops({.name = "dense", .hidden = 1024, .intermediate = 1024, .num_experts = 1, .top_k = 1}, 512);
     if (probe <= 0 || big_flops / (probe * 1e9) > 1.0) return probe;  // the large case would take over a second
     return std::max(probe, run(512, 1024, 1024, 3));
   } catch (const Error&) {

@@ -19,7 +19,9 @@ void GenerationConfig::validate() const {
   }
 }
 
-double GenerationResult::tokens_per_s() const { return decode_ms > 0 ? double(decode_steps) * 1000.0 / decode_ms : 0.0; }
+double GenerationResult::tokens_per_s() const {
+  return decode_ms > 0 ? double(decode_steps) * 1000.0 / decode_ms : 0.0;
+}
 
 namespace {
 double ms_since(std::chrono::steady_clock::time_point t0) {

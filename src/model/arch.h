@@ -59,12 +59,12 @@ struct ArchParser {
 // Decoders moekit runs, by model_type.
 const std::vector<ArchParser>& arch_parsers();
 
-void parse_qwen2_moe(const ConfigReader& r, TextConfig& c);        // arch_qwen.cpp
-void parse_qwen3_moe(const ConfigReader& r, TextConfig& c);        // arch_qwen.cpp
+void parse_qwen2_moe(const ConfigReader& r, TextConfig& c);          // arch_qwen.cpp
+void parse_qwen3_moe(const ConfigReader& r, TextConfig& c);          // arch_qwen.cpp
 void parse_qwen3_vl_moe_text(const ConfigReader& r, TextConfig& c);  // arch_qwen.cpp
-void parse_mixtral(const ConfigReader& r, TextConfig& c);          // arch_mixtral.cpp
-void parse_olmoe(const ConfigReader& r, TextConfig& c);            // arch_olmoe.cpp
-void parse_deepseek_v3(const ConfigReader& r, TextConfig& c);      // arch_deepseek_v3.cpp
-void parse_gpt_oss(const ConfigReader& r, TextConfig& c);          // arch_gpt_oss.cpp
+void parse_mixtral(const ConfigReader& r, TextConfig& c);            // arch_mixtral.cpp
+void parse_olmoe(const ConfigReader& r, TextConfig& c);              // arch_olmoe.cpp
+void parse_deepseek_v3(const ConfigReader& r, TextConfig& c);        // arch_deepseek_v3.cpp
+void parse_gpt_oss(const ConfigReader& r, TextConfig& c);            // arch_gpt_oss.cpp
 
 }  // namespace moekit::model

@@ -34,8 +34,8 @@ void parse_deepseek_v3(const ConfigReader& r, TextConfig& c) {
     r.fail("n_group", "must divide the number of experts (" + std::to_string(c.num_experts) + "), got " +
                           std::to_string(c.n_group));
   if (c.topk_group <= 0 || c.topk_group > c.n_group)
-    r.fail("topk_group", "must be in [1, n_group = " + std::to_string(c.n_group) + "], got " +
-                             std::to_string(c.topk_group));
+    r.fail("topk_group",
+           "must be in [1, n_group = " + std::to_string(c.n_group) + "], got " + std::to_string(c.topk_group));
   const int64_t n_shared = r.int_or("n_shared_experts", 1);
   c.shared_expert_intermediate_size = c.moe_intermediate_size * n_shared;
   if (n_shared > 0) c.naming.shared = "shared_experts";

@@ -32,8 +32,8 @@ void parse_gpt_oss(const ConfigReader& r, TextConfig& c) {
     fallback.push_back((i + 1) % 2 ? "sliding_attention" : "full_attention");
   const auto types = r.string_list_or("layer_types", fallback);
   if (int64_t(types.size()) != c.num_hidden_layers)
-    r.fail("layer_types", "has " + std::to_string(types.size()) + " entries, expected num_hidden_layers = " +
-                              std::to_string(c.num_hidden_layers));
+    r.fail("layer_types", "has " + std::to_string(types.size()) +
+                              " entries, expected num_hidden_layers = " + std::to_string(c.num_hidden_layers));
   for (size_t i = 0; i < types.size(); ++i) c.sliding_window[i] = types[i] == "sliding_attention" ? window : 0;
   set_default_experts_spec(c);
   c.experts.has_bias = true;

@@ -32,12 +32,11 @@ void parse_qwen2_moe(const ConfigReader& r, TextConfig& c) {
   const int64_t max_window_layers = r.int_or("max_window_layers", 28);
   std::vector<std::string> fallback;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i)
-    fallback.push_back(((i + 1) % 2) && i < max_window_layers && use_sliding ? "sliding_attention"
-                                                                               : "full_attention");
+    fallback.push_back(((i + 1) % 2) && i < max_window_layers && use_sliding ? "sliding_attention" : "full_attention");
   const auto types = r.string_list_or("layer_types", fallback);
   if (int64_t(types.size()) != c.num_hidden_layers)
-    r.fail("layer_types", "has " + std::to_string(types.size()) + " entries, expected num_hidden_layers = " +
-                              std::to_string(c.num_hidden_layers));
+    r.fail("layer_types", "has " + std::to_string(types.size()) +
+                              " entries, expected num_hidden_layers = " + std::to_string(c.num_hidden_layers));
   for (size_t i = 0; i < types.size(); ++i) c.sliding_window[i] = types[i] == "sliding_attention" ? window : 0;
 }
 

@@ -18,8 +18,7 @@ std::string json_short(const nlohmann::json& v) {
 }
 }  // namespace
 
-ConfigReader::ConfigReader(const nlohmann::json& object, std::string source, std::string prefix,
-                           std::string model_type)
+ConfigReader::ConfigReader(const nlohmann::json& object, std::string source, std::string prefix, std::string model_type)
     : empty_(nlohmann::json::object()),
       j_(object),
       source_(std::move(source)),
@@ -133,8 +132,8 @@ void parse_rope(const ConfigReader& r, TextConfig& c, double default_theta) {
   rope.type = p.string_or("rope_type", p.string_or("type", "default"));
   rope.theta = p.number_or("rope_theta", r.number_or("rope_theta", default_theta));
   rope.partial_rotary_factor = p.number_or("partial_rotary_factor", r.number_or("partial_rotary_factor", 1.0));
-  rope.original_max_position_embeddings =
-      r.int_or("original_max_position_embeddings", p.int_or("original_max_position_embeddings", c.max_position_embeddings));
+  rope.original_max_position_embeddings = r.int_or(
+      "original_max_position_embeddings", p.int_or("original_max_position_embeddings", c.max_position_embeddings));
   if (rope.type == "default") return;
   if (rope.type == "linear") {
     if (!p.has("factor")) p.fail("factor", "is required for rope_type linear");
@@ -170,7 +169,8 @@ std::vector<int64_t> eos_from(const nlohmann::json& j) {
   auto it = j.find("eos_token_id");
   if (it == j.end() || it->is_null()) return {};
   std::vector<int64_t> out;
-  if (it->is_number_integer()) out.push_back(it->get<int64_t>());
+  if (it->is_number_integer())
+    out.push_back(it->get<int64_t>());
   else if (it->is_array())
     for (const auto& e : *it)
       if (e.is_number_integer()) out.push_back(e.get<int64_t>());
@@ -180,9 +180,7 @@ std::vector<int64_t> eos_from(const nlohmann::json& j) {
 nlohmann::json parse_json(const std::string& text, const std::string& source) {
   try {
     return nlohmann::json::parse(text);
-  } catch (const std::exception& e) {
-    MOEKIT_FAIL(io, source, ": not valid JSON (", e.what(), ")");
-  }
+  } catch (const std::exception& e) { MOEKIT_FAIL(io, source, ": not valid JSON (", e.what(), ")"); }
 }
 
 std::string read_text(const std::filesystem::path& p) {
@@ -201,8 +199,7 @@ void parse_common(const ConfigReader& r, TextConfig& c, double default_theta) {
   c.num_attention_heads = r.required_int("num_attention_heads");
   if (c.vocab_size <= 0) r.fail("vocab_size", "must be > 0, got " + std::to_string(c.vocab_size));
   if (c.hidden_size <= 0) r.fail("hidden_size", "must be > 0, got " + std::to_string(c.hidden_size));
-  if (c.num_hidden_layers <= 0)
-    r.fail("num_hidden_layers", "must be > 0, got " + std::to_string(c.num_hidden_layers));
+  if (c.num_hidden_layers <= 0) r.fail("num_hidden_layers", "must be > 0, got " + std::to_string(c.num_hidden_layers));
   if (c.num_attention_heads <= 0)
     r.fail("num_attention_heads", "must be > 0, got " + std::to_string(c.num_attention_heads));
   c.num_key_value_heads = r.int_or("num_key_value_heads", c.num_attention_heads);
@@ -328,12 +325,19 @@ ModelConfig ModelConfig::parse(const std::string& config_json, const std::string
   }
 
   for (const char* key : {"dtype", "torch_dtype"}) {
-    if (r.has(key) && r.json().at(key).is_string()) { mc.dtype = r.string_or(key, ""); break; }
-    if (top.has(key) && j.at(key).is_string()) { mc.dtype = top.string_or(key, ""); break; }
+    if (r.has(key) && r.json().at(key).is_string()) {
+      mc.dtype = r.string_or(key, "");
+      break;
+    }
+    if (top.has(key) && j.at(key).is_string()) {
+      mc.dtype = top.string_or(key, "");
+      break;
+    }
   }
   mc.eos_token_ids = model::eos_from(j);
   if (mc.eos_token_ids.empty()) mc.eos_token_ids = model::eos_from(*text);
-  if (top.has("bos_token_id") && j.at("bos_token_id").is_number_integer()) mc.bos_token_id = j.at("bos_token_id").get<int64_t>();
+  if (top.has("bos_token_id") && j.at("bos_token_id").is_number_integer())
+    mc.bos_token_id = j.at("bos_token_id").get<int64_t>();
   if (!generation_config_json.empty()) {
     const auto g = model::parse_json(generation_config_json, source + " (generation_config.json)");
     if (g.is_object() && g.contains("eos_token_id")) mc.eos_token_ids = model::eos_from(g);
@@ -346,8 +350,10 @@ ModelConfig ModelConfig::load(const std::string& dir) {
   const fs::path d(dir);
   MOEKIT_CHECK_CODE(fs::is_directory(d), not_found, dir, ": not a checkpoint folder (no such directory)");
   const fs::path cfg = d / "config.json";
-  MOEKIT_CHECK_CODE(fs::exists(cfg), not_found, cfg.string(), ": not found (every checkpoint folder needs config.json)");
-  const std::string gen = fs::exists(d / "generation_config.json") ? model::read_text(d / "generation_config.json") : "";
+  MOEKIT_CHECK_CODE(fs::exists(cfg), not_found, cfg.string(),
+                    ": not found (every checkpoint folder needs config.json)");
+  const std::string gen =
+      fs::exists(d / "generation_config.json") ? model::read_text(d / "generation_config.json") : "";
   ModelConfig mc = parse(model::read_text(cfg), cfg.string(), gen);
   mc.dir = dir;
   return mc;

@@ -136,13 +136,20 @@ Tensor moe(const Ctx& x, const Layer& L, const TensorView& h) {
 void Model::Impl::reserve(KvCache& cache, int64_t tokens) const {
   auto& st = cache.state();
   const TextConfig& c = config.text;
-  if (st.length + tokens <= st.capacity && !st.k.empty()) return;
-  const int64_t need = st.length + tokens;
-  const int64_t cap = std::max<int64_t>({need, 2 * st.capacity, 64});
   const int64_t Hkv = c.mla ? c.num_attention_heads : c.num_key_value_heads;
   const int64_t dk = c.mla ? c.qk_nope_head_dim + c.qk_rope_head_dim : c.head_dim;
   const int64_t dv = c.mla ? c.v_head_dim : c.head_dim;
   const Device dev = options.device;
+  if (!st.k.empty()) {
+    const Tensor& k0 = st.k[0];
+    MOEKIT_CHECK(int64_t(st.k.size()) == c.num_hidden_layers && k0.size(1) == Hkv && k0.size(2) == dk &&
+                     st.v[0].size(2) == dv && k0.dtype() == dtype && k0.device() == dev,
+                 "this KV cache belongs to another model (", st.k.size(), " layers of ", shape_to_string(k0.shape()),
+                 " ", dtype_name(k0.dtype()), " on ", k0.device().to_string(), ")");
+  }
+  if (st.length + tokens <= st.capacity && !st.k.empty()) return;
+  const int64_t need = st.length + tokens;
+  const int64_t cap = std::max<int64_t>({need, 2 * st.capacity, 64});
   std::vector<Tensor> k(size_t(c.num_hidden_layers)), v(k.size());
   for (size_t i = 0; i < k.size(); ++i) {
     k[i] = Tensor::empty({cap, Hkv, dk}, dtype, dev);

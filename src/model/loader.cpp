@@ -144,8 +144,10 @@ ExpertsWeights load_experts(TensorReader& r, const Checkpoint& ck, const std::st
     Shape gu_shape = spec.is_transposed ? transposed : plain;
     if (ck.contains(gu_name)) {
       const Shape got = ck.get(gu_name).shape();
-      if (got == plain && got != transposed) spec.is_transposed = false;
-      else if (got == transposed && got != plain) spec.is_transposed = true;
+      if (got == plain && got != transposed)
+        spec.is_transposed = false;
+      else if (got == transposed && got != plain)
+        spec.is_transposed = true;
       gu_shape = spec.is_transposed ? transposed : plain;
     }
     w.gate_up_proj = r.get(gu_name, gu_shape);
@@ -192,8 +194,8 @@ void load_moe(TensorReader& r, const Checkpoint& ck, const std::string& lp, Text
   }
   ExpertsSpec spec = c.experts;
   ExpertsWeights w = load_experts(r, ck, p + "experts.", spec, n);
-  if (w.gate_up_proj.defined() && w.down_proj.defined() && (!spec.has_bias || (w.gate_up_proj_bias.defined() &&
-                                                                               w.down_proj_bias.defined()))) {
+  if (w.gate_up_proj.defined() && w.down_proj.defined() &&
+      (!spec.has_bias || (w.gate_up_proj_bias.defined() && w.down_proj_bias.defined()))) {
     c.experts.is_transposed = spec.is_transposed;
     m.experts = Experts(spec, std::move(w), experts_implementation);
   }
@@ -205,8 +207,8 @@ void load_moe(TensorReader& r, const Checkpoint& ck, const std::string& lp, Text
 }
 
 std::string find_prefix(const Checkpoint& ck) {
-  static const char* kCandidates[] = {"model.", "model.language_model.", "language_model.model.",
-                                      "model.text_model.", "language_model.", ""};
+  static const char* kCandidates[] = {
+      "model.", "model.language_model.", "language_model.model.", "model.text_model.", "language_model.", ""};
   for (const char* p : kCandidates)
     if (ck.contains(std::string(p) + "embed_tokens.weight")) return p;
   std::string looked;
@@ -234,8 +236,10 @@ Weights load_weights(const Checkpoint& ck, TextConfig& c, DType dtype, Device de
     L.window = c.sliding_window[size_t(i)];
     load_attention(r, lp + "self_attn.", c, L.attn);
     L.is_moe = c.moe_layer[size_t(i)];
-    if (L.is_moe) load_moe(r, ck, lp, c, L.moe, experts_implementation);
-    else L.mlp = dense_mlp(r, lp + "mlp.", H, c.intermediate_size);
+    if (L.is_moe)
+      load_moe(r, ck, lp, c, L.moe, experts_implementation);
+    else
+      L.mlp = dense_mlp(r, lp + "mlp.", H, c.intermediate_size);
   }
   w.norm = r.get(prefix + "norm.weight", {H}, norm_dtype);
   if (c.tie_word_embeddings) {
@@ -243,7 +247,10 @@ Weights load_weights(const Checkpoint& ck, TextConfig& c, DType dtype, Device de
   } else {
     std::string head = "lm_head.weight";
     for (const char* cand : {"lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight"})
-      if (ck.contains(cand)) { head = cand; break; }
+      if (ck.contains(cand)) {
+        head = cand;
+        break;
+      }
     w.lm_head = r.get(head, {V, H});
   }
   r.throw_if_problems(c.model_type);

@@ -57,7 +57,8 @@ std::string ExpertsImplementation::to_string() const {
 std::string ModelOptions::to_string() const {
   std::ostringstream os;
   os << "ModelOptions{.device=" << device.to_string() << ", .dtype=" << (dtype ? dtype_name(*dtype) : "auto")
-     << ", .experts_implementation=" << (experts_implementation.empty() ? "default" : experts_implementation.to_string())
+     << ", .experts_implementation="
+     << (experts_implementation.empty() ? "default" : experts_implementation.to_string())
      << ", .cuda_graph=" << (cuda_graph ? "true" : "false") << "}";
   return os.str();
 }
@@ -114,8 +115,7 @@ DType resolve_dtype(const ModelConfig& c, const std::optional<DType>& requested)
     try {
       const DType t = parse_dtype(*c.dtype);
       if (t == DType::f32 || t == DType::bf16 || t == DType::f16) return t;
-    } catch (const Error&) {
-    }
+    } catch (const Error&) {}
   }
   return DType::f32;
 }
@@ -182,7 +182,10 @@ Model Model::from_pretrained(const std::string& dir, const ModelOptions& options
 
   std::string decoder_backend = decoder_choice;
   for (const auto& L : im->weights.layers)
-    if (L.is_moe) { decoder_backend = L.moe.experts.implementation(); break; }
+    if (L.is_moe) {
+      decoder_backend = L.moe.experts.implementation();
+      break;
+    }
   if (decoder_backend.empty()) decoder_backend = default_backend_for(dev);
   for (auto& [k, v] : requested)
     if (v.empty()) v = k == im->decoder_key ? decoder_backend : default_backend_for(dev);
@@ -205,8 +208,8 @@ void Model::set_experts_implementation(const ExpertsImplementation& impl) {
   const ExpertsMap next = merged_map(impl_->experts_map, impl);
   for (const auto& [k, v] : next) {
     const std::string& cur = impl_->experts_map.at(k);
-    MOEKIT_CHECK_CODE(is_megamoe(cur) == is_megamoe(v), not_supported, "cannot switch experts implementation of '",
-                      k, "' from '", cur, "' to '", v,
+    MOEKIT_CHECK_CODE(is_megamoe(cur) == is_megamoe(v), not_supported, "cannot switch experts implementation of '", k,
+                      "' from '", cur, "' to '", v,
                       "' at run time: deepgemm_megamoe is a load-time choice; reload the model with it");
   }
   impl_->experts_map = next;

@@ -77,7 +77,7 @@ struct Model::Impl {
   DType dtype = DType::f32;
   model::Weights weights;
   model::RopeSpec rope;
-  ExpertsMap experts_map;  // "" and each sub-config
+  ExpertsMap experts_map;   // "" and each sub-config
   std::string decoder_key;  // the map entry that drives the decoder's experts ("" or "text_config")
 
   const model::DeviceOps& ops() const { return model::ops_for(options.device); }

@@ -1,8 +1,9 @@
 // Device dispatch of the layer ops, view helpers and rotary frequency tables.
+#include "model/ops.h"
+
 #include <algorithm>
 #include <cmath>
 
-#include "model/ops.h"
 #include "moekit/error.h"
 
 namespace moekit::model {
@@ -16,8 +17,8 @@ bool has_ops(Device device) { return device.is_cpu() ? true : cuda_ops() != null
 const DeviceOps& ops_for(Device device) {
   if (device.is_cpu()) return *cpu_ops();
   const DeviceOps* ops = cuda_ops();
-  MOEKIT_CHECK_CODE(ops != nullptr, not_supported, "the model runtime has no layer ops for device ",
-                    device.to_string(), " in this build; run the model on the CPU (device cpu)");
+  MOEKIT_CHECK_CODE(ops != nullptr, not_supported, "the model runtime has no layer ops for device ", device.to_string(),
+                    " in this build; run the model on the CPU (device cpu)");
   return *ops;
 }
 
@@ -75,14 +76,18 @@ RopeSpec make_rope(const RopeConfig& rc, int64_t head_dim, int64_t max_position_
   }
   if (rc.type == "yarn") {
     const double factor = rc.factor;
-    auto get_mscale = [](double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0; };
+    auto get_mscale = [](double scale, double mscale) {
+      return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
+    };
     double attention_factor;
-    if (rc.attention_factor) attention_factor = *rc.attention_factor;
+    if (rc.attention_factor)
+      attention_factor = *rc.attention_factor;
     else if (rc.mscale && rc.mscale_all_dim && *rc.mscale != 0 && *rc.mscale_all_dim != 0)
       attention_factor = get_mscale(factor, *rc.mscale) / get_mscale(factor, *rc.mscale_all_dim);
-    else attention_factor = get_mscale(factor, 1.0);
-    const double orig = double(rc.original_max_position_embeddings > 0 ? rc.original_max_position_embeddings
-                                                                         : max_position_embeddings);
+    else
+      attention_factor = get_mscale(factor, 1.0);
+    const double orig =
+        double(rc.original_max_position_embeddings > 0 ? rc.original_max_position_embeddings : max_position_embeddings);
     auto correction_dim = [&](double rotations) {
       return (double(dim) * std::log(orig / (rotations * 2 * M_PI))) / (2 * std::log(base));
     };
@@ -106,8 +111,8 @@ RopeSpec make_rope(const RopeConfig& rc, int64_t head_dim, int64_t max_position_
   }
   if (rc.type == "llama3") {
     const double factor = rc.factor, lo = rc.low_freq_factor, hi = rc.high_freq_factor;
-    const double old_ctx = double(rc.original_max_position_embeddings > 0 ? rc.original_max_position_embeddings
-                                                                           : max_position_embeddings);
+    const double old_ctx =
+        double(rc.original_max_position_embeddings > 0 ? rc.original_max_position_embeddings : max_position_embeddings);
     const double low_wavelen = old_ctx / lo, high_wavelen = old_ctx / hi;
     for (auto& f : r.inv_freq) {
       const double wavelen = 2 * M_PI / double(f);

@@ -14,6 +14,10 @@
 namespace moekit::model {
 namespace {
 
+// Below these sizes a fork/join costs more than it saves (much more on a busy machine).
+constexpr int64_t kParallelWork = int64_t(1) << 18;      // multiply-adds
+constexpr int64_t kParallelElements = int64_t(1) << 16;  // elements of an elementwise op
+
 size_t esize(DType t) { return dtype_nbytes(t, 1); }
 
 void check_float(const TensorView& v, const char* what) {
@@ -37,15 +41,19 @@ char* row_ptr_mut(const TensorView& v, int64_t r, int64_t ld) {
 }
 
 inline void load_f32(const void* src, DType t, float* dst, int64_t n) {
-  if (t == DType::f32) std::memcpy(dst, src, size_t(n) * 4);
+  if (t == DType::f32)
+    std::memcpy(dst, src, size_t(n) * 4);
   else if (t == DType::bf16) {
     const uint16_t* s = static_cast<const uint16_t*>(src);
     for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
-  } else convert(src, t, dst, DType::f32, n);
+  } else
+    convert(src, t, dst, DType::f32, n);
 }
 inline void store_f32(const float* src, void* dst, DType t, int64_t n) {
-  if (t == DType::f32) std::memcpy(dst, src, size_t(n) * 4);
-  else convert(src, DType::f32, dst, t, n);
+  if (t == DType::f32)
+    std::memcpy(dst, src, size_t(n) * 4);
+  else
+    convert(src, DType::f32, dst, t, n);
 }
 // The value an f32 takes once stored in t.
 inline float round_as(DType t, float v) {
@@ -86,7 +94,7 @@ const float* rows_f32(const TensorView& v, int64_t ld, std::vector<float>& buf, 
     return static_cast<const float*>(v.data);
   }
   buf.resize(size_t(M * K));
-#pragma omp parallel for schedule(static) if (M * K > 65536)
+#pragma omp parallel for schedule(static) if (M * K > kParallelElements)
   for (int64_t m = 0; m < M; ++m) load_f32(row_ptr(v, m, ld), v.dtype, buf.data() + m * K, K);
   out_ld = K;
   return buf.data();
@@ -107,7 +115,8 @@ class CpuOps final : public DeviceOps {
     for (int64_t i = 0; i < n; ++i) {
       const char* src = row_ptr(table, ids[i], H);
       char* dst = static_cast<char*>(out.data) + size_t(i * H) * esize(out.dtype);
-      if (table.dtype == out.dtype) std::memcpy(dst, src, size_t(H) * esize(out.dtype));
+      if (table.dtype == out.dtype)
+        std::memcpy(dst, src, size_t(H) * esize(out.dtype));
       else {
         load_f32(src, table.dtype, row.data(), H);
         store_f32(row.data(), dst, out.dtype, H);
@@ -142,7 +151,7 @@ class CpuOps final : public DeviceOps {
     const bool wf32 = w.dtype == DType::f32;
     constexpr int64_t NB = 16, MB = 64;
     const int64_t tiles_n = (N + NB - 1) / NB, tiles_m = (M + MB - 1) / MB;
-#pragma omp parallel if (M * N * K > 32768)
+#pragma omp parallel if (M * N * K > kParallelWork)
     {
       std::vector<float> wbuf(wf32 ? 0 : size_t(NB * K));
 #pragma omp for collapse(2) schedule(static)
@@ -151,7 +160,8 @@ class CpuOps final : public DeviceOps {
           const int64_t n0 = tn * NB, n1 = std::min(N, n0 + NB);
           const int64_t m0 = tm * MB, m1 = std::min(M, m0 + MB);
           const float* wb;
-          if (wf32) wb = static_cast<const float*>(w.data) + n0 * K;
+          if (wf32)
+            wb = static_cast<const float*>(w.data) + n0 * K;
           else {
             load_f32(row_ptr(w, n0, K), w.dtype, wbuf.data(), (n1 - n0) * K);
             wb = wbuf.data();
@@ -169,7 +179,7 @@ class CpuOps final : public DeviceOps {
       }
     }
     if (y.dtype != DType::f32) {
-#pragma omp parallel for schedule(static) if (M * N > 65536)
+#pragma omp parallel for schedule(static) if (M * N > kParallelElements)
       for (int64_t m = 0; m < M; ++m) store_f32(yf + m * N, row_ptr_mut(y, m, N), y.dtype, N);
     }
   }
@@ -182,13 +192,13 @@ class CpuOps final : public DeviceOps {
     const int64_t ldx = row_stride(x, "rmsnorm input");
     const int64_t M = x.shape[0], D = x.shape[1];
     MOEKIT_CHECK(w.numel() == D, "rmsnorm weight has ", w.numel(), " values, rows have ", D);
-    MOEKIT_CHECK(y.dim() == 2 && y.shape[0] == M && y.shape[1] == D, "rmsnorm output must be [", M, ", ", D,
-                 "], got ", y.to_string());
+    MOEKIT_CHECK(y.dim() == 2 && y.shape[0] == M && y.shape[1] == D, "rmsnorm output must be [", M, ", ", D, "], got ",
+                 y.to_string());
     const int64_t ldy = row_stride(y, "rmsnorm output");
     std::vector<float> wf(static_cast<size_t>(D));
     load_f32(w.data, w.dtype, wf.data(), D);
     const DType in_t = x.dtype;
-#pragma omp parallel if (M * D > 16384)
+#pragma omp parallel if (M * D > kParallelElements)
     {
       std::vector<float> row(static_cast<size_t>(D));
 #pragma omp for schedule(static)
@@ -217,7 +227,7 @@ class CpuOps final : public DeviceOps {
                  ") do not fit heads of size ", S);
     const int64_t s0 = x.stride(0), s1 = x.stride(1);
     const DType t = x.dtype;
-#pragma omp parallel if (T * NH * rd > 16384)
+#pragma omp parallel if (T * NH * rd > kParallelElements)
     {
       std::vector<float> c(static_cast<size_t>(half)), s(static_cast<size_t>(half));
       std::vector<float> v(static_cast<size_t>(rd)), o(static_cast<size_t>(rd));
@@ -256,8 +266,8 @@ class CpuOps final : public DeviceOps {
       MOEKIT_CHECK(t->is_contiguous(), "attention operands must be contiguous, got ", t->to_string());
     const int64_t T = q.shape[0], Hq = q.shape[1], Dk = q.shape[2];
     const int64_t S = k.shape[0], Hkv = k.shape[1], Dv = v.shape[2];
-    MOEKIT_CHECK(k.shape[2] == Dk && v.shape[0] == S && v.shape[1] == Hkv && Hkv > 0 && Hq % Hkv == 0,
-                 "attention: q ", q.to_string(), ", k ", k.to_string(), ", v ", v.to_string(), " do not match");
+    MOEKIT_CHECK(k.shape[2] == Dk && v.shape[0] == S && v.shape[1] == Hkv && Hkv > 0 && Hq % Hkv == 0, "attention: q ",
+                 q.to_string(), ", k ", k.to_string(), ", v ", v.to_string(), " do not match");
     MOEKIT_CHECK(out.shape == Shape({T, Hq, Dv}), "attention output must be [", T, ", ", Hq, ", ", Dv, "], got ",
                  out.to_string());
     MOEKIT_CHECK(pos0 >= 0 && pos0 + T <= S, "attention: queries at positions [", pos0, ", ", pos0 + T,
@@ -274,10 +284,10 @@ class CpuOps final : public DeviceOps {
     const float* kf = rows_f32(reshaped(k, {S, Hkv * Dk}), Hkv * Dk, kbuf, ld);
     const float* vf = rows_f32(reshaped(v, {S, Hkv * Dv}), Hkv * Dv, vbuf, ld);
     std::vector<float> obuf;
-    float* of = out.dtype == DType::f32 ? static_cast<float*>(out.data)
-                                        : (obuf.resize(size_t(T * Hq * Dv)), obuf.data());
+    float* of =
+        out.dtype == DType::f32 ? static_cast<float*>(out.data) : (obuf.resize(size_t(T * Hq * Dv)), obuf.data());
     const int64_t group = Hq / Hkv;
-#pragma omp parallel if (T * Hq * S * (Dk + Dv) > 65536)
+#pragma omp parallel if (T * Hq * S * (Dk + Dv) > kParallelWork)
     {
       std::vector<float> p(static_cast<size_t>(S)), acc(static_cast<size_t>(Dv));
 #pragma omp for collapse(2) schedule(static)
@@ -321,10 +331,10 @@ class CpuOps final : public DeviceOps {
     check_float(out, "act_mul output");
     const int64_t ld = row_stride(gu, "act_mul input");
     const int64_t M = gu.shape[0], I = gu.shape[1] / 2;
-    MOEKIT_CHECK(gu.shape[1] % 2 == 0 && out.dim() == 2 && out.shape[0] == M && out.shape[1] == I &&
-                     out.is_contiguous(),
-                 "act_mul: input ", gu.to_string(), " and output ", out.to_string(), " do not match");
-#pragma omp parallel if (M * I > 16384)
+    MOEKIT_CHECK(
+        gu.shape[1] % 2 == 0 && out.dim() == 2 && out.shape[0] == M && out.shape[1] == I && out.is_contiguous(),
+        "act_mul: input ", gu.to_string(), " and output ", out.to_string(), " do not match");
+#pragma omp parallel if (M * I > kParallelElements)
     {
       std::vector<float> row(static_cast<size_t>(2 * I)), o(static_cast<size_t>(I));
 #pragma omp for schedule(static)
@@ -340,19 +350,19 @@ class CpuOps final : public DeviceOps {
     check_float(a, "add input");
     check_float(b, "add input");
     check_float(out, "add output");
-    MOEKIT_CHECK(a.shape == b.shape && a.shape == out.shape && a.is_contiguous() && b.is_contiguous() &&
-                     out.is_contiguous(),
-                 "add: shapes ", a.to_string(), ", ", b.to_string(), ", ", out.to_string(), " must match");
+    MOEKIT_CHECK(
+        a.shape == b.shape && a.shape == out.shape && a.is_contiguous() && b.is_contiguous() && out.is_contiguous(),
+        "add: shapes ", a.to_string(), ", ", b.to_string(), ", ", out.to_string(), " must match");
     const int64_t n = a.numel();
     if (a.dtype == DType::f32 && b.dtype == DType::f32 && out.dtype == DType::f32) {
       const float *pa = a.ptr<float>(), *pb = b.ptr<float>();
       float* po = out.ptr<float>();
-#pragma omp parallel for simd schedule(static) if (n > 65536)
+#pragma omp parallel for simd schedule(static) if (n > kParallelElements)
       for (int64_t i = 0; i < n; ++i) po[i] = pa[i] + pb[i];
       return;
     }
     constexpr int64_t kChunk = 4096;
-#pragma omp parallel if (n > 65536)
+#pragma omp parallel if (n > kParallelElements)
     {
       std::vector<float> fa(static_cast<size_t>(kChunk)), fb(static_cast<size_t>(kChunk));
 #pragma omp for schedule(static)
@@ -376,7 +386,7 @@ class CpuOps final : public DeviceOps {
     const int64_t M = x.shape[0], H = x.shape[1];
     std::vector<float> g(static_cast<size_t>(M));
     load_f32(gate.data, gate.dtype, g.data(), M);
-#pragma omp parallel if (M * H > 65536)
+#pragma omp parallel if (M * H > kParallelElements)
     {
       std::vector<float> xr(static_cast<size_t>(H)), orow(static_cast<size_t>(H));
 #pragma omp for schedule(static)
@@ -437,9 +447,8 @@ class CpuOps final : public DeviceOps {
 void top_k_desc(const float* v, int64_t n, int64_t k, std::vector<int32_t>& order) {
   order.resize(size_t(n));
   std::iota(order.begin(), order.end(), 0);
-  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
-    return v[a] > v[b] || (v[a] == v[b] && a < b);
-  });
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [&](int32_t a, int32_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
   order.resize(size_t(k));
 }
 
@@ -466,7 +475,7 @@ void CpuOps::route(const TensorView& logits, const TensorView& correction_bias, 
   const float* lg = logits.ptr<float>();
   int32_t* out_idx = index.ptr<int32_t>();
   float* out_w = weights.ptr<float>();
-#pragma omp parallel if (T * E > 16384)
+#pragma omp parallel if (T * E > kParallelElements)
   {
     std::vector<float> p(static_cast<size_t>(E)), choice(static_cast<size_t>(E));
     std::vector<float> gscore(static_cast<size_t>(spec.n_group));

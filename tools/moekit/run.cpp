@@ -16,7 +16,7 @@ namespace {
 
 struct RunOptions {
   std::string model, device = "cpu", dtype = "auto", experts, prompt_ids, dump_logits, decode_switch = "auto";
-  int64_t max_new_tokens = 20, min_new_tokens = 0, top_k = 50;
+  int64_t max_new_tokens = 20, min_new_tokens = 0, top_k = 50, warmup = 0;
   double temperature = 1.0, top_p = 1.0;
   uint64_t seed = 0;
   bool sample = false, json = false, cuda_graph = false, quiet = false;
@@ -31,9 +31,7 @@ std::vector<int64_t> parse_ids(const std::string& text) {
     int64_t v = 0;
     try {
       v = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
+    } catch (const std::exception&) { used = 0; }
     MOEKIT_CHECK(used > 0 && used == item.size(), "--prompt-ids: '", item,
                  "' is not an integer (expected a comma-separated list such as 1,2,3)");
     ids.push_back(v);
@@ -71,7 +69,7 @@ void run(const RunOptions& o) {
   gc.top_p = float(o.top_p);
   gc.seed = o.seed;
   gc.keep_prompt_logits = !o.dump_logits.empty();
-  gc.decode_switch = o.decode_switch == "always" ? DecodeSwitch::always
+  gc.decode_switch = o.decode_switch == "always"  ? DecodeSwitch::always
                      : o.decode_switch == "never" ? DecodeSwitch::never
                                                   : DecodeSwitch::automatic;
   gc.validate();
@@ -82,16 +80,19 @@ void run(const RunOptions& o) {
   Model model = Model::from_pretrained(o.model, mo);
   const double load_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (progress)
-    fmt::print(stderr, "moekit run: loaded {} ({}, {}, {}) in {:.0f} ms; generating up to {} tokens ...\n",
-               o.model, model.config().text.model_type, dtype_name(model.dtype()), model.device().to_string(),
-               load_ms, gc.max_new_tokens);
+    fmt::print(stderr, "moekit run: loaded {} ({}, {}, {}) in {:.0f} ms; generating up to {} tokens ...\n", o.model,
+               model.config().text.model_type, dtype_name(model.dtype()), model.device().to_string(), load_ms,
+               gc.max_new_tokens);
+  GenerationConfig warm = gc;
+  warm.keep_prompt_logits = false;
+  for (int64_t i = 0; i < o.warmup; ++i) model.generate(prompt, warm);
   const GenerationResult r = model.generate(prompt, gc);
 
   if (!o.dump_logits.empty()) {
-    save_safetensors(o.dump_logits, {{"logits", r.prompt_logits}},
-                     {{"prompt_ids", o.prompt_ids}, {"model", o.model}});
-    if (progress) fmt::print(stderr, "moekit run: wrote prompt logits {} to {}\n",
-                             shape_to_string(r.prompt_logits.shape()), o.dump_logits);
+    save_safetensors(o.dump_logits, {{"logits", r.prompt_logits}}, {{"prompt_ids", o.prompt_ids}, {"model", o.model}});
+    if (progress)
+      fmt::print(stderr, "moekit run: wrote prompt logits {} to {}\n", shape_to_string(r.prompt_logits.shape()),
+                 o.dump_logits);
   }
   if (o.json) {
     nlohmann::json j;
@@ -143,6 +144,8 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--decode-switch", o->decode_switch,
                   "auto: grouped_mm -> batched_mm for decode steps on GPUs; always; never")
       ->check(CLI::IsMember({"auto", "always", "never"}));
+  cmd->add_option("--warmup", o->warmup, "untimed generations before the measured one (default 0)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_flag("--json", o->json, "print one JSON line: generated_ids, experts_implementation, phases, timings");
   cmd->add_option("--dump-logits", o->dump_logits, "write the prompt's logits [prompt_len, vocab] f32 (safetensors)");
   cmd->add_flag("--cuda-graph", o->cuda_graph, "capture decode steps in CUDA graphs (CUDA devices)");
