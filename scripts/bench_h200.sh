@@ -23,6 +23,12 @@ t0=$SECONDS
   >"$out/machine.txt" 2>&1
 
 echo "== moekit bench ($((SECONDS - t0)) s)"
+if ldd "$bin" | grep -q "not found"; then  # CUDA libraries outside the default paths: look for them
+  for lib in $(ldd "$bin" | awk '/not found/ {print $1}'); do
+    found=$(find /usr/local /usr/lib /opt -name "$lib" -print -quit 2>/dev/null)
+    [ -n "$found" ] && export LD_LIBRARY_PATH="$(dirname "$found"):$LD_LIBRARY_PATH"
+  done
+fi
 ldd "$bin" | grep "not found" && echo "moekit: missing shared libraries (set MOEKIT_LIBS)"
 "$bin" backends --device cuda | tee "$out/moekit.log"
 # Graph replays where capturable up to T = 512, plain calls always. Each case is limited by

@@ -298,6 +298,9 @@ TEST(InspectCli, FolderSummarisesConfigAndDtypes) {
   const auto s = run_cli("inspect --summary " + dir.str());
   ASSERT_EQ(s.status, 0) << s.err;
   EXPECT_EQ(s.out.find("model.layers.0.mlp.experts.1.down_proj.weight"), std::string::npos);
+  const auto via_index = run_cli("inspect --summary " + dir.file("model.safetensors.index.json"));
+  ASSERT_EQ(via_index.status, 0) << via_index.err;
+  EXPECT_NE(via_index.out.find("sharded"), std::string::npos) << via_index.out;
 }
 
 TEST(InspectCli, CommittedFixturesInspect) {

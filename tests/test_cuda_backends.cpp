@@ -182,7 +182,7 @@ TEST(CudaBackends, SweepActivations) {
   int n = 0;
   for (DType dt : kDtypes)
     for (Activation a : {Activation::silu, Activation::gelu, Activation::gelu_tanh, Activation::relu,
-                         Activation::sigmoid, Activation::identity})
+                         Activation::relu2, Activation::sigmoid, Activation::identity})
       for (int has_gate = 0; has_gate < 2; ++has_gate) {
         SweepCase c;
         c.cfg.dtype = dt;
@@ -225,6 +225,35 @@ TEST(CudaBackends, SweepOddAndLargeSizes) {
       c.weight_dtype = kWeightDtypes[n++ % 3];
       check_case(c, rng);
     }
+}
+
+// One small case per kernel path (routing over several blocks, wgmma, mma.sync, CUDA cores, GEMV):
+// short enough for compute-sanitizer's racecheck.
+TEST(CudaBackends, EveryKernelPathSmall) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(37);
+  struct Path { DType dt; int64_t T; bool wgmma; };
+  const Path paths[] = {{DType::bf16, 200, true}, {DType::bf16, 200, false}, {DType::f16, 100, true},
+                        {DType::f32, 20, true}, {DType::bf16, 3, true}};
+  for (const Path& p : paths) {
+#ifdef MOEKIT_WITH_CUDA
+    const bool saved = cuda::set_grouped_wgmma_enabled(p.wgmma);
+#endif
+    SweepCase c;
+    c.cfg.dtype = p.dt;
+    c.cfg.experts = 8;
+    c.cfg.hidden = 128;
+    c.cfg.inter = 64;
+    c.cfg.has_bias = true;
+    c.tokens = p.T;
+    c.top_k = 2;
+    c.used = 8;
+    c.sentinel_every = 5;
+    EXPECT_EQ(check_case(c, rng), 0) << c.to_string();
+#ifdef MOEKIT_WITH_CUDA
+    cuda::set_grouped_wgmma_enabled(saved);
+#endif
+  }
 }
 
 TEST(CudaBackends, DeterministicRunToRun) {

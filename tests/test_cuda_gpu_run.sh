@@ -51,13 +51,13 @@ if [ "$MODE" = full ]; then
   sed -n '/^qwen3/,/^\[/p' "$OUT/timing.log" | tee -a "$SUMMARY"
 fi
 if command -v compute-sanitizer > /dev/null; then
-  FILTER='CudaBackends.SweepFlags:CudaBackends.BadIdsAreReported:CudaBackends.DeterministicRunToRun:CudaBackends.MatchTheFixtures'
+  FILTER='CudaBackends.SweepFlags:CudaBackends.BadIdsAreReported:CudaBackends.EveryKernelPathSmall:CudaBackends.DeterministicRunToRun:CudaBackends.MatchTheFixtures'
   run memcheck_backends 90 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/test_cuda_backends" --gtest_filter="$FILTER"
   run memcheck_graph 45 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/test_cuda_graph"
   run racecheck_backends 60 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/test_cuda_backends" \
-    --gtest_filter='CudaBackends.DeterministicRunToRun:CudaBackends.SweepActivations'
+    --gtest_filter='CudaBackends.EveryKernelPathSmall'
   run synccheck_backends 30 compute-sanitizer --tool synccheck --error-exitcode 9 "$BIN/test_cuda_backends" \
-    --gtest_filter='CudaBackends.DeterministicRunToRun'
+    --gtest_filter='CudaBackends.EveryKernelPathSmall'
   for t in memcheck_backends memcheck_graph racecheck_backends synccheck_backends; do
     say "  $t: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$t.log" | tail -1)"
   done

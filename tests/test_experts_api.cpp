@@ -200,7 +200,7 @@ TEST(ExpertsApi, UnsupportedWeightsAreRefusedWithAReason) {
 
 TEST(ExpertsApi, CustomGateErrorsReachTheCaller) {
   ProblemConfig c;
-  c.T = 40;
+  c.T = 800;  // enough rows for the gate to run on several threads: the error must still come out
   c.gate = GateKind::custom;
   ExpertsProblem p = make_problem(c, 5);
   ExpertsSpec s = p.experts.spec();

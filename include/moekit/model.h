@@ -98,6 +98,7 @@ struct GenerationConfig {
   std::function<void(int64_t token)> on_token;
 
   void validate() const;
+  std::string to_string() const;
 };
 
 struct GenerationResult {

@@ -135,6 +135,12 @@ double cpu_copy_gbps(int64_t cache_bytes) {
   return best;
 }
 
+void require_cuda_device(Device device) {
+  MOEKIT_CHECK_CODE(device.index < cuda_device_count(), not_supported, "device ", device.to_string(),
+                    " is not available: ", cuda_device_count(),
+                    " CUDA devices found (none, or the driver cannot be loaded); use --device cpu");
+}
+
 }  // namespace
 
 Ceilings given_ceilings(Device device, double peak_tflops, double bandwidth_gbps) {
@@ -150,6 +156,7 @@ Ceilings given_ceilings(Device device, double peak_tflops, double bandwidth_gbps
     return c;
   }
 #ifdef MOEKIT_WITH_CUDA
+  require_cuda_device(device);
   const cuda::CardInfo info = cuda::card_info(device.index);
   c.card = info.name;
   c.cache_bytes = info.l2_bytes;
@@ -174,6 +181,7 @@ Ceilings measure_ceilings(Device device) {
     return c;
   }
 #ifdef MOEKIT_WITH_CUDA
+  require_cuda_device(device);
   const cuda::CardInfo info = cuda::card_info(device.index);
   c.card = info.name;
   c.cache_bytes = info.l2_bytes;

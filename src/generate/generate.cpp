@@ -2,6 +2,7 @@
 // the decode-step switch of SPEC section 4 (restored by a guard, also when a step throws).
 #include <algorithm>
 #include <chrono>
+#include <sstream>
 
 #include "generate/sampling.h"
 #include "model/model_impl.h"
@@ -17,6 +18,27 @@ void GenerationConfig::validate() const {
     MOEKIT_CHECK(top_k >= 0, "top_k must be >= 0 (0 = off), got ", top_k);
     MOEKIT_CHECK(top_p > 0 && top_p <= 1, "top_p must be in (0, 1], got ", top_p);
   }
+}
+
+std::string GenerationConfig::to_string() const {
+  std::ostringstream os;
+  os << "GenerationConfig{.max_new_tokens=" << max_new_tokens << ", .min_new_tokens=" << min_new_tokens
+     << ", .do_sample=" << (do_sample ? "true" : "false");
+  if (do_sample)
+    os << ", .temperature=" << temperature << ", .top_k=" << top_k << ", .top_p=" << top_p << ", .seed=" << seed;
+  if (eos_token_ids) {
+    os << ", .eos_token_ids={";
+    for (size_t i = 0; i < eos_token_ids->size(); ++i) os << (i ? ", " : "") << (*eos_token_ids)[i];
+    os << "}";
+  }
+  os << ", .decode_switch="
+     << (decode_switch == DecodeSwitch::automatic ? "automatic"
+         : decode_switch == DecodeSwitch::always  ? "always"
+                                                  : "never");
+  if (decode_experts_implementation)
+    os << ", .decode_experts_implementation=" << decode_experts_implementation->to_string();
+  os << "}";
+  return os.str();
 }
 
 double GenerationResult::tokens_per_s() const {

@@ -73,13 +73,16 @@ class TensorReader {
 // Rows of several checkpoint tensors stacked into one new tensor of the model dtype.
 Tensor stack_rows(const std::vector<Tensor>& parts, const Shape& shape, DType dtype, Device device) {
   Tensor out = Tensor::empty(shape, dtype, Device::cpu());
-  size_t off = 0;
-  for (const Tensor& p : parts) {
-    const Tensor c = p.contiguous();
-    convert(c.data(), c.dtype(), static_cast<char*>(out.data()) + off * dtype_nbytes(dtype, 1), dtype, c.numel());
-    off += size_t(c.numel());
+  std::vector<int64_t> offset(parts.size() + 1, 0);
+  for (size_t i = 0; i < parts.size(); ++i) offset[i + 1] = offset[i] + parts[i].numel();
+  MOEKIT_ASSERT(offset.back() == out.numel());
+  char* base = static_cast<char*>(out.data());
+  const size_t es = dtype_nbytes(dtype, 1);
+#pragma omp parallel for schedule(dynamic) if (out.numel() > (int64_t(1) << 20))
+  for (int64_t i = 0; i < int64_t(parts.size()); ++i) {
+    const Tensor c = parts[size_t(i)].contiguous();
+    convert(c.data(), c.dtype(), base + size_t(offset[size_t(i)]) * es, dtype, c.numel());
   }
-  MOEKIT_ASSERT(int64_t(off) == out.numel());
   return out.to(device);
 }
 

@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "backends/gate.h"
+#include "model/linear_cpu.h"
 #include "model/ops.h"
 #include "moekit/error.h"
 
@@ -67,23 +68,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
-}
-
-inline void dot4(const float* x, const float* w, int64_t K, float* out) {
-  const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
-  float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-  for (int64_t k = 0; k < K; ++k) {
-    const float xv = x[k];
-    a0 += xv * w0[k];
-    a1 += xv * w1[k];
-    a2 += xv * w2[k];
-    a3 += xv * w3[k];
-  }
-  out[0] = a0;
-  out[1] = a1;
-  out[2] = a2;
-  out[3] = a3;
 }
 
 // A 2-D view's rows as f32: the view itself when it already is f32, else a converted copy in `buf`.
@@ -148,36 +132,7 @@ class CpuOps final : public DeviceOps {
     const float* xf = rows_f32(x, ldx, xbuf, lx);
     std::vector<float> ybuf;
     float* yf = y.dtype == DType::f32 ? static_cast<float*>(y.data) : (ybuf.resize(size_t(M * N)), ybuf.data());
-    const bool wf32 = w.dtype == DType::f32;
-    constexpr int64_t NB = 16, MB = 64;
-    const int64_t tiles_n = (N + NB - 1) / NB, tiles_m = (M + MB - 1) / MB;
-#pragma omp parallel if (M * N * K > kParallelWork)
-    {
-      std::vector<float> wbuf(wf32 ? 0 : size_t(NB * K));
-#pragma omp for collapse(2) schedule(static)
-      for (int64_t tn = 0; tn < tiles_n; ++tn) {
-        for (int64_t tm = 0; tm < tiles_m; ++tm) {
-          const int64_t n0 = tn * NB, n1 = std::min(N, n0 + NB);
-          const int64_t m0 = tm * MB, m1 = std::min(M, m0 + MB);
-          const float* wb;
-          if (wf32)
-            wb = static_cast<const float*>(w.data) + n0 * K;
-          else {
-            load_f32(row_ptr(w, n0, K), w.dtype, wbuf.data(), (n1 - n0) * K);
-            wb = wbuf.data();
-          }
-          for (int64_t m = m0; m < m1; ++m) {
-            const float* xr = xf + m * lx;
-            float* yr = yf + m * N;
-            int64_t n = n0;
-            for (; n + 4 <= n1; n += 4) dot4(xr, wb + (n - n0) * K, K, yr + n);
-            for (; n < n1; ++n) yr[n] = dot(xr, wb + (n - n0) * K, K);
-            if (!bias_f.empty())
-              for (int64_t j = n0; j < n1; ++j) yr[j] += bias_f[size_t(j)];
-          }
-        }
-      }
-    }
+    linear_cpu(xf, lx, M, K, w.data, w.dtype, N, bias_f.empty() ? nullptr : bias_f.data(), yf);
     if (y.dtype != DType::f32) {
 #pragma omp parallel for schedule(static) if (M * N > kParallelElements)
       for (int64_t m = 0; m < M; ++m) store_f32(yf + m * N, row_ptr_mut(y, m, N), y.dtype, N);

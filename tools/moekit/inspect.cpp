@@ -119,12 +119,19 @@ void add_inspect_command(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   auto* cmd = app.add_subcommand("inspect", "show what a safetensors file or a checkpoint folder holds, validating it");
-  cmd->add_option("path", o->path, "a .safetensors file or a checkpoint folder")->required();
+  cmd->add_option("path", o->path, "a .safetensors file, or a checkpoint folder (or its config.json / index)")->required();
   cmd->add_flag("--summary", o->summary, "totals and config only, no tensor list");
   cmd->callback([o] {
+    namespace fs = std::filesystem;
     std::error_code ec;
-    if (std::filesystem::is_directory(o->path, ec))
+    const fs::path p(o->path);
+    const std::string name = p.filename().string();
+    const bool checkpoint_json =
+        name == "config.json" || (name.size() > 11 && name.compare(name.size() - 11, 11, ".index.json") == 0);
+    if (fs::is_directory(p, ec))
       inspect_dir(o->path, !o->summary);
+    else if (checkpoint_json)  // a checkpoint's own JSON: show the folder
+      inspect_dir(p.has_parent_path() ? p.parent_path().string() : ".", !o->summary);
     else
       inspect_file(o->path, !o->summary);
   });

@@ -33,10 +33,9 @@ struct V {
   static float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 };
 
-// 16 ymm registers: nk 4x3 tiles (12 accumulators), kn 6 rows x 2 vectors (12 accumulators).
-constexpr int kNkMR = 4, kNkNR = 3, kKnMR = 6, kKnNV = 2, kDirectMaxM = 4, kDirectAcc = 12;
-// nk tiles reduce their accumulators once per k block: a long block (512) amortises that.
-constexpr int64_t kKcNk = 512, kKcKn = 256, kMC = 240, kTileN = 128;
+// 16 ymm registers: 12 accumulators (packed tiles: 6 rows x 2 vectors).
+constexpr int kKnMR = 6, kKnNV = 2, kDirectMaxM = 4, kDirectAcc = 12;
+constexpr int64_t kKC = 256, kMC = 240, kTileN = 128;
 
 #include "backends/cpu/gemm_kernels.h"
 

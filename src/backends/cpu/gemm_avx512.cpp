@@ -39,10 +39,9 @@ struct V {
   static float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 };
 
-// 32 zmm registers: nk 4x6 tiles (24 accumulators), kn 12 rows x 2 vectors (24 accumulators).
-constexpr int kNkMR = 4, kNkNR = 6, kKnMR = 12, kKnNV = 2, kDirectMaxM = 4, kDirectAcc = 24;
-// nk tiles reduce their accumulators once per k block: a long block (512) amortises that.
-constexpr int64_t kKcNk = 512, kKcKn = 256, kMC = 240, kTileN = 128;
+// 32 zmm registers: 24 accumulators (packed tiles: 12 rows x 2 vectors).
+constexpr int kKnMR = 12, kKnNV = 2, kDirectMaxM = 4, kDirectAcc = 24;
+constexpr int64_t kKC = 256, kMC = 240, kTileN = 128;
 
 #include "backends/cpu/gemm_kernels.h"
 

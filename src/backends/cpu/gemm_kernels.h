@@ -9,16 +9,16 @@
 //     float fma1(float a, float b, float c); // a*b + c rounded like one lane of fma
 //     R load_bf16(const uint16_t*); R load_f16(const uint16_t*); float f16_to_f32(uint16_t);
 //   };
-// and the tile constants kNkMR, kNkNR (dot-product tiles, rows x columns), kKnMR, kKnNV (broadcast tiles, rows x
-// vectors), kKcNk and kKcKn (k blocks of the two layouts), kMC (m block), kTileN (widest column range), kDirectMaxM, kDirectAcc (accumulators of
+// and the tile constants kKnMR, kKnNV (broadcast tiles of the packed path, rows x vectors), kKC (k block), kMC (m block), kTileN (widest column range), kDirectMaxM, kDirectAcc (accumulators of
 // the in-place kernels). Nothing here may include a header or use a library template: all code stays in the
 // including file's namespace, compiled with its flags.
 //
 // Two layouts of W:
 //   [N, K] (default): C[i, j] = dot(A[i, :], W[j, :]): "nk" tiles, vectorised along k, reduced at the end.
 //   [K, N] (transposed): C[i, :] += A[i, k] * W[k, :]: "kn" tiles, vectorised along n (broadcast A).
-// Up to kDirectMaxM rows, W is read in place (converted in registers); above, blocks of W are converted once into
-// f32 panels (work) sized for L2, then reused by every block of kMC rows.
+// Up to kDirectMaxM rows, W is read in place (converted in registers) by those tiles. Above, blocks of W are
+// converted once into f32 [k, n] panels (transposed on the way for [N, K]) sized for L2, and every block of kMC
+// rows runs the broadcast ("kn") tiles over them.
 
 using Reg = typename V::R;
 
@@ -50,6 +50,20 @@ template <int WT> inline void convert_run(const void* src, int64_t off, int64_t 
   int64_t i = 0;
   for (; i + V::W <= n; i += V::W) V::store(dst + i, loadv<WT>(src, off + i));
   for (; i < n; ++i) dst[i] = load1<WT>(src, off + i);
+}
+
+// Prefetches the cache lines of src[off, off + n): the rows of W that packing reads next start on new pages,
+// where the hardware prefetchers would first have to miss.
+constexpr int64_t kPackAhead = 4;
+// `level` 3: into L1; 2: into L2 (for data needed a whole tile later).
+template <int WT> inline void prefetch_run(const void* src, int64_t off, int64_t n, int level = 3) {
+  constexpr int64_t elem = WT == 0 ? 4 : 2;
+  const char* p = static_cast<const char*>(src) + off * elem;
+  if (level == 3) {
+    for (int64_t b = 0; b < n * elem; b += 64) __builtin_prefetch(p + b, 0, 3);
+  } else {
+    for (int64_t b = 0; b < n * elem; b += 64) __builtin_prefetch(p + b, 0, 2);
+  }
 }
 
 // Calls f.template operator()<R>() with R == m, for 1 <= m <= Max.
@@ -146,33 +160,13 @@ void nk_direct(const float* a, int64_t lda, int64_t m, const WeightMatrix& w, in
   auto body = [&]<int R>() {
     constexpr int NR = kDirectAcc / R < 1 ? 1 : (kDirectAcc / R > 8 ? 8 : kDirectAcc / R);
     int64_t j = n0;
-    for (; j + NR <= n1; j += NR) nk_tile<R, NR, WT>(a, lda, w.data, j * K, K, K, c + j, ldc, false);
+    for (; j + NR <= n1; j += NR) {
+      for (int64_t r = j + NR; r < j + 2 * NR && r < n1; ++r) prefetch_run<WT>(w.data, r * K, K, 2);
+      nk_tile<R, NR, WT>(a, lda, w.data, j * K, K, K, c + j, ldc, false);
+    }
     for (; j < n1; ++j) nk_tile<R, 1, WT>(a, lda, w.data, j * K, K, K, c + j, ldc, false);
   };
   with_rows<kDirectMaxM>(m, body);
-}
-
-template <int WT>
-void nk_blocked(const float* a, int64_t lda, int64_t m, const WeightMatrix& w, int64_t n0, int64_t n1, float* c,
-                int64_t ldc, float* work) {
-  const int64_t K = w.k, nc = n1 - n0;
-  for (int64_t m0 = 0; m0 < m; m0 += kMC) {
-    const int64_t mc = min_of<int64_t>(kMC, m - m0);
-    for (int64_t kb = 0; kb < K; kb += kKcNk) {
-      const int64_t kc = min_of<int64_t>(kKcNk, K - kb);
-      for (int64_t j = 0; j < nc; ++j) convert_run<WT>(w.data, (n0 + j) * K + kb, kc, work + j * kc);
-      for (int64_t mb = m0; mb < m0 + mc; mb += kNkMR) {
-        const float* ab = a + mb * lda + kb;
-        float* cb = c + mb * ldc + n0;
-        auto body = [&]<int R>() {
-          int64_t j = 0;
-          for (; j + kNkNR <= nc; j += kNkNR) nk_tile<R, kNkNR, 0>(ab, lda, work, j * kc, kc, kc, cb + j, ldc, kb > 0);
-          for (; j < nc; ++j) nk_tile<R, 1, 0>(ab, lda, work, j * kc, kc, kc, cb + j, ldc, kb > 0);
-        };
-        with_rows<kNkMR>(min_of<int64_t>(kNkMR, m0 + mc - mb), body);
-      }
-    }
-  }
 }
 
 // ---- W [K, N] ----
@@ -197,24 +191,47 @@ void kn_direct(const float* a, int64_t lda, int64_t m, const WeightMatrix& w, in
   with_rows<kDirectMaxM>(m, body);
 }
 
+// ---- packed blocks (more than kDirectMaxM rows), both layouts ----
+
+// Converts W^T[kb : kb + kc, n0 : n0 + nc] into panels of NR = kKnNV * W columns: panel p is [kc, NR] f32 at
+// panels + p * kc * NR, zero-padded past nc. W [N, K] is transposed on the way through `rows` ([NR, kc] f32).
 template <int WT>
-void kn_blocked(const float* a, int64_t lda, int64_t m, const WeightMatrix& w, int64_t n0, int64_t n1, float* c,
-                int64_t ldc, float* work) {
+void pack_panels(const WeightMatrix& w, int64_t n0, int64_t nc, int64_t kb, int64_t kc, float* panels, float* rows) {
   constexpr int64_t NR = kKnNV * V::W;
-  const int64_t K = w.k, N = w.n, nc = n1 - n0, panels = (nc + NR - 1) / NR;
+  const int64_t K = w.k, N = w.n, count = (nc + NR - 1) / NR;
+  for (int64_t p = 0; p < count; ++p) {
+    const int64_t cols = min_of<int64_t>(NR, nc - p * NR), c0 = n0 + p * NR;
+    float* dst = panels + p * kc * NR;
+    if (w.transposed) {
+      for (int64_t kk = 0; kk < kc; ++kk) {
+        convert_run<WT>(w.data, (kb + kk) * N + c0, cols, dst + kk * NR);
+        for (int64_t j = cols; j < NR; ++j) dst[kk * NR + j] = 0.0f;
+      }
+    } else {
+      for (int64_t j = 0; j < cols; ++j) {
+        if (j + kPackAhead < cols) prefetch_run<WT>(w.data, (c0 + j + kPackAhead) * K + kb, kc);
+        convert_run<WT>(w.data, (c0 + j) * K + kb, kc, rows + j * kc);
+      }
+      for (int64_t k0 = 0; k0 < kc; k0 += 8) {
+        const int64_t k1 = min_of<int64_t>(kc, k0 + 8);
+        for (int64_t j = 0; j < NR; ++j)
+          for (int64_t kk = k0; kk < k1; ++kk) dst[kk * NR + j] = j < cols ? rows[j * kc + kk] : 0.0f;
+      }
+    }
+  }
+}
+
+template <int WT>
+void gemm_blocked(const float* a, int64_t lda, int64_t m, const WeightMatrix& w, int64_t n0, int64_t n1, float* c,
+                  int64_t ldc, float* work) {
+  constexpr int64_t NR = kKnNV * V::W;
+  const int64_t K = w.k, nc = n1 - n0, panels = (nc + NR - 1) / NR;
+  float* rows = work + kTileN * kKC;  // [NR, kKC] transpose staging
   for (int64_t m0 = 0; m0 < m; m0 += kMC) {
     const int64_t mc = min_of<int64_t>(kMC, m - m0);
-    for (int64_t kb = 0; kb < K; kb += kKcKn) {
-      const int64_t kc = min_of<int64_t>(kKcKn, K - kb);
-      // panel p: [kc, NR] f32, columns n0 + p*NR ..., zero-padded past n1
-      for (int64_t p = 0; p < panels; ++p) {
-        const int64_t cols = min_of<int64_t>(NR, nc - p * NR);
-        float* dst = work + p * kc * NR;
-        for (int64_t kk = 0; kk < kc; ++kk) {
-          convert_run<WT>(w.data, (kb + kk) * N + n0 + p * NR, cols, dst + kk * NR);
-          for (int64_t j = cols; j < NR; ++j) dst[kk * NR + j] = 0.0f;
-        }
-      }
+    for (int64_t kb = 0; kb < K; kb += kKC) {
+      const int64_t kc = min_of<int64_t>(kKC, K - kb);
+      pack_panels<WT>(w, n0, nc, kb, kc, work, rows);
       for (int64_t mb = m0; mb < m0 + mc; mb += kKnMR) {
         const float* ab = a + mb * lda + kb;
         float* cb = c + mb * ldc + n0;
@@ -242,8 +259,7 @@ void gemm_tile_typed(const float* a, int64_t lda, int64_t m, const WeightMatrix&
     if (w.transposed) kn_direct<WT>(a, lda, m, w, n0, n1, c, ldc);
     else nk_direct<WT>(a, lda, m, w, n0, n1, c, ldc);
   } else {
-    if (w.transposed) kn_blocked<WT>(a, lda, m, w, n0, n1, c, ldc, work);
-    else nk_blocked<WT>(a, lda, m, w, n0, n1, c, ldc, work);
+    gemm_blocked<WT>(a, lda, m, w, n0, n1, c, ldc, work);
   }
 }
 
@@ -256,5 +272,5 @@ void gemm_tile(const float* a, int64_t lda, int64_t m, const WeightMatrix& w, in
   }
 }
 
-// Scratch for the packed blocks: kTileN x k-block floats (kTileN is a multiple of kKnNV * W).
-constexpr int64_t kWorkFloats = kTileN * (kKcNk > kKcKn ? kKcNk : kKcKn);
+// Scratch: the packed panels (kTileN x kKC; kTileN is a multiple of kKnNV * W) and the transpose staging.
+constexpr int64_t kWorkFloats = (kTileN + kKnNV * V::W) * kKC;

@@ -74,10 +74,9 @@ struct V {
   }
 };
 
-// SSE2 has 16 xmm registers (two per Lanes): nk 2x2 tiles, kn 4 rows x 1 vector.
-constexpr int kNkMR = 2, kNkNR = 2, kKnMR = 4, kKnNV = 1, kDirectMaxM = 4, kDirectAcc = 4;
-// nk tiles reduce their accumulators once per k block: a long block (512) amortises that.
-constexpr int64_t kKcNk = 512, kKcKn = 256, kMC = 240, kTileN = 128;
+// SSE2 has 16 xmm registers, two per Lanes: 4 accumulators (packed tiles: 4 rows x 1 vector).
+constexpr int kKnMR = 4, kKnNV = 1, kDirectMaxM = 4, kDirectAcc = 4;
+constexpr int64_t kKC = 256, kMC = 240, kTileN = 128;
 
 #include "backends/cpu/gemm_kernels.h"
 

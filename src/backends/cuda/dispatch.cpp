@@ -26,6 +26,20 @@ kernels::Elem to_elem(DType t) {
   }
 }
 
+// The kernels' code of an activation, or -1 when they do not implement it.
+int kernel_activation(Activation a) {
+  switch (a) {
+    case Activation::silu: return kernels::kActSilu;
+    case Activation::gelu: return kernels::kActGelu;
+    case Activation::gelu_tanh: return kernels::kActGeluTanh;
+    case Activation::relu: return kernels::kActRelu;
+    case Activation::relu2: return kernels::kActRelu2;
+    case Activation::sigmoid: return kernels::kActSigmoid;
+    case Activation::identity: return kernels::kActIdentity;
+  }
+  return -1;
+}
+
 }  // namespace
 
 Support available(std::string_view backend, Device device) {
@@ -59,6 +73,9 @@ Support supports(std::string_view backend, const Experts& experts, DType act_dty
                              dtype_name(b->dtype()));
   if (s.gate == GateKind::custom)
     return no(backend, "a custom gate function runs only on the CPU backends; move the experts to the CPU");
+  if (kernel_activation(s.activation) < 0 && !(s.has_gate && s.gate == GateKind::clamped_swiglu))
+    return no(backend, std::string("activation '") + activation_name(s.activation) +
+                           "' is not in the CUDA kernels; move the experts to the CPU");
   if (s.num_experts > kernels::kRouteMaxExperts)
     return no(backend, "at most " + std::to_string(kernels::kRouteMaxExperts) + " experts per module, got " +
                            std::to_string(s.num_experts));
@@ -98,7 +115,7 @@ void run(std::string_view backend, const Experts& experts, const ExpertsCall& ca
   c.gate.kind = !spec.has_gate ? kernels::kGateActOnly
                 : spec.gate == GateKind::clamped_swiglu ? kernels::kGateClampedSwiglu
                                                         : kernels::kGateActMul;
-  c.gate.activation = int(spec.activation);
+  c.gate.activation = kernel_activation(spec.activation);
   c.gate.concatenated = spec.is_concatenated ? 1 : 0;
   c.gate.alpha = spec.alpha;
   c.gate.limit = spec.limit;

@@ -2,9 +2,11 @@
 // projection over the sorted rows (offsets read on the device), then the weighted combine. No host
 // synchronisation and no allocation: capturable in a CUDA graph.
 //
-// Kernel choice per projection (transparent fallback): the tensor-core kernel (mma.sync, sm_80+) for
-// bf16/f16 weights in [out, in] layout with sizes a multiple of 8 and aligned pointers; otherwise the
-// CUDA-core kernel, which takes any dtype, layout and size.
+// Kernel choice per projection (transparent fallback): the tensor-core kernels for bf16/f16 weights in
+// [out, in] layout with sizes a multiple of 8 and aligned pointers (wgmma on sm_90a for row tiles of
+// 64 and 128, mma.sync otherwise); else the CUDA-core kernel, which takes any dtype, layout and size.
+#include <algorithm>
+
 #include "backends/cuda/state.h"
 
 namespace moekit::cuda {
@@ -13,6 +15,7 @@ void run_grouped_mm(const CallContext& c) {
   namespace k = kernels;
   const int64_t P = c.pairs, E = c.experts_count;
   const int tile_m = k::grouped_tile_m(P, int(E));
+  const int arch = grouped_wgmma_enabled() ? c.device->arch() : std::min(c.device->arch(), 89);
 
   auto carve = [&](Carver& w, k::RoutingBuffers& r, void*& act, float*& y) {
     r.pair_expert = w.take<int32_t>(P);
@@ -61,7 +64,7 @@ void run_grouped_mm(const CallContext& c) {
   g1.gate = c.gate;
   g1.out = act;
   g1.ldo = c.inter;
-  check_launch(k::grouped_gemm(g1, tile_m, c.device->arch(), c.stream), "grouped_gemm (first projection)");
+  check_launch(k::grouped_gemm(g1, tile_m, arch, c.stream), "grouped_gemm (first projection)");
 
   k::GroupedGemmArgs g2 = g1;
   g2.a = act;
@@ -79,7 +82,7 @@ void run_grouped_mm(const CallContext& c) {
   g2.epilogue = k::kEpiF32;
   g2.out = y;
   g2.ldo = c.hidden;
-  check_launch(k::grouped_gemm(g2, tile_m, c.device->arch(), c.stream), "grouped_gemm (second projection)");
+  check_launch(k::grouped_gemm(g2, tile_m, arch, c.stream), "grouped_gemm (second projection)");
 
   check_launch(k::combine(c.type, c.weight_type, y, r.pair_row, r.pair_expert, c.call.top_k_weights.data, c.b2,
                           c.tokens, int(c.top_k), c.hidden, int(E), c.call.out.data, c.stream),

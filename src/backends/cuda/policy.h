@@ -9,4 +9,8 @@ namespace moekit::cuda {
 int64_t batched_gemv_max_pairs();
 int64_t set_batched_gemv_max_pairs(int64_t pairs);
 
+// Whether grouped projections may use the sm_90a wgmma kernel (else mma.sync); on by default.
+bool grouped_wgmma_enabled();
+bool set_grouped_wgmma_enabled(bool enabled);
+
 }  // namespace moekit::cuda

@@ -24,15 +24,15 @@ template <> __device__ __forceinline__ float from_f32<float>(float v) { return v
 template <> __device__ __forceinline__ bf16 from_f32<bf16>(float v) { return __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ f16 from_f32<f16>(float v) { return __float2half_rn(v); }
 
-// moekit::Activation order: silu, gelu, gelu_tanh, relu, sigmoid, identity.
 __device__ __forceinline__ float activate(int act, float x) {
   switch (act) {
-    case 0: return x / (1.0f + expf(-x));
-    case 1: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
-    case 2: return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-    case 3: return x > 0.0f ? x : 0.0f;
-    case 4: return 1.0f / (1.0f + expf(-x));
-    default: return x;
+    case kActSilu: return x / (1.0f + expf(-x));
+    case kActGelu: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    case kActGeluTanh: return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+    case kActRelu: return x > 0.0f ? x : 0.0f;
+    case kActRelu2: return x > 0.0f ? x * x : 0.0f;
+    case kActSigmoid: return 1.0f / (1.0f + expf(-x));
+    default: return x;  // kActIdentity
   }
 }
 

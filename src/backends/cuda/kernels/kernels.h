@@ -15,10 +15,14 @@ enum class Index : int { i32 = 0, i64 = 1 };           // top_k_index
 
 inline int elem_bytes(Elem t) { return t == Elem::f32 ? 4 : 2; }
 
+// Activations (formulas of src/backends/gate.h).
+constexpr int kActSilu = 0, kActGelu = 1, kActGeluTanh = 2, kActRelu = 3, kActRelu2 = 4, kActSigmoid = 5,
+              kActIdentity = 6;
+
 // The gate applied to the first projection (SPEC section 1).
 struct GateParams {
   int kind = 0;          // kGateActMul, kGateClampedSwiglu, kGateActOnly (has_gate = false)
-  int activation = 0;    // moekit::Activation: silu, gelu, gelu_tanh, relu, sigmoid, identity
+  int activation = 0;    // kAct*
   int concatenated = 1;  // 1: rows [gate | up]; 0: interleaved g0, u0, g1, u1, ...
   float alpha = 1.702f;  // clamped_swiglu
   float limit = 7.0f;
@@ -115,9 +119,14 @@ inline int64_t grouped_max_tiles(int64_t max_rows, int experts, int tile_m) {
 int grouped_tile_m(int64_t max_rows, int experts);
 // Whether the tensor-core kernel serves these arguments on a device of this compute capability.
 bool grouped_gemm_mma_ok(const GroupedGemmArgs& a, int arch);
-// Runs the tensor-core kernel when grouped_gemm_mma_ok, else the SIMT kernel (any dtype, layout, alignment).
+// Whether the sm_90a kernel (wgmma, row tiles of 64 or 128) serves them: the mma conditions, a device
+// of compute capability 9.0 and this build's sm_90a code for it.
+bool grouped_gemm_wgmma_ok(const GroupedGemmArgs& a, int arch);
+// The wgmma kernel for tiles of 64 and 128 rows where it serves, else the mma.sync kernel where it
+// serves, else the SIMT kernel (any dtype, layout, alignment).
 cudaError_t grouped_gemm(const GroupedGemmArgs& a, int tile_m, int arch, cudaStream_t stream);
-// The two kernels, for tests and measurements.
+// The three kernels, for tests and measurements.
+cudaError_t grouped_gemm_wgmma(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);
 cudaError_t grouped_gemm_mma(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);
 cudaError_t grouped_gemm_simt(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);
 
