@@ -16,6 +16,10 @@ lines it printed to its log.
 import argparse, json, os, shutil, subprocess, sys
 
 
+# Distinct colours that read on white (gnuplot's default fifth colour is a pale yellow).
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"]
+
+
 def load_json(path):
     if not path or not os.path.exists(path):
         return None
@@ -110,7 +114,8 @@ def plots(ours, anchor, outdir):
         lines = []
         data = []
         for i, (name, pts) in enumerate(sorted(series.items())):
-            lines.append(f"'-' using 1:2 with linespoints lw 2 pt {5 + i % 8} title '{name}' noenhanced")
+            color = COLORS[i % len(COLORS)]
+            lines.append(f"'-' using 1:2 with linespoints lw 2 pt {5 + i % 8} lc rgb '{color}' title '{name}' noenhanced")
             data.append("".join(f"{t} {v}\n" for t, v in sorted(pts.items())) + "e\n")
         if hf:
             lines.append("'-' using 1:2 with linespoints lw 3 lc rgb 'red' pt 2 title 'transformers best' noenhanced")
@@ -118,10 +123,13 @@ def plots(ours, anchor, outdir):
         lines.append("'-' using 1:2 with lines dt 2 lw 2 lc rgb 'black' title 'roofline floor'")
         data.append("".join(f"{t} {v}\n" for t, v in sorted(floor.items())) + "e\n")
         card = ours.get("card", "")
+        tokens = sorted(set(floor) | set(hf))
+        xtics = ", ".join(str(t) for t in tokens)
         gp = (f"set terminal pngcairo size 1100,700 enhanced font 'DejaVu Sans,11'\nset output '{path}'\n"
               "set logscale xy\nset grid xtics ytics mxtics mytics lc rgb '#dddddd'\n"
               "set xlabel 'tokens T'\nset ylabel 'time per forward (microseconds, median)'\n"
               "set key outside right top box\nset format y '10^{%L}'\n"
+              f"set xtics ({xtics})\nset xrange [{tokens[0] / 1.3}:{tokens[-1] * 1.3}]\n"
               f"set title '{s}: bf16 experts forward on {card}' noenhanced\n"
               "plot " + ", ".join(lines) + "\n" + "".join(data))
         subprocess.run(["gnuplot"], input=gp.encode(), check=True)

@@ -227,17 +227,20 @@ TEST(CudaBackends, SweepOddAndLargeSizes) {
     }
 }
 
-// One small case per kernel path (routing over several blocks, wgmma, mma.sync, CUDA cores, GEMV):
+// One small case per kernel path (routing over several blocks, wgmma wide and narrow with partial
+// tiles, mma.sync, CUDA cores, GEMV):
 // short enough for compute-sanitizer's racecheck.
 TEST(CudaBackends, EveryKernelPathSmall) {
   MOEKIT_SKIP_WITHOUT_CUDA();
   std::mt19937_64 rng(37);
-  struct Path { DType dt; int64_t T; bool wgmma; };
-  const Path paths[] = {{DType::bf16, 200, true}, {DType::bf16, 200, false}, {DType::f16, 100, true},
-                        {DType::f32, 20, true}, {DType::bf16, 3, true}};
+  struct Path { DType dt; int64_t T; bool wgmma, wide; };
+  const Path paths[] = {{DType::bf16, 200, true, true},  {DType::bf16, 200, true, false},
+                        {DType::bf16, 200, false, false}, {DType::f16, 100, true, true},
+                        {DType::f32, 20, true, true},     {DType::bf16, 3, true, true}};
   for (const Path& p : paths) {
 #ifdef MOEKIT_WITH_CUDA
     const bool saved = cuda::set_grouped_wgmma_enabled(p.wgmma);
+    const bool saved_wide = cuda::set_grouped_wgmma_wide_enabled(p.wide);
 #endif
     SweepCase c;
     c.cfg.dtype = p.dt;
@@ -252,6 +255,7 @@ TEST(CudaBackends, EveryKernelPathSmall) {
     EXPECT_EQ(check_case(c, rng), 0) << c.to_string();
 #ifdef MOEKIT_WITH_CUDA
     cuda::set_grouped_wgmma_enabled(saved);
+    cuda::set_grouped_wgmma_wide_enabled(saved_wide);
 #endif
   }
 }

@@ -7,11 +7,13 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <functional>
 
 #include "test_cuda_util.h"
 #ifdef MOEKIT_WITH_CUDA
 #include <cuda_runtime_api.h>
 
+#include "backends/cuda/kernels/kernels.h"
 #include "backends/cuda/policy.h"
 #endif
 
@@ -50,6 +52,95 @@ struct DeviceInputs {
 
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
+// Median time of `launch` (one kernel) over 20 calls, microseconds.
+double kernel_us(cudaStream_t stream, const std::function<cudaError_t()>& launch) {
+  cudaEvent_t a = nullptr, b = nullptr;
+  EXPECT_EQ(cudaEventCreate(&a), cudaSuccess);
+  EXPECT_EQ(cudaEventCreate(&b), cudaSuccess);
+  std::vector<double> t;
+  for (int i = 0; i < 23; ++i) {
+    EXPECT_EQ(cudaEventRecord(a, stream), cudaSuccess);
+    EXPECT_EQ(launch(), cudaSuccess);
+    EXPECT_EQ(cudaEventRecord(b, stream), cudaSuccess);
+    EXPECT_EQ(cudaEventSynchronize(b), cudaSuccess);
+    float ms = 0;
+    EXPECT_EQ(cudaEventElapsedTime(&ms, a, b), cudaSuccess);
+    if (i >= 3) t.push_back(ms * 1000.0);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return median(t);
+}
+
+// The grouped_mm pipeline kernel by kernel (the arguments of src/backends/cuda/grouped_mm.cpp).
+void grouped_breakdown(const Experts& experts, const DeviceInputs& in, cudaStream_t stream) {
+  namespace k = cuda::kernels;
+  const Device dev = experts.device();
+  const int64_t T = in.x.size(0), K = in.idx.size(1), H = experts.spec().hidden, I = experts.spec().intermediate;
+  const int64_t P = T * K, E = experts.spec().num_experts;
+  const int tile_m = k::grouped_tile_m(P, int(E));
+  auto ints = [&](int64_t n) { return Tensor::empty({n}, DType::i32, dev); };
+  Tensor pair_expert = ints(P), pair_row = ints(P), sorted_pair = ints(P), hist = ints(k::route_blocks(P) * E),
+         offsets = ints(E + 1), tile_offsets = ints(E + 1), err = Tensor::empty({1}, DType::i64, dev);
+  Tensor act = Tensor::empty({P, I}, DType::bf16, dev), y = Tensor::empty({P, H}, DType::f32, dev);
+  ASSERT_EQ(cudaMemset(err.data(), 0xff, 8), cudaSuccess);
+  k::RoutingBuffers r{pair_expert.ptr<int32_t>(), pair_row.ptr<int32_t>(), sorted_pair.ptr<int32_t>(),
+                      hist.ptr<int32_t>(),        offsets.ptr<int32_t>(),  tile_offsets.ptr<int32_t>(),
+                      static_cast<unsigned long long*>(err.data())};
+  k::GroupedGemmArgs g1;
+  g1.type = k::Elem::bf16;
+  g1.a = in.x.data();
+  g1.lda = H;
+  g1.a_rows = r.sorted_pair;
+  g1.a_row_div = int(K);
+  g1.b = experts.weights().gate_up_proj.data();
+  g1.b_expert_stride = 2 * I * H;
+  g1.b_stride_n = H;
+  g1.b_stride_k = 1;
+  g1.offsets = r.offsets;
+  g1.tile_offsets = r.tile_offsets;
+  g1.experts = int(E);
+  g1.max_rows = P;
+  g1.n = I;
+  g1.k = H;
+  g1.inter = I;
+  g1.epilogue = k::kEpiGated;
+  g1.out = act.data();
+  g1.ldo = I;
+  k::GroupedGemmArgs g2 = g1;
+  g2.a = act.data();
+  g2.lda = I;
+  g2.a_rows = nullptr;
+  g2.a_row_div = 1;
+  g2.b = experts.weights().down_proj.data();
+  g2.b_expert_stride = H * I;
+  g2.b_stride_n = I;
+  g2.n = H;
+  g2.k = I;
+  g2.epilogue = k::kEpiF32;
+  g2.out = y.data();
+  g2.ldo = H;
+  const double route = kernel_us(stream, [&] {
+    return k::route_sort(in.idx.data(), k::Index::i32, T, int(K), int(E), tile_m, r, stream);
+  });
+  const double f1 = 2.0 * P * 2 * I * H, f2 = 2.0 * P * I * H;
+  std::printf("  T=%lld tile_m=%d: route_sort %.1f us", (long long)T, tile_m, route);
+  struct Kernel { const char* name; int arch; bool wide; };
+  for (const Kernel& kn : {Kernel{"wgmma 128x256", 90, true}, Kernel{"wgmma 128x128", 90, false},
+                           Kernel{"mma.sync", 80, false}}) {
+    const double t1 = kernel_us(stream, [&] { return k::grouped_gemm(g1, tile_m, kn.arch, kn.wide, stream); });
+    const double t2 = kernel_us(stream, [&] { return k::grouped_gemm(g2, tile_m, kn.arch, kn.wide, stream); });
+    std::printf(" | %s: gate_up %.1f us (%.0f TFLOP/s), down %.1f us (%.0f TFLOP/s)", kn.name, t1, f1 / t1 * 1e-6, t2,
+                f2 / t2 * 1e-6);
+  }
+  const double comb = kernel_us(stream, [&] {
+    return k::combine(k::Elem::bf16, k::Elem::f32, y.ptr<float>(), r.pair_row, r.pair_expert, in.w.data(), nullptr,
+                      T, int(K), H, int(E), in.out.data(), stream);
+  });
+  std::printf(" | combine %.1f us\n", comb);
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 TEST(CudaTiming, DISABLED_Qwen3Shape) {
@@ -70,14 +161,15 @@ TEST(CudaTiming, DISABLED_Qwen3Shape) {
   struct Anchor { int64_t T; double floor, hf, vllm; };
   const Anchor anchors[] = {{1, 18, 339, 42}, {8, 116, 478, 144}, {64, 283, 772, 309}, {512, 288, 819, 356},
                             {4096, 398, 2099, 860}};
-  struct Variant { const char* label; const char* backend; int64_t gemv_max_pairs; bool wgmma; bool capturable; };
+  struct Variant { const char* label; const char* backend; int64_t gemv_max_pairs; bool wgmma, wide, capturable; };
   const int64_t policy = cuda::batched_gemv_max_pairs();
-  const Variant variants[] = {{"eager", "eager", policy, true, false},
-                              {"batched_mm", "batched_mm", policy, true, true},
-                              {"grouped_mm", "grouped_mm", policy, true, true},
-                              {"grouped_mm[mma.sync]", "grouped_mm", policy, false, true},
-                              {"batched_mm[gemv]", "batched_mm", int64_t(1) << 40, true, true},
-                              {"batched_mm[grouped]", "batched_mm", 0, true, true}};
+  const Variant variants[] = {{"eager", "eager", policy, true, true, false},
+                              {"batched_mm", "batched_mm", policy, true, true, true},
+                              {"grouped_mm", "grouped_mm", policy, true, true, true},
+                              {"grouped_mm[wgmma 128x128]", "grouped_mm", policy, true, false, true},
+                              {"grouped_mm[mma.sync]", "grouped_mm", policy, false, false, true},
+                              {"batched_mm[gemv]", "batched_mm", int64_t(1) << 40, true, true, true},
+                              {"batched_mm[grouped]", "batched_mm", 0, true, true, true}};
 
   cudaStream_t stream = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -87,7 +179,7 @@ TEST(CudaTiming, DISABLED_Qwen3Shape) {
   std::mt19937_64 rng(2026);
   std::printf("\nqwen3-30b-a3b experts, bf16, H=%lld I=%lld E=%lld K=%lld; microseconds, median\n", (long long)H,
               (long long)I, (long long)E, (long long)K);
-  std::printf("%6s %-20s %10s %10s %10s | %7s %7s %7s\n", "T", "variant", "plain", "graph", "relL2", "floor",
+  std::printf("%6s %-26s %10s %10s %10s | %7s %7s %7s\n", "T", "variant", "plain", "graph", "relL2", "floor",
               "hf", "vllm");
   for (const Anchor& an : anchors) {
     const int64_t T = an.T;
@@ -99,6 +191,7 @@ TEST(CudaTiming, DISABLED_Qwen3Shape) {
       sets.push_back({in.x.to(dev), in.index.to(dev), in.weights.to(dev), Tensor::empty({T, H}, DType::bf16, dev)});
       host_sets.push_back(std::move(in));
     }
+    if (T >= 64) grouped_breakdown(experts, sets[0], stream);
     auto call_of = [&](int s) {
       return ExpertsCall{sets[s].x.view(), sets[s].idx.view(), sets[s].w.view(), sets[s].out.view(), stream};
     };
@@ -108,6 +201,7 @@ TEST(CudaTiming, DISABLED_Qwen3Shape) {
       if (T > 64 && std::string(v.label) == "batched_mm[gemv]") continue;  // thousands of GEMVs: known slow
       const int64_t saved = cuda::set_batched_gemv_max_pairs(v.gemv_max_pairs);
       const bool saved_wgmma = cuda::set_grouped_wgmma_enabled(v.wgmma);
+      const bool saved_wide = cuda::set_grouped_wgmma_wide_enabled(v.wide);
       // Check first: set 0 against eager (and the reference at T = 1).
       poison(sets[0].out);
       experts.forward_with(v.backend, call_of(0));
@@ -169,7 +263,8 @@ TEST(CudaTiming, DISABLED_Qwen3Shape) {
       }
       cuda::set_batched_gemv_max_pairs(saved);
       cuda::set_grouped_wgmma_enabled(saved_wgmma);
-      std::printf("%6lld %-20s %10.1f %10.1f %10.2e | %7.0f %7.0f %7.0f\n", (long long)T, v.label, median(plain),
+      cuda::set_grouped_wgmma_wide_enabled(saved_wide);
+      std::printf("%6lld %-26s %10.1f %10.1f %10.2e | %7.0f %7.0f %7.0f\n", (long long)T, v.label, median(plain),
                   graph_us, err, an.floor, an.hf, an.vllm);
       std::fflush(stdout);
     }

@@ -123,6 +123,37 @@ TEST(ExpertsFixtures, EveryBackendReproducesTransformers) {
   EXPECT_GE(ran, 9);  // three CPU backends on three cases at least
 }
 
+// In bf16, the CPU backends round intermediates where transformers does (backends/cpu/common.h), so they follow
+// transformers' own bf16 batched_mm / grouped_mm outputs far closer than either follows the f64 reference.
+TEST(ExpertsFixtures, Bf16CasesFollowTransformersRounding) {
+  int ran = 0;
+  for (const auto& entry : fs::directory_iterator(fixtures_dir() + "/experts_bf16")) {
+    if (entry.path().extension() != ".safetensors") continue;
+    const std::string file = entry.path().string();
+    const ExpertsCase c = load_experts_case(file);
+    ASSERT_EQ(c.hidden_states.dtype(), DType::bf16) << file;
+    const auto ref = reference_forward(c.experts, c.hidden_states, c.top_k_index, c.top_k_weights);
+    for (const char* name : {"eager", "batched_mm", "grouped_mm"}) {
+      Tensor out = Tensor::empty(c.hidden_states.shape(), DType::bf16);
+      poison(out);
+      c.experts.forward_with(name, ExpertsCall{c.hidden_states.view(), c.top_k_index.view(), c.top_k_weights.view(),
+                                               out.view(), nullptr});
+      const double err_ref = relative_l2(out.view(), ref);
+      EXPECT_LT(err_ref, 1e-2) << name << " " << file;
+      for (const auto& [hf_name, hf_out] : c.outputs) {
+        std::vector<double> expected(size_t(hf_out.numel()));
+        for (size_t i = 0; i < expected.size(); ++i) expected[i] = load_as_f64(hf_out.data(), hf_out.dtype(), int64_t(i));
+        const double err_hf = relative_l2(out.view(), expected);
+        std::printf("  %-12s %s vs transformers bf16 out.%s: rel L2 %.2e (vs f64 reference %.2e)\n", name,
+                    entry.path().stem().c_str(), hf_name.c_str(), err_hf, err_ref);
+        EXPECT_LT(err_hf, 1e-3) << name << " " << file << " out." << hf_name;
+      }
+      ++ran;
+    }
+  }
+  EXPECT_GE(ran, 6);
+}
+
 TEST(ExpertsFixtures, CliCheckPassesAndFailsOnCorruptedExpectations) {
   ASSERT_TRUE(fs::exists(MOEKIT_CLI)) << MOEKIT_CLI;
   for (const auto& file : case_files()) {

@@ -34,7 +34,9 @@ class SafetensorsFile {
   // Throws not_found naming the file and listing close names.
   const SafetensorsEntry& entry(const std::string& name) const;
   // CPU tensor over the mapping (kept alive by the tensor): zero-copy when the data is aligned to its
-  // element size, an aligned copy otherwise. The mapping is private: writes never reach the file.
+  // element size, an aligned copy otherwise. The mapping is private (writes never reach the file) and
+  // copy-on-write, except for files larger than the system will commit, where it is read-only: treat
+  // the tensors as read-only and copy before changing them.
   Tensor get(const std::string& name) const;
   uint64_t file_size() const { return file_size_; }
   uint64_t header_size() const { return header_size_; }  // the JSON header, without the 8-byte length

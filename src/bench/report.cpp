@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -127,15 +128,22 @@ void write_plot(const BenchReport& report, const BenchOptions& options, const Sh
   std::string xtics;
   for (int64_t t : options.tokens) xtics += (xtics.empty() ? "" : ", ") + std::to_string(t);
   gp += "set xtics (" + xtics + ")\n";
+  const auto [tmin, tmax] = std::minmax_element(options.tokens.begin(), options.tokens.end());
+  gp += fmt::format("set xrange [{}:{}]\n", double(*tmin) / 1.3, double(*tmax) * 1.3);
   gp += "set title " +
         gp_quote(fmt::format("{}: {} on {} ({}), {} routing", shape.to_string(), dtype_name(options.dtype),
                              report.ceilings.card, options.device.to_string(), routing_name(options.routing))) +
         " noenhanced\n";
   std::string plot = "plot ";
   int i = 0;
-  for (const auto& [name, pts] : series)
-    plot += fmt::format("'-' using 1:2 with linespoints lw 2 pt {} ps 1.2 title {} noenhanced, ", 5 + (i++ % 8),
-                        gp_quote(name));
+  // Distinct colours that read on white (gnuplot's default fifth colour is a pale yellow).
+  static const char* kColors[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b",
+                                  "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"};
+  for (const auto& [name, pts] : series) {
+    plot += fmt::format("'-' using 1:2 with linespoints lw 2 pt {} ps 1.2 lc rgb '{}' title {} noenhanced, ", 5 + (i % 8),
+                        kColors[i % 9], gp_quote(name));
+    ++i;
+  }
   plot += "'-' using 1:2 with lines dt 2 lw 2 lc rgb 'black' title 'roofline floor'\n";
   gp += plot;
   for (const auto& [name, pts] : series) {

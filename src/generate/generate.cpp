@@ -69,7 +69,7 @@ GenerationResult Model::generate(const std::vector<int64_t>& prompt, const Gener
                            ? ExpertsMap()
                            : decode_experts_map(res.prefill_experts, device(), gc.decode_switch);
   if (gc.decode_experts_implementation) {
-    // Validated (and merged with the current map) by a trial switch, undone by the guard.
+    // Validated and merged with the current map by a trial switch, then back to the prefill map.
     set_experts_implementation(*gc.decode_experts_implementation);
     res.decode_experts = get_experts_implementation();
     set_experts_implementation(res.prefill_experts);

@@ -96,9 +96,11 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     ::close(fd);
     MOEKIT_FAIL(io, path, ": truncated: ", size, " bytes, a safetensors file has at least 8 (the header length)");
   }
-  // Private and writable: a caller that writes into a tensor gets its own page, never a crash or a
-  // changed file.
+  // Private and writable: a caller that writes into a tensor gets its own page, never a changed file.
+  // Where the system will not commit that much copy-on-write memory (strict overcommit, a file larger
+  // than memory), the mapping is read-only.
   void* m = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+  if (m == MAP_FAILED && errno == ENOMEM) m = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   const int mmap_errno = errno;
   ::close(fd);
   MOEKIT_CHECK_CODE(m != MAP_FAILED, io, path, ": mmap failed (", std::strerror(mmap_errno), ")");

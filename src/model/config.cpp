@@ -309,7 +309,7 @@ ModelConfig ModelConfig::parse(const std::string& config_json, const std::string
     text = &*it;
     mc.text_config_key = "text_config";
     prefix = "text_config.";
-    text_type = it->value("model_type", mc.model_type + "_text");
+    text_type = model::ConfigReader(*it, source, prefix, "").string_or("model_type", mc.model_type + "_text");
     parser = find_parser(text_type);
     if (!parser) parser = find_parser(mc.model_type + "_text");
     if (!parser) unsupported(mc.model_type);
@@ -318,6 +318,16 @@ ModelConfig ModelConfig::parse(const std::string& config_json, const std::string
   const model::ConfigReader r(*text, source, prefix, text_type);
   mc.text.model_type = text_type;
   parser->parse(r, mc.text);
+  const TextConfig& tc = mc.text;
+  if (std::find(tc.moe_layer.begin(), tc.moe_layer.end(), true) != tc.moe_layer.end()) {
+    if (tc.num_experts <= 0) r.fail("num_experts", "must be > 0, got " + std::to_string(tc.num_experts));
+    if (tc.num_experts_per_tok < 1 || tc.num_experts_per_tok > tc.num_experts)
+      r.fail("num_experts_per_tok", "must be in [1, " + std::to_string(tc.num_experts) + "], got " +
+                                        std::to_string(tc.num_experts_per_tok));
+    if (tc.moe_intermediate_size <= 0)
+      r.fail("moe_intermediate_size", "(the size of one expert) must be > 0, got " +
+                                          std::to_string(tc.moe_intermediate_size));
+  }
   if (!mc.text_config_key.empty()) {
     // Multimodal configs keep some decoder settings at the top level.
     if (!r.has("tie_word_embeddings") && top.has("tie_word_embeddings"))

@@ -154,24 +154,74 @@ void gather_rows(const Plan& p, const ExpertsCall& call, const int64_t* row_pair
   });
 }
 
+namespace {
+// The gate in a low-precision activation dtype, rounding after each operation torch runs in that dtype (the
+// activation function itself computes in f32 and rounds once, as torch's kernels do). In place: out[i] is written
+// after gate and up of index i were read, and they sit at or after i.
+void gate_row_rounded(const ExpertsSpec& s, DType t, float* h) {
+  const int64_t I = s.intermediate;
+  auto r = [t](float v) { return round_to(v, t); };
+  if (!s.has_gate) {
+    for (int64_t i = 0; i < I; ++i) h[i] = r(activate(s.activation, h[i]));
+    return;
+  }
+  const int64_t gs = s.is_concatenated ? 1 : 2, uo = s.is_concatenated ? I : 1;
+  switch (s.gate) {
+    case GateKind::act_mul:  // act(gate) * up
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = h[i * gs], u = h[i * gs + uo];
+        h[i] = r(r(activate(s.activation, g)) * u);
+      }
+      return;
+    case GateKind::clamped_swiglu: {  // gpt-oss: (clamp(up) + 1) * (g * sigmoid(g * alpha)), g = min(gate, limit)
+      for (int64_t i = 0; i < I; ++i) {
+        float g = h[i * gs], u = h[i * gs + uo];
+        g = g < s.limit ? g : s.limit;  // NaN propagates, as in torch.clamp
+        u = u < -s.limit ? -s.limit : (u > s.limit ? s.limit : u);
+        const float sig = r(1.0f / (1.0f + std::exp(-r(g * s.alpha))));
+        h[i] = r(r(u + 1.0f) * r(g * sig));
+      }
+      return;
+    }
+    case GateKind::custom:
+      apply_gate_row<float>(s, h, h);
+      round_row(h, I, t);
+      return;
+  }
+}
+}  // namespace
+
 void first_epilogue_row(const Plan& p, int64_t e, float* h) {
-  if (p.b1) add_bias(h, *p.b1, e, 0, p.N1);
-  round_row(h, p.N1, p.act);
-  apply_gate_row<float>(*p.spec, h, h);  // reads gate/up at or after the position it writes
-  round_row(h, p.I, p.act);
+  if (p.act == DType::f32) {
+    if (p.b1) add_bias(h, *p.b1, e, 0, p.N1);
+    apply_gate_row<float>(*p.spec, h, h);  // reads gate/up at or after the position it writes
+    return;
+  }
+  round_row(h, p.N1, p.act);  // the product, then the bias added to it, each in the activation dtype
+  if (p.b1) {
+    add_bias(h, *p.b1, e, 0, p.N1);
+    round_row(h, p.N1, p.act);
+  }
+  gate_row_rounded(*p.spec, p.act, h);
 }
 
 void down_epilogue(const Plan& p, int64_t e, float* y, int64_t ldy, int64_t rows, int64_t n0, int64_t n1) {
   for (int64_t r = 0; r < rows; ++r) {
     float* row = y + r * ldy + n0;
-    if (p.b2) add_bias(row, *p.b2, e, n0, n1 - n0);
     round_row(row, n1 - n0, p.act);
+    if (p.b2) {
+      add_bias(row, *p.b2, e, n0, n1 - n0);
+      round_row(row, n1 - n0, p.act);
+    }
   }
 }
 
 void combine(const Plan& p, const ExpertsCall& call, const float* y, int64_t ldy, const int64_t* row_of_pair) {
   const int64_t T = call.tokens(), K = call.top_k(), H = p.H;
   const TensorView& wv = call.top_k_weights;
+  // torch multiplies y (activation dtype) by the routing weight in the promoted dtype: the activation dtype
+  // itself when both match (bf16 x bf16), f32 otherwise.
+  const bool round_products = p.act != DType::f32 && wv.dtype == p.act;
   parallel_tasks((T + 7) / 8, H, T * K * H, [&](int64_t task, float* acc) {
     for (int64_t t = task * 8; t < std::min(T, task * 8 + 8); ++t) {
       std::fill(acc, acc + H, 0.0f);
@@ -181,7 +231,11 @@ void combine(const Plan& p, const ExpertsCall& call, const float* y, int64_t ldy
         float w;
         load_f32(wv.data, wv.dtype, t * K + k, 1, &w);
         const float* yr = y + row * ldy;
-        for (int64_t h = 0; h < H; ++h) acc[h] += w * yr[h];
+        if (round_products) {
+          for (int64_t h = 0; h < H; ++h) acc[h] += round_to(w * yr[h], p.act);
+        } else {
+          for (int64_t h = 0; h < H; ++h) acc[h] += w * yr[h];
+        }
       }
       store_f32(acc, call.out.data, call.out.dtype, t * H, H);
     }

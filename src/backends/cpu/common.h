@@ -2,10 +2,13 @@
 // the two projections and the final combine.
 //
 // Numerics (the same in eager, batched_mm and grouped_mm): activations and weights are converted to f32 and the
-// products accumulate in f32. Intermediates are rounded to the activation dtype where transformers, running the
-// module in that dtype, materialises them: the first projection's output (after its bias), the gated activation,
-// and the down projection's output (after its bias). The routing-weighted sum over the K slots runs in f32 in
-// slot order and is rounded once to the output dtype. Sentinel slots (id == E) are skipped entirely.
+// matrix products accumulate in f32. With f32 activations nothing else is rounded. With bf16 / f16 activations,
+// values are rounded to that dtype wherever transformers' batched_mm / grouped_mm, running the module in that
+// dtype, materialise a tensor: each projection's output, then again after its bias is added; each step of the
+// gate (act(gate), act(gate) * up; for gpt-oss's clamped SwiGLU gate * alpha, the sigmoid, gate * sigmoid,
+// up + 1 and the product); and the routing-weighted product when the routing weights have
+// the activation dtype (torch's type promotion). The sum over the K slots runs in f32 in slot order and is
+// rounded once to the output dtype. Sentinel slots (id == E) are skipped entirely, whatever their weight.
 #pragma once
 #include <cstdint>
 #include <functional>

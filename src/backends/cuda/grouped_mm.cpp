@@ -16,6 +16,7 @@ void run_grouped_mm(const CallContext& c) {
   const int64_t P = c.pairs, E = c.experts_count;
   const int tile_m = k::grouped_tile_m(P, int(E));
   const int arch = grouped_wgmma_enabled() ? c.device->arch() : std::min(c.device->arch(), 89);
+  const bool wide = grouped_wgmma_wide_enabled();
 
   auto carve = [&](Carver& w, k::RoutingBuffers& r, void*& act, float*& y) {
     r.pair_expert = w.take<int32_t>(P);
@@ -64,7 +65,7 @@ void run_grouped_mm(const CallContext& c) {
   g1.gate = c.gate;
   g1.out = act;
   g1.ldo = c.inter;
-  check_launch(k::grouped_gemm(g1, tile_m, arch, c.stream), "grouped_gemm (first projection)");
+  check_launch(k::grouped_gemm(g1, tile_m, arch, wide, c.stream), "grouped_gemm (first projection)");
 
   k::GroupedGemmArgs g2 = g1;
   g2.a = act;
@@ -82,7 +83,7 @@ void run_grouped_mm(const CallContext& c) {
   g2.epilogue = k::kEpiF32;
   g2.out = y;
   g2.ldo = c.hidden;
-  check_launch(k::grouped_gemm(g2, tile_m, arch, c.stream), "grouped_gemm (second projection)");
+  check_launch(k::grouped_gemm(g2, tile_m, arch, wide, c.stream), "grouped_gemm (second projection)");
 
   check_launch(k::combine(c.type, c.weight_type, y, r.pair_row, r.pair_expert, c.call.top_k_weights.data, c.b2,
                           c.tokens, int(c.top_k), c.hidden, int(E), c.call.out.data, c.stream),

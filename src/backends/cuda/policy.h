@@ -12,5 +12,8 @@ int64_t set_batched_gemv_max_pairs(int64_t pairs);
 // Whether grouped projections may use the sm_90a wgmma kernel (else mma.sync); on by default.
 bool grouped_wgmma_enabled();
 bool set_grouped_wgmma_enabled(bool enabled);
+// Whether row tiles of 128 take the wide wgmma kernel (256 columns per block, else 128); on by default.
+bool grouped_wgmma_wide_enabled();
+bool set_grouped_wgmma_wide_enabled(bool enabled);
 
 }  // namespace moekit::cuda

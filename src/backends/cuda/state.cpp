@@ -93,8 +93,11 @@ namespace {
 // expert's weights between its rows.
 std::atomic<int64_t> g_gemv_max_pairs{64};
 std::atomic<bool> g_wgmma{true};
+std::atomic<bool> g_wgmma_wide{true};
 }  // namespace
 
+bool grouped_wgmma_wide_enabled() { return g_wgmma_wide.load(); }
+bool set_grouped_wgmma_wide_enabled(bool enabled) { return g_wgmma_wide.exchange(enabled); }
 bool grouped_wgmma_enabled() { return g_wgmma.load(); }
 bool set_grouped_wgmma_enabled(bool enabled) { return g_wgmma.exchange(enabled); }
 

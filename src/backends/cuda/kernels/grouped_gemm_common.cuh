@@ -12,7 +12,7 @@
 namespace moekit::cuda::kernels {
 
 constexpr int kTileK = 64;   // reduction elements per shared-memory tile row
-constexpr int kTileN = 128;  // virtual columns per block
+constexpr int kTileN = 128;  // virtual columns per block (the wide wgmma kernel takes 256)
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -42,14 +42,14 @@ __device__ __forceinline__ bool row_tile(const GroupedGemmArgs& args, int tile, 
   return true;
 }
 
-// Copies the BM x 64 A tile and the 128 x 64 B tile of reduction step kt into shared memory with
+// Copies the BM x 64 A tile and the BN x 64 B tile of reduction step kt into shared memory with
 // cp.async; rows past the ends and columns past k are zero-filled. Gated projections interleave the B
 // rows: virtual row 2c is the gate row, 2c + 1 the up row of output column c.
-template <class T, int BM, int THREADS, int EPI>
+template <class T, int BM, int BN, int THREADS, int EPI>
 struct TileLoader {
   static constexpr int kChunks = kTileK / 8;
   static constexpr int kRowsPerPass = THREADS / kChunks;
-  static constexpr int kAIters = BM / kRowsPerPass, kBIters = kTileN / kRowsPerPass;
+  static constexpr int kAIters = BM / kRowsPerPass, kBIters = BN / kRowsPerPass;
   static_assert(kAIters >= 1 && kBIters >= 1 && BM % kRowsPerPass == 0, "loader shape");
 
   const T* a_src[kAIters];
@@ -79,10 +79,10 @@ struct TileLoader {
       const int v = row_base + j * kRowsPerPass;
       int64_t wr;
       if constexpr (EPI == kEpiGated) {
-        const int64_t c = int64_t(bn) * (kTileN / 2) + v / 2;
+        const int64_t c = int64_t(bn) * (BN / 2) + v / 2;
         wr = c >= args.n ? -1 : ((v & 1) ? up_row(args.gate, c, args.inter) : gate_row(args.gate, c));
       } else {
-        const int64_t n = int64_t(bn) * kTileN + v;
+        const int64_t n = int64_t(bn) * BN + v;
         wr = n < args.n ? n : -1;
       }
       b_ok[j] = wr >= 0;
@@ -108,11 +108,11 @@ struct TileLoader {
 };
 
 // Stores the accumulator pair (x0, x1) of sorted row `row` at virtual columns v, v + 1 (v even).
-template <class T, int EPI>
+template <class T, int EPI, int BN = kTileN>
 __device__ __forceinline__ void store_pair(const GroupedGemmArgs& args, const T* bias, int bn, int64_t row, int v,
                                            float x0, float x1) {
   if constexpr (EPI == kEpiGated) {
-    const int64_t c = int64_t(bn) * (kTileN / 2) + v / 2;
+    const int64_t c = int64_t(bn) * (BN / 2) + v / 2;
     if (c >= args.n) return;
     if (bias) {
       x0 += to_f32(bias[gate_row(args.gate, c)]);
@@ -120,7 +120,7 @@ __device__ __forceinline__ void store_pair(const GroupedGemmArgs& args, const T*
     }
     static_cast<T*>(args.out)[row * args.ldo + c] = from_f32<T>(gate_value(args.gate, x0, x1));
   } else {
-    const int64_t n = int64_t(bn) * kTileN + v;
+    const int64_t n = int64_t(bn) * BN + v;
     if constexpr (EPI == kEpiF32) {
       if (n + 1 < args.n && args.ldo % 2 == 0) {  // 8-byte store
         *reinterpret_cast<float2*>(static_cast<float*>(args.out) + row * args.ldo + n) = make_float2(x0, x1);

@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(MmaTile<BM, WARPS_M>::kThreads) grouped_gemm_m
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int warp_m = warp / C::WARPS_N, warp_n = warp % C::WARPS_N;
   const int ktiles = int((args.k + BK - 1) / BK);
-  const TileLoader<T, BM, C::kThreads, EPI> loader(args, t, bn, tid);
+  const TileLoader<T, BM, C::BN, C::kThreads, EPI> loader(args, t, bn, tid);
   auto load_stage = [&](int stage, int kt) {
     T* as = smem + stage * C::kStageElems;
     loader.load(as, as + BM * BK, kt);
@@ -195,8 +195,9 @@ cudaError_t grouped_gemm_mma(const GroupedGemmArgs& a, int tile_m, cudaStream_t 
   return cudaErrorInvalidValue;
 }
 
-cudaError_t grouped_gemm(const GroupedGemmArgs& a, int tile_m, int arch, cudaStream_t stream) {
-  if ((tile_m == 64 || tile_m == 128) && grouped_gemm_wgmma_ok(a, arch)) return grouped_gemm_wgmma(a, tile_m, stream);
+cudaError_t grouped_gemm(const GroupedGemmArgs& a, int tile_m, int arch, bool wide, cudaStream_t stream) {
+  if ((tile_m == 64 || tile_m == 128) && grouped_gemm_wgmma_ok(a, arch))
+    return grouped_gemm_wgmma(a, tile_m, wide, stream);
   if (grouped_gemm_mma_ok(a, arch)) return grouped_gemm_mma(a, tile_m, stream);
   return grouped_gemm_simt(a, tile_m, stream);
 }

@@ -122,11 +122,12 @@ bool grouped_gemm_mma_ok(const GroupedGemmArgs& a, int arch);
 // Whether the sm_90a kernel (wgmma, row tiles of 64 or 128) serves them: the mma conditions, a device
 // of compute capability 9.0 and this build's sm_90a code for it.
 bool grouped_gemm_wgmma_ok(const GroupedGemmArgs& a, int arch);
-// The wgmma kernel for tiles of 64 and 128 rows where it serves, else the mma.sync kernel where it
-// serves, else the SIMT kernel (any dtype, layout, alignment).
-cudaError_t grouped_gemm(const GroupedGemmArgs& a, int tile_m, int arch, cudaStream_t stream);
+// The wgmma kernel for tiles of 64 and 128 rows where it serves (`wide`: 256 columns per block for
+// tiles of 128 rows), else the mma.sync kernel where it serves, else the SIMT kernel (any dtype,
+// layout, alignment).
+cudaError_t grouped_gemm(const GroupedGemmArgs& a, int tile_m, int arch, bool wide, cudaStream_t stream);
 // The three kernels, for tests and measurements.
-cudaError_t grouped_gemm_wgmma(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);
+cudaError_t grouped_gemm_wgmma(const GroupedGemmArgs& a, int tile_m, bool wide, cudaStream_t stream);
 cudaError_t grouped_gemm_mma(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);
 cudaError_t grouped_gemm_simt(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);
 
