@@ -88,10 +88,10 @@ void run_all_backends(const ProblemConfig& cfg, uint64_t seed, Outcome& outcome)
       const bool ok = error.empty() && err <= tol;
       ok ? ++outcome.ok : ++outcome.fail;
       std::printf("  %-16s %-7s %s  %s (rel L2 %.2e, tolerance %.0e)%s%s\n", name.c_str(), dev.to_string().c_str(),
-                  cfg.to_string().c_str(), ok ? "OK" : "FAIL", err, tol, error.empty() ? "" : " error: ",
-                  error.c_str());
-      EXPECT_TRUE(ok) << name << " on " << dev.to_string() << ": " << cfg.to_string() << " rel L2 " << err
-                      << " > " << tol << " " << error;
+                  cfg.to_string().c_str(), ok ? "OK" : "FAIL", err, tol,
+                  error.empty() ? "" : " error: ", error.c_str());
+      EXPECT_TRUE(ok) << name << " on " << dev.to_string() << ": " << cfg.to_string() << " rel L2 " << err << " > "
+                      << tol << " " << error;
     }
   }
 }
@@ -99,7 +99,7 @@ void run_all_backends(const ProblemConfig& cfg, uint64_t seed, Outcome& outcome)
 // Every flag combination with one activation each (cycled), the gate kinds where they apply.
 std::vector<ProblemConfig> flag_combinations() {
   std::vector<ProblemConfig> out;
-  const Activation acts[] = {Activation::silu, Activation::gelu, Activation::gelu_tanh, Activation::relu,
+  const Activation acts[] = {Activation::silu,    Activation::gelu,     Activation::gelu_tanh, Activation::relu,
                              Activation::sigmoid, Activation::identity, Activation::relu2};
   int n = 0;
   for (int has_gate = 0; has_gate < 2; ++has_gate)
@@ -320,7 +320,7 @@ TEST(Backends, BatchedMmDoesNotCopyWeightsPerPair) {
   p.experts.forward_with("batched_mm", call);
   g_count_allocations = false;
   const int64_t pairs = c.T * c.K;
-  const int64_t per_pair_weights = (2 * c.I * c.H + c.H * c.I) * 4;  // what a per-pair copy would take
+  const int64_t per_pair_weights = (2 * c.I * c.H + c.H * c.I) * 4;           // what a per-pair copy would take
   const int64_t activations = (c.T * c.H + pairs * (2 * c.I + c.H)) * 4 * 2;  // scratch, with slack
   std::printf("batched_mm allocated %lld bytes; per-pair weight copies would take %lld\n",
               (long long)g_allocated_bytes.load(), (long long)(pairs * per_pair_weights));
@@ -336,8 +336,10 @@ TEST(Routing, StableCountingSortDropsSentinels) {
     const int64_t ids[] = {2, 0, 3, 2, 0, 2, 3, 3};
     Tensor t = Tensor::empty({4, 2}, idt);
     for (int i = 0; i < 8; ++i) {
-      if (idt == DType::i32) t.ptr<int32_t>()[i] = int32_t(ids[i]);
-      else t.ptr<int64_t>()[i] = ids[i];
+      if (idt == DType::i32)
+        t.ptr<int32_t>()[i] = int32_t(ids[i]);
+      else
+        t.ptr<int64_t>()[i] = ids[i];
     }
     const ExpertRouting r = route_top_k(t.data(), idt, 4, 2, 3);
     EXPECT_EQ(r.counts, (std::vector<int64_t>{2, 0, 3}));
@@ -381,8 +383,8 @@ TEST(CpuGemm, EveryIsaLayoutAndDtypeMatchesDouble) {
     int64_t m, n, k;
   };
   // m <= 4 reads W in place; above, packed panels; k > 512 crosses k blocks, n > 128 column tiles.
-  const Dims dims[] = {{1, 1, 1},     {1, 37, 33},   {2, 16, 8},     {3, 130, 47},   {4, 65, 519},
-                       {5, 33, 130},  {7, 129, 600}, {13, 200, 1030}, {250, 45, 31}, {6, 17, 9}};
+  const Dims dims[] = {{1, 1, 1},    {1, 37, 33},   {2, 16, 8},      {3, 130, 47},  {4, 65, 519},
+                       {5, 33, 130}, {7, 129, 600}, {13, 200, 1030}, {250, 45, 31}, {6, 17, 9}};
   std::mt19937_64 rng(3);
   for (const cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512}) {
     if (!cpu::isa_supported(isa)) continue;
@@ -395,7 +397,10 @@ TEST(CpuGemm, EveryIsaLayoutAndDtypeMatchesDouble) {
           const Tensor af = randn({d.m, d.k}, DType::f32, rng);
           std::vector<float> a(af.ptr<float>(), af.ptr<float>() + d.m * d.k);
           const Tensor w = randn(tr ? Shape{d.k, d.n} : Shape{d.n, d.k}, wdt, rng);
-          const cpu::WeightMatrix wm{w.data(), wdt == DType::f32 ? cpu::WType::f32 : wdt == DType::bf16 ? cpu::WType::bf16 : cpu::WType::f16,
+          const cpu::WeightMatrix wm{w.data(),
+                                     wdt == DType::f32    ? cpu::WType::f32
+                                     : wdt == DType::bf16 ? cpu::WType::bf16
+                                                          : cpu::WType::f16,
                                      d.n, d.k, tr};
           std::vector<float> c(size_t(d.m * d.n), NAN);
           cpu::gemm(kern, a.data(), d.k, d.m, wm, c.data(), d.n);

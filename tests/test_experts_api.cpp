@@ -85,8 +85,10 @@ TEST(ExpertsApi, BadExpertIdsAreRejectedNamingTheValue) {
       if (idt == DType::i32 && bad > INT32_MAX) continue;
       ExpertsProblem p = problem(DType::f32, 7, idt);
       // slot [3, 1]
-      if (idt == DType::i32) p.top_k_index.ptr<int32_t>()[7] = int32_t(bad);
-      else p.top_k_index.ptr<int64_t>()[7] = bad;
+      if (idt == DType::i32)
+        p.top_k_index.ptr<int32_t>()[7] = int32_t(bad);
+      else
+        p.top_k_index.ptr<int64_t>()[7] = bad;
       for (const char* b : kCpuBackends) {
         p.experts.set_implementation(b);
         const std::string value = "= " + std::to_string(bad);
@@ -112,7 +114,11 @@ TEST(ExpertsApi, MismatchedShapesAndDtypesAreRejectedClearly) {
   // rank
   expect_error([&] { e.forward(randn({7, 24, 1}, DType::f32, rng), idx, w); }, {"2-D", "[7, 24, 1]"});
   // index rows
-  expect_error([&] { e.forward(randn({6, 24}, DType::f32, rng), idx, w); }, {"top_k_index must be [6, top_k]", "[7, 2]"});
+  expect_error(
+      [&] {
+        e.forward(randn({6, 24}, DType::f32, rng), idx, w);
+      },
+      {"top_k_index must be [6, top_k]", "[7, 2]"});
   // routing weights shape
   expect_error([&] { e.forward(x, idx, randn({7, 3}, DType::f32, rng)); }, {"top_k_weights shape [7, 3]", "[7, 2]"});
   // dtypes
@@ -127,10 +133,16 @@ TEST(ExpertsApi, MismatchedShapesAndDtypesAreRejectedClearly) {
   expect_error([&] { e.forward(ix, idx, w); }, {"hidden_states dtype", "i32"});
   // output of forward_into
   Tensor out_shape = Tensor::empty({7, 23}, DType::f32), out_dtype = Tensor::empty({7, 24}, DType::bf16);
-  expect_error([&] { e.forward_into(ExpertsCall{x.view(), idx.view(), w.view(), out_shape.view(), nullptr}); },
-               {"out shape [7, 23]"});
-  expect_error([&] { e.forward_into(ExpertsCall{x.view(), idx.view(), w.view(), out_dtype.view(), nullptr}); },
-               {"out dtype bf16", "f32"});
+  expect_error(
+      [&] {
+        e.forward_into(ExpertsCall{x.view(), idx.view(), w.view(), out_shape.view(), nullptr});
+      },
+      {"out shape [7, 23]"});
+  expect_error(
+      [&] {
+        e.forward_into(ExpertsCall{x.view(), idx.view(), w.view(), out_dtype.view(), nullptr});
+      },
+      {"out dtype bf16", "f32"});
 }
 
 TEST(ExpertsApi, DtypeMismatchIsNotAnErrorWhereItIsDefined) {
@@ -170,10 +182,17 @@ TEST(ExpertsApi, NonContiguousInputsWorkInForwardAndAreRejectedByForwardInto) {
     const Tensor strided = p.experts.forward(xs, idx_s, w_s);
     EXPECT_EQ(std::memcmp(dense.data(), strided.data(), dense.nbytes()), 0) << b;
     Tensor out = Tensor::empty({T, H}, DType::f32);
-    expect_error([&] { p.experts.forward_into(ExpertsCall{xs, p.top_k_index.view(), p.top_k_weights.view(), out.view(), nullptr}); },
-                 {"contiguous", "f32[7, 24]"});
-    expect_error([&] { p.experts.forward_into(ExpertsCall{p.hidden_states.view(), idx_s, p.top_k_weights.view(), out.view(), nullptr}); },
-                 {"contiguous"});
+    expect_error(
+        [&] {
+          p.experts.forward_into(ExpertsCall{xs, p.top_k_index.view(), p.top_k_weights.view(), out.view(), nullptr});
+        },
+        {"contiguous", "f32[7, 24]"});
+    expect_error(
+        [&] {
+          p.experts.forward_into(
+              ExpertsCall{p.hidden_states.view(), idx_s, p.top_k_weights.view(), out.view(), nullptr});
+        },
+        {"contiguous"});
   }
 }
 
@@ -210,8 +229,11 @@ TEST(ExpertsApi, CustomGateErrorsReachTheCaller) {
   const Experts e(s, p.experts.weights(), "eager");
   for (const char* b : kCpuBackends) {
     Tensor out = Tensor::empty(p.hidden_states.shape(), DType::f32);
-    expect_error([&] {
-      e.forward_with(b, ExpertsCall{p.hidden_states.view(), p.top_k_index.view(), p.top_k_weights.view(), out.view(), nullptr});
-    }, {"custom gate refuses"});
+    expect_error(
+        [&] {
+          e.forward_with(b, ExpertsCall{p.hidden_states.view(), p.top_k_index.view(), p.top_k_weights.view(),
+                                        out.view(), nullptr});
+        },
+        {"custom gate refuses"});
   }
 }

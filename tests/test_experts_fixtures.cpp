@@ -109,11 +109,11 @@ TEST(ExpertsFixtures, EveryBackendReproducesTransformers) {
         experts.forward_with(name, ExpertsCall{x.view(), idx.view(), w.view(), out.view(), nullptr});
         for (const auto& [hf_name, hf_out] : c.outputs) {
           std::vector<double> expected(size_t(hf_out.numel()));
-          for (size_t i = 0; i < expected.size(); ++i) expected[i] = load_as_f64(hf_out.data(), hf_out.dtype(), int64_t(i));
+          for (size_t i = 0; i < expected.size(); ++i)
+            expected[i] = load_as_f64(hf_out.data(), hf_out.dtype(), int64_t(i));
           const double err = relative_l2(out.view(), expected);
-          std::printf("  %-16s %-7s %s vs transformers out.%s: rel L2 %.2e %s\n", name.c_str(),
-                      dev.to_string().c_str(), fs::path(file).stem().c_str(), hf_name.c_str(), err,
-                      err < 1e-5 ? "OK" : "FAIL");
+          std::printf("  %-16s %-7s %s vs transformers out.%s: rel L2 %.2e %s\n", name.c_str(), dev.to_string().c_str(),
+                      fs::path(file).stem().c_str(), hf_name.c_str(), err, err < 1e-5 ? "OK" : "FAIL");
           EXPECT_LT(err, 1e-5) << name << " on " << dev.to_string() << ", " << file << " out." << hf_name;
         }
         ++ran;
@@ -136,13 +136,14 @@ TEST(ExpertsFixtures, Bf16CasesFollowTransformersRounding) {
     for (const char* name : {"eager", "batched_mm", "grouped_mm"}) {
       Tensor out = Tensor::empty(c.hidden_states.shape(), DType::bf16);
       poison(out);
-      c.experts.forward_with(name, ExpertsCall{c.hidden_states.view(), c.top_k_index.view(), c.top_k_weights.view(),
-                                               out.view(), nullptr});
+      c.experts.forward_with(
+          name, ExpertsCall{c.hidden_states.view(), c.top_k_index.view(), c.top_k_weights.view(), out.view(), nullptr});
       const double err_ref = relative_l2(out.view(), ref);
       EXPECT_LT(err_ref, 1e-2) << name << " " << file;
       for (const auto& [hf_name, hf_out] : c.outputs) {
         std::vector<double> expected(size_t(hf_out.numel()));
-        for (size_t i = 0; i < expected.size(); ++i) expected[i] = load_as_f64(hf_out.data(), hf_out.dtype(), int64_t(i));
+        for (size_t i = 0; i < expected.size(); ++i)
+          expected[i] = load_as_f64(hf_out.data(), hf_out.dtype(), int64_t(i));
         const double err_hf = relative_l2(out.view(), expected);
         std::printf("  %-12s %s vs transformers bf16 out.%s: rel L2 %.2e (vs f64 reference %.2e)\n", name,
                     entry.path().stem().c_str(), hf_name.c_str(), err_hf, err_ref);

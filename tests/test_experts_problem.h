@@ -27,7 +27,9 @@ struct ProblemConfig {
     std::string s = std::string("act=") + dtype_name(act) + " w=" + dtype_name(wdt) + " rw=" + dtype_name(rwt) +
                     " idx=" + dtype_name(idt) + " T=" + std::to_string(T) + " E=" + std::to_string(E) +
                     " K=" + std::to_string(K) + " H=" + std::to_string(H) + " I=" + std::to_string(I);
-    s += has_gate ? (gate == GateKind::clamped_swiglu ? " clamped_swiglu" : gate == GateKind::custom ? " custom_gate" : " gated")
+    s += has_gate ? (gate == GateKind::clamped_swiglu ? " clamped_swiglu"
+                     : gate == GateKind::custom       ? " custom_gate"
+                                                      : " gated")
                   : " no_gate";
     s += std::string(" ") + activation_name(activation);
     if (has_bias) s += " bias";

@@ -181,7 +181,8 @@ TEST(Registry, GpuOnlyBackendsGiveAReasonOnTheCpu) {
     if (std::string(name) == "deepgemm_megamoe") continue;  // load-time choice: covered above
     p.experts.set_implementation(name);
     ErrorCode code{};
-    const std::string msg = error_of([&] { p.experts.forward(p.hidden_states, p.top_k_index, p.top_k_weights); }, &code);
+    const std::string msg =
+        error_of([&] { p.experts.forward(p.hidden_states, p.top_k_index, p.top_k_weights); }, &code);
     EXPECT_EQ(code, ErrorCode::not_supported) << msg;
     EXPECT_NE(msg.find(name), std::string::npos) << msg;
     EXPECT_NE(msg.find(s.reason), std::string::npos) << msg;

@@ -10,8 +10,8 @@ void route_typed(const I* ids, ExpertRouting& r) {
   const int64_t n = r.tokens * r.top_k, E = r.num_experts;
   for (int64_t p = 0; p < n; ++p) {
     const int64_t e = int64_t(ids[p]);
-    MOEKIT_CHECK(e >= 0 && e <= E, "top_k_index[", p / r.top_k, ", ", p % r.top_k, "] = ", e,
-                 " is out of range [0, ", E, "] (", E, " experts; id ", E, " marks an expert on another rank)");
+    MOEKIT_CHECK(e >= 0 && e <= E, "top_k_index[", p / r.top_k, ", ", p % r.top_k, "] = ", e, " is out of range [0, ",
+                 E, "] (", E, " experts; id ", E, " marks an expert on another rank)");
     if (e < E) ++r.counts[size_t(e)];
   }
   for (int64_t e = 0; e < E; ++e) r.offsets[size_t(e + 1)] = r.offsets[size_t(e)] + r.counts[size_t(e)];
@@ -53,8 +53,10 @@ ExpertRouting route_top_k(const void* top_k_index, DType index_dtype, int64_t to
   r.position.assign(size_t(tokens * top_k), -1);
   if (tokens * top_k == 0) return r;
   MOEKIT_CHECK(top_k_index != nullptr, "route_top_k: top_k_index is null");
-  if (index_dtype == DType::i32) route_typed(static_cast<const int32_t*>(top_k_index), r);
-  else route_typed(static_cast<const int64_t*>(top_k_index), r);
+  if (index_dtype == DType::i32)
+    route_typed(static_cast<const int32_t*>(top_k_index), r);
+  else
+    route_typed(static_cast<const int64_t*>(top_k_index), r);
   return r;
 }
 

@@ -30,9 +30,9 @@ void batched_chunk(const Plan& p, const ExpertsCall& call) {
     pair_token.push_back(q / K);
   }
   const int64_t pairs = int64_t(pair_expert.size());
-  FloatBuffer x = make_buffer(T * H);       // [T, H] f32 inputs
-  FloatBuffer h1 = make_buffer(pairs * N1); // [pairs, N1] first projection; gated activations in [:, :I]
-  FloatBuffer y = make_buffer(pairs * H);   // [pairs, H] down outputs
+  FloatBuffer x = make_buffer(T * H);        // [T, H] f32 inputs
+  FloatBuffer h1 = make_buffer(pairs * N1);  // [pairs, N1] first projection; gated activations in [:, :I]
+  FloatBuffer y = make_buffer(pairs * H);    // [pairs, H] down outputs
   gather_rows(p, call, nullptr, T, x.get());
 
   const int64_t t1 = (N1 + k.max_tile_n - 1) / k.max_tile_n;
@@ -41,7 +41,8 @@ void batched_chunk(const Plan& p, const ExpertsCall& call) {
     k.gemm_tile(x.get() + pair_token[size_t(j)] * H, H, 1, p.first(pair_expert[size_t(j)]), n0,
                 std::min(N1, n0 + k.max_tile_n), h1.get() + j * N1, N1, work);
   });
-  parallel_for(pairs, 8, pairs * N1 * kGateCost, [&](int64_t j) { first_epilogue_row(p, pair_expert[size_t(j)], h1.get() + j * N1); });
+  parallel_for(pairs, 8, pairs * N1 * kGateCost,
+               [&](int64_t j) { first_epilogue_row(p, pair_expert[size_t(j)], h1.get() + j * N1); });
 
   const int64_t t2 = (H + k.max_tile_n - 1) / k.max_tile_n;
   parallel_tasks(pairs * t2, k.work_floats, pairs * H * p.I, [&](int64_t task, float* work) {

@@ -14,7 +14,9 @@ namespace moekit::cpu {
 
 void load_f32(const void* src, DType t, int64_t off, int64_t n, float* dst) {
   switch (t) {
-    case DType::f32: std::memcpy(dst, static_cast<const float*>(src) + off, size_t(n) * 4); return;
+    case DType::f32:
+      std::memcpy(dst, static_cast<const float*>(src) + off, size_t(n) * 4);
+      return;
     case DType::bf16: {
       const uint16_t* s = static_cast<const uint16_t*>(src) + off;
       for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
@@ -32,7 +34,9 @@ void load_f32(const void* src, DType t, int64_t off, int64_t n, float* dst) {
 
 void store_f32(const float* src, void* dst, DType t, int64_t off, int64_t n) {
   switch (t) {
-    case DType::f32: std::memcpy(static_cast<float*>(dst) + off, src, size_t(n) * 4); return;
+    case DType::f32:
+      std::memcpy(static_cast<float*>(dst) + off, src, size_t(n) * 4);
+      return;
     case DType::bf16: {
       uint16_t* d = static_cast<uint16_t*>(dst) + off;
       for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
@@ -43,7 +47,8 @@ void store_f32(const float* src, void* dst, DType t, int64_t off, int64_t n) {
       for (int64_t i = 0; i < n; ++i) d[i] = float_to_half(src[i]);
       return;
     }
-    default: MOEKIT_FAIL(internal, "store_f32: unsupported dtype ", dtype_name(t));
+    default:
+      MOEKIT_FAIL(internal, "store_f32: unsupported dtype ", dtype_name(t));
   }
 }
 
@@ -82,10 +87,14 @@ void add_bias(float* x, const Tensor& bias, int64_t e, int64_t n0, int64_t n) {
 
 WType wtype_of(DType t) {
   switch (t) {
-    case DType::f32: return WType::f32;
-    case DType::bf16: return WType::bf16;
-    case DType::f16: return WType::f16;
-    default: MOEKIT_FAIL(not_supported, "CPU backends take f32, bf16 or f16 weights, got ", dtype_name(t));
+    case DType::f32:
+      return WType::f32;
+    case DType::bf16:
+      return WType::bf16;
+    case DType::f16:
+      return WType::f16;
+    default:
+      MOEKIT_FAIL(not_supported, "CPU backends take f32, bf16 or f16 weights, got ", dtype_name(t));
   }
 }
 }  // namespace

@@ -26,10 +26,10 @@ struct Plan {
   const void* w1 = nullptr;             // [E, N1, H] (transposed: [E, H, N1])
   const void* w2 = nullptr;             // [E, H, I]  (transposed: [E, I, H])
   WType wtype = WType::f32;
-  size_t welem = 4;                     // bytes per weight element
-  const Tensor* b1 = nullptr;           // [E, N1] or null
-  const Tensor* b2 = nullptr;           // [E, H] or null
-  DType act = DType::f32;               // activation dtype: intermediates are rounded to it
+  size_t welem = 4;            // bytes per weight element
+  const Tensor* b1 = nullptr;  // [E, N1] or null
+  const Tensor* b2 = nullptr;  // [E, H] or null
+  DType act = DType::f32;      // activation dtype: intermediates are rounded to it
   const GemmKernels* kernels = nullptr;
 
   WeightMatrix first(int64_t e) const {

@@ -33,7 +33,7 @@ inline uint16_t float_to_half(float f) {
   uint16_t o;
   if (x >= 0x47800000u) {  // >= 65536 (or inf, NaN)
     o = x > 0x7f800000u ? 0x7e00 : 0x7c00;
-  } else if (x < 0x38800000u) {  // below 2^-14: subnormal half or zero; let the FPU round
+  } else if (x < 0x38800000u) {              // below 2^-14: subnormal half or zero; let the FPU round
     const uint32_t magic_bits = 126u << 23;  // 0.5: adding it aligns the half subnormal ulp (2^-24) to bit 0
     float fx, magic;
     std::memcpy(&fx, &x, 4);
@@ -53,9 +53,12 @@ inline uint16_t float_to_half(float f) {
 // Rounds a value to `t` (bf16, f16) and back; f32 stays as is.
 inline float round_to(float v, DType t) {
   switch (t) {
-    case DType::bf16: return bf16_to_f32(f32_to_bf16(v));
-    case DType::f16: return half_to_float(float_to_half(v));
-    default: return v;
+    case DType::bf16:
+      return bf16_to_f32(f32_to_bf16(v));
+    case DType::f16:
+      return half_to_float(float_to_half(v));
+    default:
+      return v;
   }
 }
 

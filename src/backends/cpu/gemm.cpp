@@ -22,7 +22,8 @@ bool cpu_has(Isa isa) {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
   switch (isa) {
-    case Isa::scalar: return true;
+    case Isa::scalar:
+      return true;
     case Isa::avx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     case Isa::avx512:
@@ -38,9 +39,12 @@ bool cpu_has(Isa isa) {
 
 const GemmKernels& kernels_of(Isa isa) {
   switch (isa) {
-    case Isa::scalar: return kGemmScalar;
-    case Isa::avx2: return kGemmAvx2;
-    case Isa::avx512: return kGemmAvx512;
+    case Isa::scalar:
+      return kGemmScalar;
+    case Isa::avx2:
+      return kGemmAvx2;
+    case Isa::avx512:
+      return kGemmAvx512;
   }
   return kGemmScalar;
 }
@@ -65,13 +69,18 @@ const EnvChoice& env_choice() {
     if (!v || !*v) return c;
     const std::string s(v);
     c.set = true;
-    if (s == "scalar") c.isa = Isa::scalar;
-    else if (s == "avx2") c.isa = Isa::avx2;
-    else if (s == "avx512") c.isa = Isa::avx512;
-    else c.error = "MOEKIT_CPU_ISA='" + s + "' is not an instruction set; expected scalar, avx2 or avx512";
+    if (s == "scalar")
+      c.isa = Isa::scalar;
+    else if (s == "avx2")
+      c.isa = Isa::avx2;
+    else if (s == "avx512")
+      c.isa = Isa::avx512;
+    else
+      c.error = "MOEKIT_CPU_ISA='" + s + "' is not an instruction set; expected scalar, avx2 or avx512";
     if (c.error.empty() && !cpu_has(c.isa))
-      c.error = "MOEKIT_CPU_ISA=" + s + " but this CPU lacks " + (c.isa == Isa::avx2 ? "AVX2/FMA/F16C" :
-                "AVX-512 (F, BW, VL, DQ)") + "; use " + isa_name(best_isa()) + " or unset it";
+      c.error = "MOEKIT_CPU_ISA=" + s + " but this CPU lacks " +
+                (c.isa == Isa::avx2 ? "AVX2/FMA/F16C" : "AVX-512 (F, BW, VL, DQ)") + "; use " + isa_name(best_isa()) +
+                " or unset it";
     return c;
   }();
   return choice;
@@ -83,9 +92,12 @@ bool isa_supported(Isa isa) { return cpu_has(isa); }
 
 const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::scalar: return "scalar";
-    case Isa::avx2: return "avx2";
-    case Isa::avx512: return "avx512";
+    case Isa::scalar:
+      return "scalar";
+    case Isa::avx2:
+      return "avx2";
+    case Isa::avx512:
+      return "avx512";
   }
   return "?";
 }

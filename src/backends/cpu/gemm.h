@@ -22,13 +22,13 @@ struct WeightMatrix {
 
 struct GemmKernels {
   Isa isa;
-  int64_t max_tile_n;   // widest column range [n0, n1) one gemm_tile call accepts
-  int64_t work_floats;  // scratch (floats, 64-byte aligned) one gemm_tile call needs
-  int64_t direct_max_m; // up to this many rows W is read in place; above, it is packed into f32 panels
+  int64_t max_tile_n;    // widest column range [n0, n1) one gemm_tile call accepts
+  int64_t work_floats;   // scratch (floats, 64-byte aligned) one gemm_tile call needs
+  int64_t direct_max_m;  // up to this many rows W is read in place; above, it is packed into f32 panels
   // C[m, n0:n1) (row stride ldc) = A[m, K] (row stride lda) x W^T[:, n0:n1). Overwrites C. Single-threaded;
   // the result of an element depends only on m, K and the ISA (not on n0/n1 or on threads).
-  void (*gemm_tile)(const float* a, int64_t lda, int64_t m, const WeightMatrix& w, int64_t n0, int64_t n1,
-                    float* c, int64_t ldc, float* work);
+  void (*gemm_tile)(const float* a, int64_t lda, int64_t m, const WeightMatrix& w, int64_t n0, int64_t n1, float* c,
+                    int64_t ldc, float* work);
 };
 
 extern const GemmKernels kGemmScalar;  // gemm_scalar.cpp: portable, auto-vectorised

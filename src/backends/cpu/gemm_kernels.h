@@ -9,9 +9,10 @@
 //     float fma1(float a, float b, float c); // a*b + c rounded like one lane of fma
 //     R load_bf16(const uint16_t*); R load_f16(const uint16_t*); float f16_to_f32(uint16_t);
 //   };
-// and the tile constants kKnMR, kKnNV (broadcast tiles of the packed path, rows x vectors), kKC (k block), kMC (m block), kTileN (widest column range), kDirectMaxM, kDirectAcc (accumulators of
-// the in-place kernels). Nothing here may include a header or use a library template: all code stays in the
-// including file's namespace, compiled with its flags.
+// and the constants kKnMR, kKnNV (broadcast tiles of the packed path: rows x vectors), kKC (k block), kMC (m block),
+// kTileN (widest column range), kDirectMaxM and kDirectAcc (rows and accumulators of the in-place tiles). Nothing
+// here may include a header or use a library template: all code stays in the including file's namespace,
+// compiled with its flags.
 //
 // Two layouts of W:
 //   [N, K] (default): C[i, j] = dot(A[i, :], W[j, :]): "nk" tiles, vectorised along k, reduced at the end.
@@ -22,10 +23,14 @@
 
 using Reg = typename V::R;
 
-template <class T> inline T min_of(T a, T b) { return a < b ? a : b; }
+template <class T>
+inline T min_of(T a, T b) {
+  return a < b ? a : b;
+}
 
 // Element i of a weight buffer, as f32 (WT: 0 f32, 1 bf16, 2 f16).
-template <int WT> inline float load1(const void* p, int64_t i) {
+template <int WT>
+inline float load1(const void* p, int64_t i) {
   if constexpr (WT == 0) {
     return static_cast<const float*>(p)[i];
   } else if constexpr (WT == 1) {
@@ -39,14 +44,19 @@ template <int WT> inline float load1(const void* p, int64_t i) {
 }
 
 // V::W consecutive elements starting at i, as f32.
-template <int WT> inline Reg loadv(const void* p, int64_t i) {
-  if constexpr (WT == 0) return V::load(static_cast<const float*>(p) + i);
-  else if constexpr (WT == 1) return V::load_bf16(static_cast<const uint16_t*>(p) + i);
-  else return V::load_f16(static_cast<const uint16_t*>(p) + i);
+template <int WT>
+inline Reg loadv(const void* p, int64_t i) {
+  if constexpr (WT == 0)
+    return V::load(static_cast<const float*>(p) + i);
+  else if constexpr (WT == 1)
+    return V::load_bf16(static_cast<const uint16_t*>(p) + i);
+  else
+    return V::load_f16(static_cast<const uint16_t*>(p) + i);
 }
 
 // dst[0, n) = f32(src[off, off + n))
-template <int WT> inline void convert_run(const void* src, int64_t off, int64_t n, float* dst) {
+template <int WT>
+inline void convert_run(const void* src, int64_t off, int64_t n, float* dst) {
   int64_t i = 0;
   for (; i + V::W <= n; i += V::W) V::store(dst + i, loadv<WT>(src, off + i));
   for (; i < n; ++i) dst[i] = load1<WT>(src, off + i);
@@ -56,7 +66,8 @@ template <int WT> inline void convert_run(const void* src, int64_t off, int64_t 
 // where the hardware prefetchers would first have to miss.
 constexpr int64_t kPackAhead = 4;
 // `level` 3: into L1; 2: into L2 (for data needed a whole tile later).
-template <int WT> inline void prefetch_run(const void* src, int64_t off, int64_t n, int level = 3) {
+template <int WT>
+inline void prefetch_run(const void* src, int64_t off, int64_t n, int level = 3) {
   constexpr int64_t elem = WT == 0 ? 4 : 2;
   const char* p = static_cast<const char*>(src) + off * elem;
   if (level == 3) {
@@ -67,7 +78,8 @@ template <int WT> inline void prefetch_run(const void* src, int64_t off, int64_t
 }
 
 // Calls f.template operator()<R>() with R == m, for 1 <= m <= Max.
-template <int Max, class F> inline void with_rows(int64_t m, F& f) {
+template <int Max, class F>
+inline void with_rows(int64_t m, F& f) {
   if constexpr (Max >= 1) {
     if (m == Max) {
       f.template operator()<Max>();
@@ -178,7 +190,8 @@ void kn_direct(const float* a, int64_t lda, int64_t m, const WeightMatrix& w, in
   auto body = [&]<int R>() {
     constexpr int NV = kDirectAcc / R < 1 ? 1 : (kDirectAcc / R > 8 ? 8 : kDirectAcc / R);
     int64_t j = n0;
-    for (; j + NV * V::W <= n1; j += NV * V::W) kn_tile<R, NV, WT>(a, lda, w.data, j, N, K, c + j, ldc, false, NV * V::W);
+    for (; j + NV * V::W <= n1; j += NV * V::W)
+      kn_tile<R, NV, WT>(a, lda, w.data, j, N, K, c + j, ldc, false, NV * V::W);
     for (; j + V::W <= n1; j += V::W) kn_tile<R, 1, WT>(a, lda, w.data, j, N, K, c + j, ldc, false, V::W);
     for (; j < n1; ++j) {
       for (int i = 0; i < R; ++i) {
@@ -247,8 +260,8 @@ void gemm_blocked(const float* a, int64_t lda, int64_t m, const WeightMatrix& w,
 }
 
 template <int WT>
-void gemm_tile_typed(const float* a, int64_t lda, int64_t m, const WeightMatrix& w, int64_t n0, int64_t n1,
-                     float* c, int64_t ldc, float* work) {
+void gemm_tile_typed(const float* a, int64_t lda, int64_t m, const WeightMatrix& w, int64_t n0, int64_t n1, float* c,
+                     int64_t ldc, float* work) {
   if (m <= 0 || n1 <= n0) return;
   if (w.k == 0) {
     for (int64_t i = 0; i < m; ++i)
@@ -256,8 +269,10 @@ void gemm_tile_typed(const float* a, int64_t lda, int64_t m, const WeightMatrix&
     return;
   }
   if (m <= kDirectMaxM) {
-    if (w.transposed) kn_direct<WT>(a, lda, m, w, n0, n1, c, ldc);
-    else nk_direct<WT>(a, lda, m, w, n0, n1, c, ldc);
+    if (w.transposed)
+      kn_direct<WT>(a, lda, m, w, n0, n1, c, ldc);
+    else
+      nk_direct<WT>(a, lda, m, w, n0, n1, c, ldc);
   } else {
     gemm_blocked<WT>(a, lda, m, w, n0, n1, c, ldc, work);
   }
@@ -266,9 +281,15 @@ void gemm_tile_typed(const float* a, int64_t lda, int64_t m, const WeightMatrix&
 void gemm_tile(const float* a, int64_t lda, int64_t m, const WeightMatrix& w, int64_t n0, int64_t n1, float* c,
                int64_t ldc, float* work) {
   switch (w.type) {
-    case WType::f32: gemm_tile_typed<0>(a, lda, m, w, n0, n1, c, ldc, work); return;
-    case WType::bf16: gemm_tile_typed<1>(a, lda, m, w, n0, n1, c, ldc, work); return;
-    case WType::f16: gemm_tile_typed<2>(a, lda, m, w, n0, n1, c, ldc, work); return;
+    case WType::f32:
+      gemm_tile_typed<0>(a, lda, m, w, n0, n1, c, ldc, work);
+      return;
+    case WType::bf16:
+      gemm_tile_typed<1>(a, lda, m, w, n0, n1, c, ldc, work);
+      return;
+    case WType::f16:
+      gemm_tile_typed<2>(a, lda, m, w, n0, n1, c, ldc, work);
+      return;
   }
 }
 

@@ -40,9 +40,7 @@ struct V {
     for (int i = 0; i < W; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];
     return r;
   }
-  static float hsum(R a) {
-    return ((a.v[0] + a.v[4]) + (a.v[2] + a.v[6])) + ((a.v[1] + a.v[5]) + (a.v[3] + a.v[7]));
-  }
+  static float hsum(R a) { return ((a.v[0] + a.v[4]) + (a.v[2] + a.v[6])) + ((a.v[1] + a.v[5]) + (a.v[3] + a.v[7])); }
   static float f16_to_f32(uint16_t h) {
     const uint32_t sign = uint32_t(h & 0x8000u) << 16, em = h & 0x7fffu;
     uint32_t bits;

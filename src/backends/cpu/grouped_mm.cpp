@@ -41,10 +41,11 @@ void grouped_chunk(const Plan& p, const ExpertsCall& call) {
   parallel_tasks(int64_t(up.size()), k.work_floats, rows * N1 * H, [&](int64_t i, float* work) {
     const Tile& t = up[size_t(i)];
     const int64_t r0 = r.offsets[size_t(t.expert)];
-    k.gemm_tile(xy.get() + r0 * H, H, r.counts[size_t(t.expert)], p.first(t.expert), t.n0, t.n1, h1.get() + r0 * N1,
-                N1, work);
+    k.gemm_tile(xy.get() + r0 * H, H, r.counts[size_t(t.expert)], p.first(t.expert), t.n0, t.n1, h1.get() + r0 * N1, N1,
+                work);
   });
-  parallel_for(rows, 8, rows * N1 * kGateCost, [&](int64_t i) { first_epilogue_row(p, row_expert[size_t(i)], h1.get() + i * N1); });
+  parallel_for(rows, 8, rows * N1 * kGateCost,
+               [&](int64_t i) { first_epilogue_row(p, row_expert[size_t(i)], h1.get() + i * N1); });
 
   const std::vector<Tile> down = grouped_tiles(r, H, k.max_tile_n);
   parallel_tasks(int64_t(down.size()), k.work_floats, rows * H * p.I, [&](int64_t i, float* work) {
