@@ -93,7 +93,7 @@ namespace {
 // expert's weights between its rows.
 std::atomic<int64_t> g_gemv_max_pairs{64};
 std::atomic<bool> g_wgmma{true};
-std::atomic<bool> g_wgmma_wide{true};
+std::atomic<bool> g_wgmma_wide{false};
 }  // namespace
 
 bool grouped_wgmma_wide_enabled() { return g_wgmma_wide.load(); }
