@@ -24,7 +24,7 @@ constexpr size_t wgmma_smem_bytes() {
 
 // Shared-memory matrix descriptor: K-major tile of 128-byte rows, 128-byte swizzle, 8-row groups
 // 1024 bytes apart.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+[[maybe_unused]] __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
   return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
