@@ -52,18 +52,6 @@ CommandResult run_command(const std::string& cmd) {
   return r;
 }
 
-class TempDir {
- public:
-  TempDir() : path_(fs::temp_directory_path() / ("moekit_fixtures_" + std::to_string(::getpid()))) {
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
-
 }  // namespace
 
 TEST(ExpertsFixtures, CaseFilesArePresent) {
@@ -163,7 +151,7 @@ TEST(ExpertsFixtures, CliCheckPassesAndFailsOnCorruptedExpectations) {
     EXPECT_NE(ok.output.find("grouped_mm"), std::string::npos) << ok.output;
   }
   // A copy whose expected outputs are off by 1% in one row: check must fail.
-  TempDir dir;
+  TempDir dir("moekit_fixtures");
   const std::string file = fixtures_dir() + "/experts/qwen3_gated_silu.safetensors";
   const SafetensorsFile f = SafetensorsFile::open(file);
   std::vector<std::pair<std::string, Tensor>> tensors;
@@ -175,7 +163,7 @@ TEST(ExpertsFixtures, CliCheckPassesAndFailsOnCorruptedExpectations) {
     }
     tensors.emplace_back(name, t);
   }
-  const std::string bad = (dir.path() / "corrupted.safetensors").string();
+  const std::string bad = dir.file("corrupted.safetensors");
   save_safetensors(bad, tensors, f.metadata());
   const CommandResult fail = run_command(std::string("'") + MOEKIT_CLI + "' check --case '" + bad + "'");
   EXPECT_NE(fail.status, 0) << fail.output;
@@ -183,7 +171,7 @@ TEST(ExpertsFixtures, CliCheckPassesAndFailsOnCorruptedExpectations) {
   // The same file unchanged (written by save_safetensors) passes: the failure came from the corruption.
   for (auto& [name, t] : tensors)
     if (name.rfind("out.", 0) == 0) t = Tensor::copy_of(f.get(name), Device::cpu());
-  const std::string good = (dir.path() / "copy.safetensors").string();
+  const std::string good = dir.file("copy.safetensors");
   save_safetensors(good, tensors, f.metadata());
   EXPECT_EQ(run_command(std::string("'") + MOEKIT_CLI + "' check --case '" + good + "'").status, 0);
 }

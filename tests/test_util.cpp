@@ -4,10 +4,23 @@
 #include <algorithm>
 #include <limits>
 #include <numeric>
+#include <unistd.h>
 
 namespace moekit::test {
 
 std::string fixtures_dir() { return MOEKIT_FIXTURES_DIR; }
+
+TempDir::TempDir(const std::string& prefix) {
+  std::random_device rd;
+  path_ = std::filesystem::temp_directory_path() /
+          (prefix + "_" + std::to_string(getpid()) + "_" + std::to_string(rd()));
+  std::filesystem::create_directories(path_);
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
 
 Tensor randn(const Shape& shape, DType dtype, std::mt19937_64& rng, double std) {
   Tensor f = Tensor::empty(shape, DType::f32);

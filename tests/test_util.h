@@ -1,5 +1,6 @@
 // Test helpers: random tensors, poisoning, fixtures.
 #pragma once
+#include <filesystem>
 #include <random>
 #include <string>
 
@@ -8,6 +9,20 @@
 namespace moekit::test {
 
 std::string fixtures_dir();  // tests/fixtures
+
+// A fresh folder under the system temp dir, removed with everything in it when the object dies.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& prefix = "moekit_test");
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::string str() const { return path_.string(); }
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  std::filesystem::path path_;
+};
 // Normal(0, std) values in `dtype` on the CPU.
 Tensor randn(const Shape& shape, DType dtype, std::mt19937_64& rng, double std = 1.0);
 // Fills a CPU or CUDA tensor with NaN (floating types) so unwritten outputs are caught.
