@@ -27,17 +27,6 @@ ExpertsProblem problem(DType act = DType::f32, int64_t T = 7, DType idt = DType:
   return make_problem(c, 123);
 }
 
-// The message of the Error `fn` throws ("" when it does not throw).
-std::string error_of(const std::function<void()>& fn, ErrorCode* code = nullptr) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    if (code) *code = e.code();
-    return e.what();
-  }
-  return "";
-}
-
 void expect_error(const std::function<void()>& fn, std::initializer_list<const char*> fragments,
                   ErrorCode expected = ErrorCode::invalid_argument) {
   ErrorCode code{};

@@ -27,16 +27,6 @@ struct Registered {
   ~Registered() { ExpertsInterface::global().unregister_backend(name); }
 };
 
-std::string error_of(const std::function<void()>& fn, ErrorCode* code = nullptr) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    if (code) *code = e.code();
-    return e.what();
-  }
-  return "";
-}
-
 // A backend written as a class: forwards to grouped_mm, counts its calls, refuses bf16 activations.
 class CountingBackend final : public ExpertsBackend {
  public:

@@ -10,6 +10,16 @@ namespace moekit::test {
 
 std::string fixtures_dir() { return MOEKIT_FIXTURES_DIR; }
 
+std::string error_of(const std::function<void()>& fn, ErrorCode* code) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    if (code) *code = e.code();
+    return e.what();
+  }
+  return "";
+}
+
 TempDir::TempDir(const std::string& prefix) {
   std::random_device rd;
   path_ = std::filesystem::temp_directory_path() /

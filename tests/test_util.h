@@ -1,6 +1,7 @@
 // Test helpers: random tensors, poisoning, fixtures.
 #pragma once
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <string>
 
@@ -9,6 +10,9 @@
 namespace moekit::test {
 
 std::string fixtures_dir();  // tests/fixtures
+
+// The message of the moekit::Error `fn` throws ("" when it throws none); its code into `code`.
+std::string error_of(const std::function<void()>& fn, ErrorCode* code = nullptr);
 
 // A fresh folder under the system temp dir, removed with everything in it when the object dies.
 class TempDir {

@@ -1,6 +1,7 @@
 // GEMM micro-kernels in portable C++ (compiled with the default flags; the compiler vectorises the lane loops).
 #include <cstdint>
 
+#include "backends/cpu/convert.h"
 #include "backends/cpu/gemm.h"
 
 namespace moekit::cpu {
@@ -41,22 +42,7 @@ struct V {
     return r;
   }
   static float hsum(R a) { return ((a.v[0] + a.v[4]) + (a.v[2] + a.v[6])) + ((a.v[1] + a.v[5]) + (a.v[3] + a.v[7])); }
-  static float f16_to_f32(uint16_t h) {
-    const uint32_t sign = uint32_t(h & 0x8000u) << 16, em = h & 0x7fffu;
-    uint32_t bits;
-    if (em >= 0x7c00u) {
-      bits = sign | 0x7f800000u | ((em & 0x3ffu) << 13);  // inf, NaN
-    } else if (em >= 0x0400u) {
-      bits = sign | ((em + ((127u - 15u) << 10)) << 13);  // normal
-    } else {
-      const float f = float(em) * 5.9604644775390625e-8f;  // subnormal: em * 2^-24, exact
-      __builtin_memcpy(&bits, &f, 4);
-      bits |= sign;
-    }
-    float f;
-    __builtin_memcpy(&f, &bits, 4);
-    return f;
-  }
+  static float f16_to_f32(uint16_t h) { return half_to_float(h); }
   static R load_bf16(const uint16_t* p) {
     R r;
     for (int i = 0; i < W; ++i) {
