@@ -2,7 +2,8 @@
 # The CUDA checks on a GPU machine, from a build folder made elsewhere (tests, CLI):
 #   tests/test_cuda_gpu_run.sh [BUILD_DIR] [quick]
 # CUDA tests, compute-sanitizer memcheck and racecheck on a reduced filter, `moekit check --device
-# cuda` on every experts fixture, and the timing on the qwen3-30b-a3b shape. $OUT (or ./out) gets
+# cuda` on every experts fixture, `moekit run --device cuda` on a fixture model (decode-step switch,
+# decode graphs), and the timing on the qwen3-30b-a3b shape. $OUT (or ./out) gets
 # summary.txt and logs.tgz (every log); the summary is printed last.
 set -uo pipefail
 BUILD=${1:-build-cuda}
@@ -42,6 +43,16 @@ ldd "$BIN/test_cuda_backends" "$BIN/moekit" | grep "not found" | tee -a "$SUMMAR
 "$BIN/moekit" backends --device cuda 2>&1 | tee -a "$SUMMARY" || "$BIN/moekit" backends 2>&1 | tee -a "$SUMMARY"
 run test_cuda_backends 150 "$BIN/test_cuda_backends"
 run test_cuda_graph 60 "$BIN/test_cuda_graph"
+run test_cuda_model 300 "$BIN/test_cuda_model"
+# The model runtime from the CLI: greedy tokens of a fixture model (transformers' are in its
+# reference.safetensors), the experts map per phase, decode graphs.
+M=tests/fixtures/models/qwen3_moe
+for extra in "" "--cuda-graph"; do
+  name="run_qwen3_moe${extra:+_graph}"
+  run "$name" 60 "$BIN/moekit" run --model "$M" --device cuda --dtype f32 --experts grouped_mm \
+    --prompt-ids 5,17,99,3,42,150,7,8 --max-new-tokens 12 --min-new-tokens 12 --json --quiet $extra
+  say "  $(tail -1 "$OUT/$name.log")"
+done
 [ -x "$BIN/test_backends" ] && run test_backends 90 "$BIN/test_backends"
 for f in tests/fixtures/experts/*.safetensors; do
   run "check_$(basename "$f" .safetensors)" 30 "$BIN/moekit" check --device cuda --case "$f"
@@ -54,17 +65,21 @@ if command -v compute-sanitizer > /dev/null; then
   FILTER='CudaBackends.SweepFlags:CudaBackends.BadIdsAreReported:CudaBackends.EveryKernelPathSmall:CudaBackends.DeterministicRunToRun:CudaBackends.MatchTheFixtures'
   run memcheck_backends 90 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/test_cuda_backends" --gtest_filter="$FILTER"
   run memcheck_graph 45 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/test_cuda_graph"
+  run memcheck_model 240 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/test_cuda_model" \
+    --gtest_filter='CudaModelOps.*:Models/CudaFixtureModel.*/qwen3_moe:Models/CudaFixtureModel.*/gpt_oss:Models/CudaFixtureModel.*/deepseek_v3'
+  run racecheck_model 120 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/test_cuda_model" \
+    --gtest_filter='CudaModelOps.Attention*:CudaModelOps.Rope*:CudaModelOps.Rmsnorm*:CudaModelOps.Router*'
   run racecheck_backends 60 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/test_cuda_backends" \
     --gtest_filter='CudaBackends.EveryKernelPathSmall'
   run synccheck_backends 30 compute-sanitizer --tool synccheck --error-exitcode 9 "$BIN/test_cuda_backends" \
     --gtest_filter='CudaBackends.EveryKernelPathSmall'
-  for t in memcheck_backends memcheck_graph racecheck_backends synccheck_backends; do
+  for t in memcheck_backends memcheck_graph memcheck_model racecheck_backends racecheck_model synccheck_backends; do
     say "  $t: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$t.log" | tail -1)"
   done
 else
   say "compute-sanitizer: not found"
 fi
-for n in test_cuda_backends test_cuda_graph test_backends; do
+for n in test_cuda_backends test_cuda_graph test_cuda_model test_backends; do
   [ -f "$OUT/$n.log" ] && grep -E '^\[  FAILED  \]|Failure|rel L2' "$OUT/$n.log" | head -20 >> "$SUMMARY"
 done
 cp "$SUMMARY" "$DEST/summary.txt"

@@ -14,22 +14,12 @@
 
 namespace fs = std::filesystem;
 using namespace moekit;
+using test::fixture_models;
+using test::models_dir;
+using test::rel_l2;
+using test::row_ids;
 
 namespace {
-
-std::string models_dir() { return test::fixtures_dir() + "/models"; }
-
-// Fixture models with reference outputs, sorted (new ones are picked up automatically).
-std::vector<std::string> fixture_models() {
-  std::vector<std::string> out;
-  if (!fs::is_directory(models_dir())) return out;
-  for (const auto& e : fs::directory_iterator(models_dir()))
-    if (fs::exists(e.path() / "reference.safetensors") && fs::exists(e.path() / "config.json") &&
-        (fs::exists(e.path() / "model.safetensors") || fs::exists(e.path() / "model.safetensors.index.json")))
-      out.push_back(e.path().filename().string());
-  std::sort(out.begin(), out.end());
-  return out;
-}
 
 std::vector<std::string> cpu_backends() {
   std::vector<std::string> out;
@@ -37,21 +27,6 @@ std::vector<std::string> cpu_backends() {
   for (const auto& b : reg.backends())
     if (reg.is_builtin(b->name()) && b->available(Device::cpu())) out.emplace_back(b->name());
   return out;
-}
-
-double rel_l2(const float* a, const float* ref, int64_t n) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    num += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
-    den += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
-
-std::vector<int64_t> row_ids(const Tensor& ids, int64_t r) {
-  const int64_t L = ids.size(1);
-  return std::vector<int64_t>(ids.ptr<int64_t>() + r * L, ids.ptr<int64_t>() + (r + 1) * L);
 }
 
 class FixtureModel : public ::testing::TestWithParam<std::string> {};

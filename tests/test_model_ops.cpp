@@ -117,7 +117,7 @@ TEST(ModelOps, AttentionWithWindowsAndSinks) {
         Tensor v = test::randn({S, Hkv, Dv}, t, rng), sinks = test::randn({Hq}, DType::f32, rng);
         Tensor out = Tensor::empty({T, Hq, Dv}, DType::f32);
         test::poison(out);
-        cpu().attention(q.view(), k.view(), v.view(), out.view(), pos0, 0.37f, window,
+        cpu().attention(q.view(), k.view(), v.view(), out.view(), model::Position{pos0}, 0.37f, window,
                         with_sinks ? sinks.view() : TensorView());
         const auto ref = attention_ref(q, k, v, pos0, 0.37, window,
                                        with_sinks ? as_f64(sinks.view()) : std::vector<double>{});
@@ -127,7 +127,7 @@ TEST(ModelOps, AttentionWithWindowsAndSinks) {
   }
   Tensor q = Tensor::zeros({T, Hq, D}, DType::f32), k = Tensor::zeros({S - 1, Hkv, D}, DType::f32);
   Tensor out = Tensor::empty({T, Hq, D}, DType::f32);
-  EXPECT_THROW(cpu().attention(q.view(), k.view(), k.view(), out.view(), pos0, 1.0f, 0, TensorView()), Error);
+  EXPECT_THROW(cpu().attention(q.view(), k.view(), k.view(), out.view(), model::Position{pos0}, 1.0f, 0, TensorView()), Error);
 }
 
 TEST(ModelOps, RopeHalvesAndInterleavedPairs) {
@@ -141,7 +141,7 @@ TEST(ModelOps, RopeHalvesAndInterleavedPairs) {
     spec.interleaved = interleaved;
     Tensor x = test::randn({T, NH, S}, DType::f32, rng);
     const auto before = as_f64(x.view());
-    cpu().rope(x.view(), off, pos0, spec);
+    cpu().rope(x.view(), off, model::Position{pos0}, spec);
     std::vector<double> ref = before;
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < NH; ++h) {

@@ -2,6 +2,8 @@
 #include "io/experts_case.h"
 
 #include <algorithm>
+#include <cmath>
+#include <filesystem>
 #include <limits>
 #include <numeric>
 #include <unistd.h>
@@ -9,6 +11,34 @@
 namespace moekit::test {
 
 std::string fixtures_dir() { return MOEKIT_FIXTURES_DIR; }
+std::string models_dir() { return fixtures_dir() + "/models"; }
+
+std::vector<std::string> fixture_models() {
+  namespace fs = std::filesystem;
+  std::vector<std::string> out;
+  if (!fs::is_directory(models_dir())) return out;
+  for (const auto& e : fs::directory_iterator(models_dir()))
+    if (fs::exists(e.path() / "reference.safetensors") && fs::exists(e.path() / "config.json") &&
+        (fs::exists(e.path() / "model.safetensors") || fs::exists(e.path() / "model.safetensors.index.json")))
+      out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+double rel_l2(const float* a, const float* ref, int64_t n) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    num += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+std::vector<int64_t> row_ids(const Tensor& ids, int64_t r) {
+  const int64_t L = ids.size(1);
+  return std::vector<int64_t>(ids.ptr<int64_t>() + r * L, ids.ptr<int64_t>() + (r + 1) * L);
+}
 
 std::string error_of(const std::function<void()>& fn, ErrorCode* code) {
   try {

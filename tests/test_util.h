@@ -4,12 +4,20 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "moekit/moekit.h"
 
 namespace moekit::test {
 
 std::string fixtures_dir();  // tests/fixtures
+std::string models_dir();    // tests/fixtures/models
+// Fixture models with reference outputs (config.json, weights, reference.safetensors), sorted.
+std::vector<std::string> fixture_models();
+// Relative L2 distance of a to ref (infinity when a has a non-finite value).
+double rel_l2(const float* a, const float* ref, int64_t n);
+// Row r of an [B, L] i64 tensor of token ids.
+std::vector<int64_t> row_ids(const Tensor& ids, int64_t r);
 
 // The message of the moekit::Error `fn` throws ("" when it throws none); its code into `code`.
 std::string error_of(const std::function<void()>& fn, ErrorCode* code = nullptr);

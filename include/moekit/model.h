@@ -50,7 +50,9 @@ struct ModelOptions {
   std::optional<DType> dtype;
   // Default: grouped_mm where it can run, else eager.
   ExpertsImplementation experts_implementation;
-  // Capture decode steps in CUDA graphs (CUDA devices only).
+  // Record one decode step in a CUDA graph and replay it for the following steps (CUDA devices only; the
+  // decode experts backend must be capturable: batched_mm or grouped_mm). The first decode step of a
+  // generation runs uncaptured, the second is recorded, every later one is a replay.
   bool cuda_graph = false;
 
   std::string to_string() const;
@@ -108,6 +110,7 @@ struct GenerationResult {
   ExpertsMap decode_experts;   // map used by the decode steps
   double prefill_ms = 0, decode_ms = 0;
   int64_t decode_steps = 0;
+  int64_t graph_replays = 0;    // decode steps replayed from a CUDA graph (ModelOptions::cuda_graph)
   double tokens_per_s() const;  // new tokens after the first, per second of decode
   Tensor prompt_logits;         // [prompt_len, vocab] f32 (keep_prompt_logits)
 };

@@ -96,5 +96,8 @@ void* device_malloc(size_t bytes, Device device);
 void device_free(void* p, Device device);
 void memcpy_any(void* dst, Device dst_dev, const void* src, Device src_dev, size_t bytes, Stream s = nullptr);
 void stream_synchronize(Stream s, Device device);
+// A new stream on a CUDA device (nullptr on the CPU), and its release (waits for its work first).
+Stream stream_create(Device device);
+void stream_destroy(Stream s, Device device) noexcept;
 
 }  // namespace moekit

@@ -82,4 +82,26 @@ void stream_synchronize(Stream s, Device device) {
 #endif
 }
 
+Stream stream_create(Device device) {
+  if (device.is_cpu()) return nullptr;
+#ifdef MOEKIT_WITH_CUDA
+  MOEKIT_CHECK(device.index < cuda_device_count(), "device ", device.to_string(), " not present (",
+               cuda_device_count(), " CUDA devices)");
+  MOEKIT_CUDA_OK(cudaSetDevice(device.index));
+  cudaStream_t s = nullptr;
+  MOEKIT_CUDA_OK(cudaStreamCreate(&s));  // blocking: ordered with the legacy default stream
+  return s;
+#else
+  MOEKIT_FAIL(not_supported, "cannot create a stream on ", device.to_string(), ": moekit was built without CUDA");
+#endif
+}
+
+void stream_destroy(Stream s, Device device) noexcept {
+  if (device.is_cpu() || s == nullptr) return;
+#ifdef MOEKIT_WITH_CUDA
+  (void)cudaStreamSynchronize(static_cast<cudaStream_t>(s));
+  (void)cudaStreamDestroy(static_cast<cudaStream_t>(s));
+#endif
+}
+
 }  // namespace moekit

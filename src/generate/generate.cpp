@@ -75,6 +75,8 @@ GenerationResult Model::generate(const std::vector<int64_t>& prompt, const Gener
     set_experts_implementation(res.prefill_experts);
   }
   if (gc.max_new_tokens == 0 && !gc.keep_prompt_logits) return res;
+  const bool graphs = impl_->options.cuda_graph && device().is_cuda();
+  if (graphs) impl_->require_capturable_experts(res.decode_experts);
 
   KvCache cache;
   impl_->reserve(cache, int64_t(prompt.size()) + gc.max_new_tokens);
@@ -104,13 +106,15 @@ GenerationResult Model::generate(const std::vector<int64_t>& prompt, const Gener
 
   if (res.decode_experts != res.prefill_experts) set_experts_implementation(res.decode_experts);
   t0 = std::chrono::steady_clock::now();
+  const int64_t replays0 = impl_->graph_replays;
   while (true) {
-    logits = impl_->forward({tok}, cache, false);
+    logits = graphs ? impl_->decode_step_graphed(tok, cache) : impl_->forward({tok}, cache, false);
     ++res.decode_steps;
     tok = pick(row(logits, 0));
     if (done(tok)) break;
   }
   res.decode_ms = ms_since(t0);
+  res.graph_replays = impl_->graph_replays - replays0;
   return res;
 }
 

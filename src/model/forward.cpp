@@ -4,6 +4,7 @@
 
 #include "model/model_impl.h"
 #include "moekit/error.h"
+#include "moekit/interface.h"
 
 namespace moekit {
 using model::DeviceOps;
@@ -13,29 +14,29 @@ using model::rows;
 
 namespace {
 
-Tensor empty(const Shape& s, DType t, Device d) { return Tensor::empty(s, t, d); }
-
-Tensor linear(const DeviceOps& ops, const TensorView& x, const model::Linear& l, DType out_dtype) {
-  Tensor y = empty({x.shape[0], l.w.size(0)}, out_dtype, x.device);
-  ops.linear(x, l.w.view(), l.b.defined() ? l.b.view() : TensorView(), y.view());
-  return y;
-}
-
-Tensor dense_mlp(const DeviceOps& ops, const TensorView& x, const model::DenseMlp& m, Activation act) {
-  Tensor gu = linear(ops, x, m.gate_up, x.dtype);
-  Tensor a = empty({x.shape[0], gu.size(1) / 2}, x.dtype, x.device);
-  ops.act_mul(gu.view(), act, a.view());
-  return linear(ops, a.view(), m.down, x.dtype);
-}
-
 struct Ctx {
   const DeviceOps& ops;
   const TextConfig& c;
   const model::RopeSpec& rope;
+  model::Scratch& scratch;
   DType dtype;
   Device device;
-  int64_t pos0;  // position of the first new token
-  int64_t T;     // new tokens
+  model::Position pos;  // position of the first new token
+  int64_t T;            // new tokens
+  int64_t kv_rows;      // cache rows the attention is given (>= pos + T)
+
+  Tensor empty(const Shape& s, DType t) const { return scratch.empty(s, t); }
+  Tensor linear(const TensorView& x, const model::Linear& l, DType out_dtype) const {
+    Tensor y = empty({x.shape[0], l.w.size(0)}, out_dtype);
+    ops.linear(x, l.w.view(), l.b.defined() ? l.b.view() : TensorView(), y.view());
+    return y;
+  }
+  Tensor dense_mlp(const TensorView& x, const model::DenseMlp& m) const {
+    Tensor gu = linear(x, m.gate_up, x.dtype);
+    Tensor a = empty({x.shape[0], gu.size(1) / 2}, x.dtype);
+    ops.act_mul(gu.view(), c.experts.activation, a.view());
+    return linear(a.view(), m.down, x.dtype);
+  }
 };
 
 // Grouped-query attention (qwen, mixtral, olmoe, gpt-oss); writes this step's keys and values into the cache.
@@ -43,7 +44,7 @@ Tensor attention(const Ctx& x, const Layer& L, const TensorView& h, Tensor& kc, 
   const TextConfig& c = x.c;
   const auto& a = L.attn;
   const int64_t T = x.T, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, D = c.head_dim;
-  Tensor q = linear(x.ops, h, a.q, x.dtype), k = linear(x.ops, h, a.k, x.dtype), v = linear(x.ops, h, a.v, x.dtype);
+  Tensor q = x.linear(h, a.q, x.dtype), k = x.linear(h, a.k, x.dtype), v = x.linear(h, a.v, x.dtype);
   const float eps = float(c.rms_norm_eps);
   if (c.qk_norm == QkNorm::full) {
     x.ops.rmsnorm(q.view(), a.q_norm.view(), eps, c.norm_weight_before_cast, q.view());
@@ -62,15 +63,14 @@ Tensor attention(const Ctx& x, const Layer& L, const TensorView& h, Tensor& kc, 
                   reshaped(k.view(), {T * Hkv, D}));
   }
   const TensorView q3 = reshaped(q.view(), {T, Hq, D}), k3 = reshaped(k.view(), {T, Hkv, D});
-  x.ops.rope(q3, 0, x.pos0, x.rope);
-  x.ops.rope(k3, 0, x.pos0, x.rope);
-  memcpy_any(rows(kc.view(), x.pos0, T).data, x.device, k.data(), x.device, k.nbytes());
-  memcpy_any(rows(vc.view(), x.pos0, T).data, x.device, v.data(), x.device, v.nbytes());
-  Tensor out = empty({T, Hq, D}, x.dtype, x.device);
-  const int64_t S = x.pos0 + T;
-  x.ops.attention(q3, rows(kc.view(), 0, S), rows(vc.view(), 0, S), out.view(), x.pos0, float(c.attention_scale()),
-                  L.window, a.sinks.defined() ? a.sinks.view() : TensorView());
-  return linear(x.ops, reshaped(out.view(), {T, Hq * D}), a.o, x.dtype);
+  x.ops.rope(q3, 0, x.pos, x.rope);
+  x.ops.rope(k3, 0, x.pos, x.rope);
+  x.ops.write_rows(k3, kc.view(), x.pos);
+  x.ops.write_rows(reshaped(v.view(), {T, Hkv, D}), vc.view(), x.pos);
+  Tensor out = x.empty({T, Hq, D}, x.dtype);
+  x.ops.attention(q3, rows(kc.view(), 0, x.kv_rows), rows(vc.view(), 0, x.kv_rows), out.view(), x.pos,
+                  float(c.attention_scale()), L.window, a.sinks.defined() ? a.sinks.view() : TensorView());
+  return x.linear(reshaped(out.view(), {T, Hq * D}), a.o, x.dtype);
 }
 
 // Multi-head latent attention (DeepSeek-V3): the cache holds the expanded keys and values.
@@ -82,14 +82,14 @@ Tensor mla_attention(const Ctx& x, const Layer& L, const TensorView& h, Tensor& 
   constexpr float kLatentEps = 1e-6f;  // DeepseekV3RMSNorm's default: q_a / kv_a norms ignore rms_norm_eps
   Tensor q;
   if (c.q_lora_rank > 0) {
-    Tensor qa = linear(x.ops, h, a.q_a, x.dtype);
+    Tensor qa = x.linear(h, a.q_a, x.dtype);
     x.ops.rmsnorm(qa.view(), a.q_a_norm.view(), kLatentEps, c.norm_weight_before_cast, qa.view());
-    q = linear(x.ops, qa.view(), a.q_b, x.dtype);
+    q = x.linear(qa.view(), a.q_b, x.dtype);
   } else {
-    q = linear(x.ops, h, a.q, x.dtype);
+    q = x.linear(h, a.q, x.dtype);
   }
-  Tensor ckv = linear(x.ops, h, a.kv_a, x.dtype);  // [T, R + rope]
-  Tensor latent = empty({T, R}, x.dtype, x.device);
+  Tensor ckv = x.linear(h, a.kv_a, x.dtype);  // [T, R + rope]
+  Tensor latent = x.empty({T, R}, x.dtype);
   x.ops.rmsnorm(model::columns(ckv.view(), 0, R), a.kv_a_norm.view(), kLatentEps, c.norm_weight_before_cast,
                 latent.view());
   TensorView k_rot = model::columns(ckv.view(), R, rope);  // [T, rope], row stride R + rope
@@ -97,32 +97,32 @@ Tensor mla_attention(const Ctx& x, const Layer& L, const TensorView& h, Tensor& 
   k_rot3.shape = {T, 1, rope};
   k_rot3.strides = {R + rope, rope, 1};
   const TensorView q3 = reshaped(q.view(), {T, Hq, dqk});
-  x.ops.rope(q3, nope, x.pos0, x.rope);
-  x.ops.rope(k_rot3, 0, x.pos0, x.rope);
-  Tensor kvb = linear(x.ops, latent.view(), a.kv_b, x.dtype);  // [T, Hq * (nope + dv)]
-  x.ops.mla_expand(kvb.view(), k_rot, nope, rows(kc.view(), x.pos0, T), rows(vc.view(), x.pos0, T));
-  Tensor out = empty({T, Hq, dv}, x.dtype, x.device);
-  const int64_t S = x.pos0 + T;
-  x.ops.attention(q3, rows(kc.view(), 0, S), rows(vc.view(), 0, S), out.view(), x.pos0, float(c.attention_scale()),
-                  L.window, TensorView());
-  return linear(x.ops, reshaped(out.view(), {T, Hq * dv}), a.o, x.dtype);
+  x.ops.rope(q3, nope, x.pos, x.rope);
+  x.ops.rope(k_rot3, 0, x.pos, x.rope);
+  Tensor kvb = x.linear(latent.view(), a.kv_b, x.dtype);  // [T, Hq * (nope + dv)]
+  x.ops.mla_expand(kvb.view(), k_rot, nope, kc.view(), vc.view(), x.pos);
+  Tensor out = x.empty({T, Hq, dv}, x.dtype);
+  x.ops.attention(q3, rows(kc.view(), 0, x.kv_rows), rows(vc.view(), 0, x.kv_rows), out.view(), x.pos,
+                  float(c.attention_scale()), L.window, TensorView());
+  return x.linear(reshaped(out.view(), {T, Hq * dv}), a.o, x.dtype);
 }
 
 Tensor moe(const Ctx& x, const Layer& L, const TensorView& h) {
   const TextConfig& c = x.c;
   const auto& m = L.moe;
   const int64_t T = x.T, E = c.num_experts, K = c.num_experts_per_tok;
-  Tensor logits = empty({T, E}, DType::f32, x.device);
+  Tensor logits = x.empty({T, E}, DType::f32);
   x.ops.linear(h, m.router_w.view(), m.router_b.defined() ? m.router_b.view() : TensorView(), logits.view());
-  Tensor idx = empty({T, K}, DType::i32, x.device), wts = empty({T, K}, DType::f32, x.device);
+  Tensor idx = x.empty({T, K}, DType::i32), wts = x.empty({T, K}, DType::f32);
   model::RouterSpec rs{c.router, K, c.norm_topk_prob, float(c.routed_scaling_factor), c.n_group, c.topk_group};
   x.ops.route(logits.view(), m.correction_bias.defined() ? m.correction_bias.view() : TensorView(), rs, idx.view(),
               wts.view());
-  Tensor y = m.experts.forward(h, idx.view(), wts.view());
+  Tensor y = x.empty({T, h.shape[1]}, h.dtype);
+  m.experts.forward_into(ExpertsCall{h, idx.view(), wts.view(), y.view(), model::current_stream()});
   if (m.has_shared) {
-    Tensor s = dense_mlp(x.ops, h, m.shared, c.experts.activation);
+    Tensor s = x.dense_mlp(h, m.shared);
     if (m.shared_gate.defined()) {
-      Tensor g = linear(x.ops, h, model::Linear{m.shared_gate, {}}, x.dtype);
+      Tensor g = x.linear(h, model::Linear{m.shared_gate, {}}, x.dtype);
       x.ops.add_sigmoid_gated(s.view(), g.view(), y.view());
     } else {
       x.ops.add(y.view(), s.view(), y.view());
@@ -164,37 +164,136 @@ void Model::Impl::reserve(KvCache& cache, int64_t tokens) const {
   st.capacity = cap;
 }
 
-Tensor Model::Impl::forward(const std::vector<int64_t>& ids, KvCache& cache, bool all_logits) {
+void Model::Impl::check_ids(const int64_t* ids, int64_t n) const {
+  const int64_t V = config.text.vocab_size;
+  for (int64_t i = 0; i < n; ++i)
+    MOEKIT_CHECK(ids[i] >= 0 && ids[i] < V, "token id ", ids[i], " at position ", i, " is out of range [0, ", V,
+                 ") (vocab_size ", V, ")");
+}
+
+Tensor Model::Impl::forward_device(const TensorView& ids, model::Position pos, KvCache& cache, bool all_logits) {
   const TextConfig& c = config.text;
-  const int64_t T = int64_t(ids.size());
-  MOEKIT_CHECK(T > 0, "forward needs at least one token");
+  const int64_t T = ids.numel();
   const model::DeviceOps& o = ops();
-  reserve(cache, T);
   auto& st = cache.state();
   const Device dev = options.device;
-  const Ctx x{o, c, rope, dtype, dev, st.length, T};
+  // A position read on the device (graphs) lets the attention see the whole cache; the kernels stop at pos + T.
+  const int64_t kv_rows = pos.device ? st.capacity : pos.value + T;
+  const Ctx x{o, c, rope, scratch, dtype, dev, pos, T, kv_rows};
   const int64_t H = c.hidden_size;
-  Tensor h = empty({T, H}, dtype, dev);
-  o.embedding(ids.data(), T, weights.embed.view(), h.view());
+  Tensor h = x.empty({T, H}, dtype);
+  o.embedding(ids, weights.embed.view(), h.view());
   const float eps = float(c.rms_norm_eps);
-  Tensor n = empty({T, H}, dtype, dev);
+  Tensor n = x.empty({T, H}, dtype);
   for (size_t i = 0; i < weights.layers.size(); ++i) {
     const Layer& L = weights.layers[i];
     o.rmsnorm(h.view(), L.input_norm.view(), eps, c.norm_weight_before_cast, n.view());
     Tensor a = c.mla ? mla_attention(x, L, n.view(), st.k[i], st.v[i]) : attention(x, L, n.view(), st.k[i], st.v[i]);
     o.add(h.view(), a.view(), h.view());
     o.rmsnorm(h.view(), L.post_norm.view(), eps, c.norm_weight_before_cast, n.view());
-    Tensor m = L.is_moe ? moe(x, L, n.view()) : dense_mlp(o, n.view(), L.mlp, c.experts.activation);
+    Tensor m = L.is_moe ? moe(x, L, n.view()) : x.dense_mlp(n.view(), L.mlp);
     o.add(h.view(), m.view(), h.view());
   }
-  st.length += T;
   const int64_t rows_out = all_logits ? T : 1;
   const TensorView last = rows(h.view(), T - rows_out, rows_out);
-  Tensor hn = empty({rows_out, H}, dtype, dev);
+  Tensor hn = x.empty({rows_out, H}, dtype);
   o.rmsnorm(last, weights.norm.view(), eps, c.norm_weight_before_cast, hn.view());
-  Tensor logits = empty({rows_out, c.vocab_size}, DType::f32, dev);
+  Tensor logits = x.empty({rows_out, c.vocab_size}, DType::f32);
   o.linear(hn.view(), weights.lm_head.view(), TensorView(), logits.view());
-  return logits.to(Device::cpu());
+  return logits;
+}
+
+namespace {
+Tensor to_host(const Tensor& t, Stream s) {
+  Tensor out = Tensor::empty(t.shape(), t.dtype());
+  memcpy_any(out.data(), Device::cpu(), t.data(), t.device(), t.nbytes(), s);  // waits for the stream
+  return out;
+}
+}  // namespace
+
+Tensor Model::Impl::forward(const std::vector<int64_t>& ids, KvCache& cache, bool all_logits) {
+  const int64_t T = int64_t(ids.size());
+  MOEKIT_CHECK(T > 0, "forward needs at least one token");
+  check_ids(ids.data(), T);
+  reserve(cache, T);
+  auto& st = cache.state();
+  const Device dev = options.device;
+  const Stream s = model_stream();
+  model::StreamScope scope(s);
+  scratch.reset();
+  Tensor d_ids = scratch.empty({T}, DType::i64);
+  memcpy_any(d_ids.data(), dev, ids.data(), Device::cpu(), size_t(T) * sizeof(int64_t), s);
+  const Tensor logits = forward_device(d_ids.view(), model::Position{st.length, nullptr}, cache, all_logits);
+  Tensor out = to_host(logits, s);
+  st.length += T;
+  return out;
+}
+
+void Model::Impl::require_capturable_experts(const ExpertsMap& map) const {
+  const std::string& name = map.at(decoder_key);
+  const auto be = ExpertsInterface::global().get(name);
+  MOEKIT_CHECK_CODE(be->graph_capturable(), not_supported, "cuda_graph: experts implementation '", name,
+                    "' waits for the host and cannot be recorded in a CUDA graph; decode with batched_mm or "
+                    "grouped_mm, or turn CUDA graphs off");
+}
+
+namespace {
+std::vector<const void*> cache_buffers(const KvCache::State& st) {
+  std::vector<const void*> out;
+  for (size_t i = 0; i < st.k.size(); ++i) {
+    out.push_back(st.k[i].data());
+    out.push_back(st.v[i].data());
+  }
+  return out;
+}
+}  // namespace
+
+bool DecodeGraph::matches(const KvCache::State& st, uint64_t epoch, const ExpertsMap& m) const {
+  return !st.k.empty() && cache == cache_buffers(st) && capacity == st.capacity && scratch_epoch == epoch &&
+         experts == m;
+}
+
+Tensor Model::Impl::decode_step_graphed(int64_t token, KvCache& cache) {
+  MOEKIT_CHECK_CODE(options.device.is_cuda(), not_supported, "decode graphs need a CUDA device, the model runs on ",
+                    options.device.to_string());
+  check_ids(&token, 1);
+  reserve(cache, 1);
+  auto& st = cache.state();
+  const Device dev = options.device;
+  const Stream s = model_stream();
+  model::StreamScope scope(s);
+  if (!step_io.defined()) step_io = Tensor::empty({2}, DType::i64, dev);
+  const int64_t io[2] = {token, st.length};
+  memcpy_any(step_io.data(), dev, io, Device::cpu(), sizeof(io), s);
+  const model::Position pos{st.length, step_io.ptr<int64_t>() + 1};
+  const TensorView ids(step_io.data(), DType::i64, {1}, dev);
+  const ExpertsMap map = experts_map;
+  DecodeGraph& g = decode_graph;
+  scratch.reset();  // merges blocks (a new epoch) only when the last forward spilled
+  if (!g.matches(st, scratch.epoch(), map) || !g.graph) {
+    if (!g.matches(st, scratch.epoch(), map) || !g.warmed) {
+      // First step with this key: run it uncaptured, which sizes the scratch memory and workspaces.
+      g = DecodeGraph{};
+      g.cache = cache_buffers(st);
+      g.capacity = st.capacity;
+      g.experts = map;
+      const Tensor logits = forward_device(ids, pos, cache, false);
+      Tensor out = to_host(logits, s);
+      g.scratch_epoch = scratch.epoch();
+      g.warmed = true;
+      st.length += 1;
+      return out;
+    }
+    require_capturable_experts(map);
+    Tensor logits;
+    g.graph = ops().capture([&] { logits = forward_device(ids, pos, cache, false); });
+    g.logits = logits;
+  }
+  g.graph->replay();
+  ++graph_replays;
+  Tensor out = to_host(g.logits, s);
+  st.length += 1;
+  return out;
 }
 
 }  // namespace moekit

@@ -154,10 +154,12 @@ Model Model::from_pretrained(const std::string& dir, const ModelOptions& options
                     "loader; use a floating-point checkpoint");
   im->dtype = resolve_dtype(mc, options.dtype);
   const Device dev = options.device;
+  im->scratch = model::Scratch(dev);
   if (dev.is_cuda()) {
     MOEKIT_CHECK_CODE(cuda_available(), not_supported, "device ", dev.to_string(),
                       " requested but no CUDA device is available in this build or on this machine; use device cpu");
     model::ops_for(dev);  // throws when the layer ops have no CUDA implementation
+    im->stream = std::make_unique<OwnedStream>(dev);
   }
   MOEKIT_CHECK_CODE(!options.cuda_graph || dev.is_cuda(), not_supported,
                     "cuda_graph: CUDA graphs need a CUDA device, the model runs on ", dev.to_string(),

@@ -5,6 +5,7 @@
 
 #include "io/checkpoint.h"
 #include "model/ops.h"
+#include "model/scratch.h"
 #include "moekit/model.h"
 
 namespace moekit::model {
@@ -71,7 +72,37 @@ struct KvCache::State {
   int64_t capacity = 0;
 };
 
+// A stream of the model's device (none on the CPU), released with the model.
+class OwnedStream {
+ public:
+  OwnedStream() = default;
+  explicit OwnedStream(Device d) : device_(d), stream_(stream_create(d)) {}
+  ~OwnedStream() { stream_destroy(stream_, device_); }
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
+  Stream get() const { return stream_; }
+
+ private:
+  Device device_ = Device::cpu();
+  Stream stream_ = nullptr;
+};
+
+// One decode step recorded as a CUDA graph, and what it was recorded against: replays are valid while the
+// cache's buffers, the scratch memory and the experts map stay the same.
+struct DecodeGraph {
+  std::vector<const void*> cache;  // every layer's key and value buffers
+  int64_t capacity = 0;
+  uint64_t scratch_epoch = 0;
+  ExpertsMap experts;
+  bool warmed = false;  // one uncaptured step with this key ran (sizes the workspaces)
+  std::unique_ptr<model::StepGraph> graph;
+  Tensor logits;  // [1, V] f32 on the device, written by each replay
+  bool matches(const KvCache::State& st, uint64_t epoch, const ExpertsMap& m) const;
+};
+
 struct Model::Impl {
+  // Declared first, destroyed last: the work of everything below runs on it.
+  std::unique_ptr<OwnedStream> stream;
   ModelConfig config;
   ModelOptions options;
   DType dtype = DType::f32;
@@ -80,11 +111,28 @@ struct Model::Impl {
   ExpertsMap experts_map;   // "" and each sub-config
   std::string decoder_key;  // the map entry that drives the decoder's experts ("" or "text_config")
 
+  model::Scratch scratch;
+  Tensor step_io;  // [2] i64 on the device: the token and position of a graphed decode step
+  DecodeGraph decode_graph;
+  int64_t graph_replays = 0;
+
   const model::DeviceOps& ops() const { return model::ops_for(options.device); }
+  Stream model_stream() const { return stream ? stream->get() : nullptr; }
   void apply_experts_map();
   // The decoder forward over `ids` after the cache; logits [n, V] f32 on the CPU.
   Tensor forward(const std::vector<int64_t>& ids, KvCache& cache, bool all_logits);
+  // One decode step through the CUDA graph of decode steps (recorded on first use and whenever the cache
+  // buffers, scratch memory or experts map changed); logits [1, V] f32 on the CPU.
+  Tensor decode_step_graphed(int64_t token, KvCache& cache);
   void reserve(KvCache& cache, int64_t tokens) const;
+  // Throws Error(not_supported) when the decoder's backend in `map` cannot be recorded in a CUDA graph.
+  void require_capturable_experts(const ExpertsMap& map) const;
+
+ private:
+  void check_ids(const int64_t* ids, int64_t n) const;
+  // Enqueues the decoder over `ids` ([T] i64 on the device) at position `pos` on the current stream; the
+  // cache's length is left to the caller. Returns the logits [n, V] f32 in scratch memory.
+  Tensor forward_device(const TensorView& ids, model::Position pos, KvCache& cache, bool all_logits);
 };
 
 }  // namespace moekit

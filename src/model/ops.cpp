@@ -12,6 +12,13 @@ namespace moekit::model {
 const DeviceOps* cuda_ops() { return nullptr; }
 #endif
 
+namespace {
+thread_local Stream t_stream = nullptr;
+}
+Stream current_stream() { return t_stream; }
+StreamScope::StreamScope(Stream s) : saved_(t_stream) { t_stream = s; }
+StreamScope::~StreamScope() { t_stream = saved_; }
+
 bool has_ops(Device device) { return device.is_cpu() ? true : cuda_ops() != nullptr; }
 
 const DeviceOps& ops_for(Device device) {

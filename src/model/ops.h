@@ -2,10 +2,13 @@
 //
 // Every op takes tensor views (data on the op's device), computes in f32 whatever the storage dtype
 // (f32 | bf16 | f16) and writes its output in the output's dtype. 2-D inputs may carry a row stride
-// (strides {ld, 1}); outputs are contiguous unless stated. The CPU implementation is ops_cpu.cpp; a CUDA
-// one returns its table from cuda_ops() (ops_cuda.cu), nullptr while the model has no CUDA layer ops.
+// (strides {ld, 1}); outputs are contiguous unless stated. The CPU implementation is ops_cpu.cpp, the CUDA
+// one ops_cuda.cu. CUDA ops are enqueued on the thread's current stream (StreamScope) and never wait for
+// the host, so a sequence of them can be captured into a CUDA graph (capture()).
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <vector>
 
 #include "moekit/config.h"
@@ -31,11 +34,41 @@ struct RouterSpec {
   int64_t n_group = 1, topk_group = 1;
 };
 
+// A sequence position: `value` as the host knows it at the call, or (CUDA only) read by the kernels from
+// `device` (one int64 in device memory) when set, so that one captured decode step replays at successive
+// positions. Host-side checks use `value`.
+struct Position {
+  int64_t value = 0;
+  const int64_t* device = nullptr;
+};
+
+// The stream the calling thread's CUDA ops are enqueued on while the scope lives (nullptr: the legacy
+// default stream). Scopes nest.
+Stream current_stream();
+class StreamScope {
+ public:
+  explicit StreamScope(Stream s);
+  ~StreamScope();
+  StreamScope(const StreamScope&) = delete;
+  StreamScope& operator=(const StreamScope&) = delete;
+
+ private:
+  Stream saved_;
+};
+
+// A recorded sequence of ops, replayed on the stream it was captured on.
+class StepGraph {
+ public:
+  virtual ~StepGraph() = default;
+  virtual void replay() const = 0;
+};
+
 class DeviceOps {
  public:
   virtual ~DeviceOps() = default;
-  // out [n, H] = table [V, H] rows ids[0..n) (ids on the host, checked against V).
-  virtual void embedding(const int64_t* ids, int64_t n, const TensorView& table, const TensorView& out) const = 0;
+  // out [n, H] = table [V, H] rows ids [n] (i64 on the op's device). Ids on the host are checked against V;
+  // on a GPU the caller checks them (an id out of range there gives a row of zeros, never a wild read).
+  virtual void embedding(const TensorView& ids, const TensorView& table, const TensorView& out) const = 0;
   // y [M, N] = x [M, K] @ w [N, K]^T + bias [N] (bias.data may be null).
   virtual void linear(const TensorView& x, const TensorView& w, const TensorView& bias, const TensorView& y) const = 0;
   // y [M, D] = rmsnorm(x [M, D]) * w [D]; x may equal y. weight_before_cast: (w * x_hat) rounded once
@@ -44,13 +77,15 @@ class DeviceOps {
                        const TensorView& y) const = 0;
   // In place on x [T, heads, S] (strides allowed on the first two dimensions): rotates dims
   // [offset, offset + rot_dim) of every head; row t sits at position pos0 + t.
-  virtual void rope(const TensorView& x, int64_t offset, int64_t pos0, const RopeSpec& rope) const = 0;
+  virtual void rope(const TensorView& x, int64_t offset, Position pos0, const RopeSpec& rope) const = 0;
   // out [T, Hq, Dv] = softmax(q k^T * scale) v with q [T, Hq, Dk], k [S, Hkv, Dk], v [S, Hkv, Dv]
-  // (Hq a multiple of Hkv). Query t sits at position pos0 + t and sees keys j <= pos0 + t, and only
-  // j > pos0 + t - window when window > 0. sinks [Hq] f32 (data may be null): one extra logit per head
-  // that takes probability mass and contributes no value (gpt-oss).
+  // (Hq a multiple of Hkv, S >= pos0 + T: rows past the last key are not read). Query t sits at position
+  // pos0 + t and sees keys j <= pos0 + t, and only j > pos0 + t - window when window > 0. sinks [Hq]
+  // (data may be null): one extra logit per head that takes probability mass and contributes no value.
   virtual void attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                         int64_t pos0, float scale, int64_t window, const TensorView& sinks) const = 0;
+                         Position pos0, float scale, int64_t window, const TensorView& sinks) const = 0;
+  // dst rows [row0, row0 + n) = src [n, ...] (same dtype and row size; both contiguous).
+  virtual void write_rows(const TensorView& src, const TensorView& dst, Position row0) const = 0;
   // out [M, I] = act(gate_up[:, :I]) * gate_up[:, I:]  (gate_up [M, 2I]).
   virtual void act_mul(const TensorView& gate_up, Activation act, const TensorView& out) const = 0;
   // out = a + b, same shapes; out may alias a or b.
@@ -64,13 +99,17 @@ class DeviceOps {
   virtual void route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
                      const TensorView& index, const TensorView& weights) const = 0;
   // Multi-head latent attention: kvb [T, H * (nope + dv)] and the roped shared key k_rot [T, rope] give
-  // k [T, H, nope + rope] (k_nope then k_rot) and v [T, H, dv].
+  // k [T, H, nope + rope] (k_nope then k_rot) and v [T, H, dv], written at rows [row0, row0 + T) of the
+  // caches k [S, H, nope + rope] and v [S, H, dv].
   virtual void mla_expand(const TensorView& kvb, const TensorView& k_rot, int64_t nope, const TensorView& k,
-                          const TensorView& v) const = 0;
+                          const TensorView& v, Position row0) const = 0;
+  // Records what `body` enqueues on the current stream into a graph (nothing runs). Throws
+  // Error(not_supported) on devices without graphs.
+  virtual std::unique_ptr<StepGraph> capture(const std::function<void()>& body) const = 0;
 };
 
 const DeviceOps* cpu_ops();
-const DeviceOps* cuda_ops();  // nullptr while no CUDA layer ops are built
+const DeviceOps* cuda_ops();  // nullptr in a build without CUDA
 bool has_ops(Device device);
 // The ops of a device; throws Error(not_supported) naming the device when there are none.
 const DeviceOps& ops_for(Device device);

@@ -86,9 +86,13 @@ const float* rows_f32(const TensorView& v, int64_t ld, std::vector<float>& buf, 
 
 class CpuOps final : public DeviceOps {
  public:
-  void embedding(const int64_t* ids, int64_t n, const TensorView& table, const TensorView& out) const override {
+  void embedding(const TensorView& ids_v, const TensorView& table, const TensorView& out) const override {
     check_float(table, "embedding table");
     check_float(out, "embedding output");
+    MOEKIT_CHECK(ids_v.dtype == DType::i64 && ids_v.device.is_cpu() && ids_v.is_contiguous(),
+                 "embedding ids must be contiguous i64 on the CPU, got ", ids_v.to_string());
+    const int64_t* ids = ids_v.ptr<int64_t>();
+    const int64_t n = ids_v.numel();
     MOEKIT_CHECK(table.dim() == 2 && table.is_contiguous(), "embedding table must be a contiguous [V, H] tensor");
     const int64_t V = table.shape[0], H = table.shape[1];
     MOEKIT_CHECK(out.is_contiguous() && out.numel() == n * H, "embedding output must hold [", n, ", ", H, "]");
@@ -172,8 +176,9 @@ class CpuOps final : public DeviceOps {
     }
   }
 
-  void rope(const TensorView& x, int64_t offset, int64_t pos0, const RopeSpec& rope) const override {
+  void rope(const TensorView& x, int64_t offset, Position position, const RopeSpec& rope) const override {
     check_float(x, "rope input");
+    const int64_t pos0 = host_position(position);
     MOEKIT_CHECK(x.dim() == 3 && x.stride(2) == 1, "rope input must be [T, heads, S] with unit inner stride, got ",
                  x.to_string());
     const int64_t T = x.shape[0], NH = x.shape[1], S = x.shape[2], half = int64_t(rope.inv_freq.size());
@@ -210,9 +215,10 @@ class CpuOps final : public DeviceOps {
     }
   }
 
-  void attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out, int64_t pos0,
-                 float scale, int64_t window, const TensorView& sinks) const override {
+  void attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                 Position position, float scale, int64_t window, const TensorView& sinks) const override {
     check_float(q, "attention q");
+    const int64_t pos0 = host_position(position);
     check_float(k, "attention k");
     check_float(v, "attention v");
     check_float(out, "attention output");
@@ -235,16 +241,17 @@ class CpuOps final : public DeviceOps {
     }
     std::vector<float> qbuf, kbuf, vbuf;
     int64_t ld = 0;
+    const int64_t keys = pos0 + T;  // rows past the last key are not read
     const float* qf = rows_f32(reshaped(q, {T, Hq * Dk}), Hq * Dk, qbuf, ld);
-    const float* kf = rows_f32(reshaped(k, {S, Hkv * Dk}), Hkv * Dk, kbuf, ld);
-    const float* vf = rows_f32(reshaped(v, {S, Hkv * Dv}), Hkv * Dv, vbuf, ld);
+    const float* kf = rows_f32(reshaped(rows(k, 0, keys), {keys, Hkv * Dk}), Hkv * Dk, kbuf, ld);
+    const float* vf = rows_f32(reshaped(rows(v, 0, keys), {keys, Hkv * Dv}), Hkv * Dv, vbuf, ld);
     std::vector<float> obuf;
     float* of =
         out.dtype == DType::f32 ? static_cast<float*>(out.data) : (obuf.resize(size_t(T * Hq * Dv)), obuf.data());
     const int64_t group = Hq / Hkv;
-#pragma omp parallel if (T * Hq * S * (Dk + Dv) > kParallelWork)
+#pragma omp parallel if (T * Hq * keys * (Dk + Dv) > kParallelWork)
     {
-      std::vector<float> p(static_cast<size_t>(S)), acc(static_cast<size_t>(Dv));
+      std::vector<float> p(static_cast<size_t>(keys)), acc(static_cast<size_t>(Dv));
 #pragma omp for collapse(2) schedule(static)
       for (int64_t t = 0; t < T; ++t) {
         for (int64_t h = 0; h < Hq; ++h) {
@@ -369,16 +376,28 @@ class CpuOps final : public DeviceOps {
   void route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
              const TensorView& index, const TensorView& weights) const override;
 
-  void mla_expand(const TensorView& kvb, const TensorView& k_rot, int64_t nope, const TensorView& k,
-                  const TensorView& v) const override {
+  void write_rows(const TensorView& src, const TensorView& dst, Position position) const override {
+    const int64_t row0 = host_position(position);
+    MOEKIT_CHECK(src.dtype == dst.dtype && src.is_contiguous() && dst.is_contiguous() && src.dim() >= 1 &&
+                     dst.dim() == src.dim() && src.device.is_cpu() && dst.device.is_cpu(),
+                 "write_rows: source ", src.to_string(), " and destination ", dst.to_string(),
+                 " must be contiguous CPU tensors of one dtype and rank");
+    const TensorView d = rows(dst, row0, src.shape[0]);
+    MOEKIT_CHECK(d.numel() == src.numel(), "write_rows: rows of ", src.to_string(), " do not match ", dst.to_string());
+    std::memcpy(d.data, src.data, size_t(src.numel()) * esize(src.dtype));
+  }
+
+  void mla_expand(const TensorView& kvb, const TensorView& k_rot, int64_t nope, const TensorView& k_cache,
+                  const TensorView& v_cache, Position position) const override {
     check_float(kvb, "mla kv_b output");
     check_float(k_rot, "mla k_rot");
+    const int64_t T = k_rot.dim() == 2 ? k_rot.shape[0] : 0;
+    const TensorView k = rows(k_cache, host_position(position), T), v = rows(v_cache, host_position(position), T);
     MOEKIT_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() && kvb.is_contiguous(),
                  "mla_expand: k ", k.to_string(), " and v ", v.to_string(), " must be contiguous 3-D");
-    const int64_t T = k.shape[0], H = k.shape[1], dk = k.shape[2], dv = v.shape[2], rope = dk - nope;
+    const int64_t H = k.shape[1], dk = k.shape[2], dv = v.shape[2], rope = dk - nope;
     const int64_t ldr = row_stride(k_rot, "mla k_rot");
-    MOEKIT_CHECK(kvb.numel() == T * H * (nope + dv) && k_rot.shape[0] == T && k_rot.shape[1] == rope &&
-                     v.shape[0] == T && v.shape[1] == H,
+    MOEKIT_CHECK(kvb.numel() == T * H * (nope + dv) && k_rot.shape[1] == rope && v.shape[1] == H,
                  "mla_expand: kvb ", kvb.to_string(), ", k_rot ", k_rot.to_string(), ", k ", k.to_string(), ", v ",
                  v.to_string(), " do not match");
     std::vector<float> row(static_cast<size_t>(H * (nope + dv))), kr(static_cast<size_t>(rope));
@@ -395,6 +414,16 @@ class CpuOps final : public DeviceOps {
       store_f32(ko.data(), row_ptr_mut(k, t, H * dk), k.dtype, H * dk);
       store_f32(vo.data(), row_ptr_mut(v, t, H * dv), v.dtype, H * dv);
     }
+  }
+
+  std::unique_ptr<StepGraph> capture(const std::function<void()>&) const override {
+    MOEKIT_FAIL(not_supported, "graphs of layer ops need a CUDA device; the CPU runs ops as they come");
+  }
+
+ private:
+  static int64_t host_position(const Position& p) {
+    MOEKIT_CHECK(p.device == nullptr, "a position in device memory needs a CUDA device; the CPU ops take it by value");
+    return p.value;
   }
 };
 

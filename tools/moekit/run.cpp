@@ -104,6 +104,7 @@ void run(const RunOptions& o) {
                     {"decode_ms", r.decode_ms},
                     {"tokens_per_s", r.tokens_per_s()}};
     j["stopped_on_eos"] = r.stopped_on_eos;
+    j["cuda_graph"] = {{"enabled", mo.cuda_graph}, {"replays", r.graph_replays}};
     j["model_type"] = model.config().text.model_type;
     j["device"] = model.device().to_string();
     j["dtype"] = dtype_name(model.dtype());
@@ -117,8 +118,9 @@ void run(const RunOptions& o) {
   fmt::print("prompt         {} tokens: {}\n", prompt.size(), ids_text(prompt));
   fmt::print("generated      {} tokens{}: {}\n", r.tokens.size(), r.stopped_on_eos ? " (stopped on EOS)" : "",
              ids_text(r.tokens));
-  fmt::print("timings        prefill {:.2f} ms, decode {:.2f} ms ({} steps, {:.1f} tokens/s)\n", r.prefill_ms,
-             r.decode_ms, r.decode_steps, r.tokens_per_s());
+  fmt::print("timings        prefill {:.2f} ms, decode {:.2f} ms ({} steps, {:.1f} tokens/s{})\n", r.prefill_ms,
+             r.decode_ms, r.decode_steps, r.tokens_per_s(),
+             mo.cuda_graph ? fmt::format(", {} replayed from a CUDA graph", r.graph_replays) : std::string());
 }
 
 }  // namespace

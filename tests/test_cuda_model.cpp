@@ -1,0 +1,360 @@
+// The model runtime on CUDA: every layer op against the CPU ops on the same random inputs (odd shapes,
+// strided views, device-side positions, NaN-poisoned outputs and unread cache rows), graphs of ops
+// replayed at new positions, and the fixture models against transformers' logits and greedy tokens with
+// each CUDA backend, the decode-step switch and decode graphs. Skipped without a CUDA device.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "model/ops.h"
+#include "moekit/model.h"
+#include "moekit/safetensors.h"
+#include "test_cuda_util.h"
+
+using namespace moekit;
+using model::DeviceOps;
+using model::Position;
+
+namespace {
+
+const DeviceOps& cpu() { return *model::cpu_ops(); }
+const DeviceOps& gpu() { return model::ops_for(Device::cuda(0)); }
+const Device kDev = Device::cuda(0);
+
+Tensor on_gpu(const Tensor& t) { return t.to(kDev); }
+Tensor on_cpu(const Tensor& t) { return t.to(Device::cpu()); }
+
+// Relative L2 distance of two tensors of any float dtype (infinity on a non-finite value in `got`).
+double dist(const Tensor& got, const Tensor& ref) {
+  EXPECT_EQ(got.shape(), ref.shape());
+  const Tensor g = on_cpu(got).to(DType::f32), r = on_cpu(ref).to(DType::f32);
+  return test::rel_l2(g.ptr<float>(), r.ptr<float>(), g.numel());
+}
+double tol(DType t) { return t == DType::f32 ? 2e-6 : 8e-3; }
+
+Tensor poisoned(const Shape& s, DType t, Device d) {
+  Tensor x = Tensor::empty(s, t, d);
+  test::poison(x);
+  return x;
+}
+
+// A device copy of one int64 (a position read by the kernels).
+Tensor device_scalar(int64_t v) {
+  Tensor t = Tensor::empty({1}, DType::i64);
+  t.ptr<int64_t>()[0] = v;
+  return on_gpu(t);
+}
+
+class CudaModelOps : public ::testing::Test {
+ protected:
+  void SetUp() override { MOEKIT_SKIP_WITHOUT_CUDA(); }
+  std::mt19937_64 rng{2024};
+};
+
+TEST_F(CudaModelOps, LinearMatchesCpuForDtypesBiasStridesAndMixedOperands) {
+  struct Case {
+    int64_t M, K, N;
+  };
+  for (const Case c : {Case{1, 7, 5}, Case{3, 33, 17}, Case{9, 130, 37}, Case{70, 64, 160}}) {
+    for (DType xt : {DType::f32, DType::bf16, DType::f16}) {
+      for (DType wt : {xt, DType::f32}) {
+        for (DType yt : {xt, DType::f32}) {
+          for (bool bias : {false, true}) {
+            SCOPED_TRACE(::testing::Message() << "M=" << c.M << " K=" << c.K << " N=" << c.N << " x " << dtype_name(xt)
+                                              << " w " << dtype_name(wt) << " y " << dtype_name(yt) << " bias " << bias);
+            Tensor wide = test::randn({c.M, c.K + 3}, xt, rng);
+            Tensor w = test::randn({c.N, c.K}, wt, rng, 0.2), b = test::randn({c.N}, xt, rng);
+            Tensor gwide = on_gpu(wide), gw = on_gpu(w), gb = on_gpu(b);
+            Tensor y = poisoned({c.M, c.N}, yt, Device::cpu()), gy = poisoned({c.M, c.N}, yt, kDev);
+            cpu().linear(model::columns(wide.view(), 2, c.K), w.view(), bias ? b.view() : TensorView(), y.view());
+            gpu().linear(model::columns(gwide.view(), 2, c.K), gw.view(), bias ? gb.view() : TensorView(), gy.view());
+            EXPECT_LT(dist(gy, y), tol(yt == DType::f32 && xt == DType::f32 ? DType::f32 : DType::bf16));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_F(CudaModelOps, RmsnormMatchesCpuInPlaceAndStrided) {
+  for (DType t : {DType::f32, DType::bf16}) {
+    for (int64_t D : {8, 96, 1100}) {
+      for (bool before_cast : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << dtype_name(t) << " D=" << D << " weight_before_cast " << before_cast);
+        const int64_t M = 7;
+        Tensor wide = test::randn({M, D + 5}, t, rng), w = test::randn({D}, t, rng);
+        Tensor gwide = on_gpu(wide), gw = on_gpu(w);
+        Tensor y = poisoned({M, D}, t, Device::cpu()), gy = poisoned({M, D}, t, kDev);
+        cpu().rmsnorm(model::columns(wide.view(), 5, D), w.view(), 1e-6f, before_cast, y.view());
+        gpu().rmsnorm(model::columns(gwide.view(), 5, D), gw.view(), 1e-6f, before_cast, gy.view());
+        EXPECT_LT(dist(gy, y), tol(t));
+        // In place.
+        Tensor x = test::randn({M, D}, t, rng);
+        Tensor gx = on_gpu(x);
+        cpu().rmsnorm(x.view(), w.view(), 1e-5f, before_cast, x.view());
+        gpu().rmsnorm(gx.view(), gw.view(), 1e-5f, before_cast, gx.view());
+        EXPECT_LT(dist(gx, x), tol(t));
+      }
+    }
+  }
+}
+
+TEST_F(CudaModelOps, RopeMatchesCpuWithHostAndDevicePositions) {
+  RopeConfig rc;
+  rc.theta = 10000.0;
+  for (bool interleaved : {false, true}) {
+    for (DType t : {DType::f32, DType::bf16}) {
+      model::RopeSpec spec = model::make_rope(rc, 16, 4096);
+      spec.interleaved = interleaved;
+      spec.attention_scaling = 1.25f;
+      const int64_t T = 5, NH = 3, S = 21, off = 4, pos0 = 37;
+      SCOPED_TRACE(::testing::Message() << dtype_name(t) << " interleaved " << interleaved);
+      Tensor x = test::randn({T, NH, S}, t, rng);
+      Tensor g1 = on_gpu(x), g2 = on_gpu(x);
+      cpu().rope(x.view(), off, Position{pos0}, spec);
+      gpu().rope(g1.view(), off, Position{pos0}, spec);
+      const Tensor p = device_scalar(pos0);
+      gpu().rope(g2.view(), off, Position{0, p.ptr<int64_t>()}, spec);  // the device value wins
+      EXPECT_LT(dist(g1, x), tol(t));
+      EXPECT_TRUE(test::bitwise_equal(on_cpu(g1), on_cpu(g2)));
+    }
+  }
+}
+
+TEST_F(CudaModelOps, AttentionMatchesCpuAndReadsNoKeyPastThePosition) {
+  struct Case {
+    int64_t T, pos0, Hq, Hkv, Dk, Dv;
+  };
+  for (const Case c : {Case{1, 0, 4, 4, 16, 16}, Case{1, 150, 8, 2, 64, 64}, Case{5, 3, 6, 2, 12, 7},
+                       Case{70, 0, 4, 1, 192, 128}, Case{3, 200, 2, 2, 128, 256}}) {
+    for (DType t : {DType::f32, DType::bf16}) {
+      for (int64_t window : {0, 4, 129}) {
+        for (bool with_sinks : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << "T=" << c.T << " pos0=" << c.pos0 << " Hq=" << c.Hq << " Hkv=" << c.Hkv
+                                            << " Dk=" << c.Dk << " Dv=" << c.Dv << " " << dtype_name(t) << " window "
+                                            << window << " sinks " << with_sinks);
+          const int64_t keys = c.pos0 + c.T, cap = keys + 9;
+          Tensor q = test::randn({c.T, c.Hq, c.Dk}, t, rng);
+          // A cache with more rows than keys: the rows past the last key are NaN and must not be read.
+          Tensor k = poisoned({cap, c.Hkv, c.Dk}, t, Device::cpu()), v = poisoned({cap, c.Hkv, c.Dv}, t, Device::cpu());
+          Tensor kr = test::randn({keys, c.Hkv, c.Dk}, t, rng), vr = test::randn({keys, c.Hkv, c.Dv}, t, rng);
+          std::memcpy(k.data(), kr.data(), kr.nbytes());
+          std::memcpy(v.data(), vr.data(), vr.nbytes());
+          Tensor sinks = test::randn({c.Hq}, DType::f32, rng);
+          const TensorView sv = with_sinks ? sinks.view() : TensorView();
+          Tensor out = poisoned({c.T, c.Hq, c.Dv}, t, Device::cpu());
+          cpu().attention(q.view(), k.view(), v.view(), out.view(), Position{c.pos0}, 0.125f, window, sv);
+          Tensor gq = on_gpu(q), gk = on_gpu(k), gv = on_gpu(v), gs = on_gpu(sinks);
+          const TensorView gsv = with_sinks ? gs.view() : TensorView();
+          Tensor g1 = poisoned(out.shape(), t, kDev), g2 = poisoned(out.shape(), t, kDev);
+          gpu().attention(gq.view(), gk.view(), gv.view(), g1.view(), Position{c.pos0}, 0.125f, window, gsv);
+          const Tensor p = device_scalar(c.pos0);
+          gpu().attention(gq.view(), gk.view(), gv.view(), g2.view(), Position{c.pos0, p.ptr<int64_t>()}, 0.125f,
+                          window, gsv);
+          EXPECT_LT(dist(g1, out), tol(t));
+          EXPECT_TRUE(test::bitwise_equal(on_cpu(g1), on_cpu(g2)));
+        }
+      }
+    }
+  }
+}
+
+TEST_F(CudaModelOps, RouterPicksTheCpuExpertsAndWeights) {
+  struct Case {
+    RouterKind kind;
+    int64_t E, K, n_group, topk_group;
+    bool norm;
+  };
+  const Case cases[] = {
+      {RouterKind::softmax_topk, 60, 4, 1, 1, false}, {RouterKind::softmax_topk, 128, 8, 1, 1, true},
+      {RouterKind::softmax_topk, 8, 1, 1, 1, false},  {RouterKind::topk_softmax, 8, 2, 1, 1, false},
+      {RouterKind::topk_softmax, 32, 4, 1, 1, false}, {RouterKind::grouped_sigmoid, 256, 8, 8, 4, true},
+      {RouterKind::grouped_sigmoid, 64, 6, 4, 2, false}, {RouterKind::grouped_sigmoid, 1000, 8, 1, 1, true},
+  };
+  for (const Case& c : cases) {
+    for (int64_t T : {1, 5, 33}) {
+      SCOPED_TRACE(::testing::Message() << "kind " << int(c.kind) << " E=" << c.E << " K=" << c.K << " T=" << T);
+      model::RouterSpec spec{c.kind, c.K, c.norm, 2.5f, c.n_group, c.topk_group};
+      Tensor logits = test::randn({T, c.E}, DType::f32, rng, 2.0), bias = test::randn({c.E}, DType::f32, rng, 0.3);
+      Tensor idx = Tensor::empty({T, c.K}, DType::i32), w = poisoned({T, c.K}, DType::f32, Device::cpu());
+      const bool with_bias = c.kind == RouterKind::grouped_sigmoid;
+      cpu().route(logits.view(), with_bias ? bias.view() : TensorView(), spec, idx.view(), w.view());
+      Tensor gl = on_gpu(logits), gb = on_gpu(bias);
+      Tensor gi = Tensor::empty({T, c.K}, DType::i32, kDev), gw = poisoned({T, c.K}, DType::f32, kDev);
+      gpu().route(gl.view(), with_bias ? gb.view() : TensorView(), spec, gi.view(), gw.view());
+      const Tensor hi = on_cpu(gi);
+      EXPECT_EQ(std::memcmp(hi.data(), idx.data(), idx.nbytes()), 0);
+      EXPECT_LT(dist(gw, w), 1e-6);
+    }
+  }
+}
+
+TEST_F(CudaModelOps, ElementwiseOpsEmbeddingAndMlaMatchCpu) {
+  for (DType t : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(t));
+    const int64_t M = 9, I = 37, H = 50;
+    {  // act_mul on a strided input
+      Tensor wide = test::randn({M, 2 * I + 4}, t, rng);
+      Tensor gwide = on_gpu(wide);
+      for (Activation a : {Activation::silu, Activation::gelu, Activation::relu2, Activation::gelu_tanh}) {
+        Tensor o = poisoned({M, I}, t, Device::cpu()), go = poisoned({M, I}, t, kDev);
+        cpu().act_mul(model::columns(wide.view(), 1, 2 * I), a, o.view());
+        gpu().act_mul(model::columns(gwide.view(), 1, 2 * I), a, go.view());
+        EXPECT_LT(dist(go, o), tol(t)) << activation_name(a);
+      }
+    }
+    {  // add, gated add, clamp
+      Tensor a = test::randn({M, H}, t, rng), b = test::randn({M, H}, t, rng), g = test::randn({M, 1}, t, rng);
+      Tensor ga = on_gpu(a), gb = on_gpu(b), gg = on_gpu(g);
+      cpu().add(a.view(), b.view(), a.view());
+      gpu().add(ga.view(), gb.view(), ga.view());
+      EXPECT_LT(dist(ga, a), tol(t));
+      cpu().add_sigmoid_gated(b.view(), g.view(), a.view());
+      gpu().add_sigmoid_gated(gb.view(), gg.view(), ga.view());
+      EXPECT_LT(dist(ga, a), tol(t));
+      cpu().clamp(a.view(), 0.7f);
+      gpu().clamp(ga.view(), 0.7f);
+      EXPECT_LT(dist(ga, a), tol(t));
+    }
+    {  // embedding
+      const int64_t V = 300;
+      Tensor table = test::randn({V, H}, t, rng), ids = Tensor::empty({6}, DType::i64);
+      const int64_t id_values[6] = {0, 299, 17, 17, 150, 3};
+      std::memcpy(ids.data(), id_values, sizeof(id_values));
+      Tensor o = poisoned({6, H}, t, Device::cpu()), go = poisoned({6, H}, t, kDev);
+      Tensor gt = on_gpu(table), gids = on_gpu(ids);
+      cpu().embedding(ids.view(), table.view(), o.view());
+      gpu().embedding(gids.view(), gt.view(), go.view());
+      EXPECT_TRUE(test::bitwise_equal(on_cpu(go), o));
+    }
+    {  // MLA expansion into cache rows given on the device, and write_rows
+      const int64_t T = 3, Hh = 4, nope = 8, rope = 6, dv = 5, R = 7, cap = 12, row0 = 4;
+      Tensor kvb = test::randn({T, Hh * (nope + dv)}, t, rng), ckv = test::randn({T, R + rope}, t, rng);
+      Tensor kc = test::randn({cap, Hh, nope + rope}, t, rng), vc = test::randn({cap, Hh, dv}, t, rng);
+      Tensor gkvb = on_gpu(kvb), gckv = on_gpu(ckv), gkc = on_gpu(kc), gvc = on_gpu(vc);
+      cpu().mla_expand(kvb.view(), model::columns(ckv.view(), R, rope), nope, kc.view(), vc.view(), Position{row0});
+      const Tensor p = device_scalar(row0);
+      gpu().mla_expand(gkvb.view(), model::columns(gckv.view(), R, rope), nope, gkc.view(), gvc.view(),
+                       Position{row0, p.ptr<int64_t>()});
+      EXPECT_TRUE(test::bitwise_equal(on_cpu(gkc), kc));
+      EXPECT_TRUE(test::bitwise_equal(on_cpu(gvc), vc));
+      Tensor src = test::randn({T, Hh, dv}, t, rng);
+      Tensor gsrc = on_gpu(src);
+      cpu().write_rows(src.view(), vc.view(), Position{row0 + 2});
+      gpu().write_rows(gsrc.view(), gvc.view(), Position{row0 + 2});
+      EXPECT_TRUE(test::bitwise_equal(on_cpu(gvc), vc));
+      const Tensor p2 = device_scalar(1);
+      cpu().write_rows(src.view(), vc.view(), Position{1});
+      gpu().write_rows(gsrc.view(), gvc.view(), Position{1, p2.ptr<int64_t>()});
+      EXPECT_TRUE(test::bitwise_equal(on_cpu(gvc), vc));
+    }
+  }
+}
+
+TEST_F(CudaModelOps, CapturedOpsReplayAtTheDevicePosition) {
+  const Stream s = stream_create(kDev);
+  {
+    model::StreamScope scope(s);
+    RopeConfig rc;
+    model::RopeSpec spec = model::make_rope(rc, 32, 4096);
+    const int64_t NH = 4, D = 32, cap = 16;
+    Tensor pos = device_scalar(0);
+    Tensor x = Tensor::empty({1, NH, D}, DType::f32, kDev), cache = Tensor::zeros({cap, NH, D}, DType::f32, kDev);
+    const Position p{0, pos.ptr<int64_t>()};
+    auto graph = gpu().capture([&] {
+      gpu().rope(x.view(), 0, p, spec);
+      gpu().write_rows(x.view(), cache.view(), p);
+    });
+    Tensor expect = Tensor::zeros({cap, NH, D}, DType::f32);
+    for (int64_t step = 0; step < 5; ++step) {
+      const int64_t at = 3 * step % cap;
+      Tensor in = test::randn({1, NH, D}, DType::f32, rng);
+      memcpy_any(x.data(), kDev, in.data(), Device::cpu(), in.nbytes(), s);
+      memcpy_any(pos.data(), kDev, &at, Device::cpu(), sizeof(at), s);
+      graph->replay();
+      cpu().rope(in.view(), 0, Position{at}, spec);
+      std::memcpy(expect.ptr<float>() + at * NH * D, in.data(), in.nbytes());
+      stream_synchronize(s, kDev);
+      EXPECT_LT(dist(cache, expect), 2e-6) << "step " << step;
+    }
+  }
+  stream_destroy(s, kDev);
+  EXPECT_THROW(cpu().capture([] {}), Error);
+}
+
+// ---- the fixture models on the GPU ----
+
+class CudaFixtureModel : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override { MOEKIT_SKIP_WITHOUT_CUDA(); }
+};
+
+TEST_P(CudaFixtureModel, LogitsTokensDecodeSwitchAndGraphsMatchTransformers) {
+  const std::string dir = test::models_dir() + "/" + GetParam();
+  const auto ref = SafetensorsFile::open(dir + "/reference.safetensors");
+  const Tensor ids = ref.get("input_ids"), gen = ref.get("generated_ids");
+  const int64_t L = ids.size(1), n_new = gen.size(1) - L;
+  const std::vector<int64_t> expect(gen.ptr<int64_t>() + L, gen.ptr<int64_t>() + gen.size(1));
+  for (bool graphs : {false, true}) {
+    Model model =
+        Model::from_pretrained(dir, ModelOptions{.device = kDev, .dtype = DType::f32, .cuda_graph = graphs});
+    const int64_t V = model.config().text.vocab_size;
+    for (const std::string be : {"eager", "batched_mm", "grouped_mm"}) {
+      SCOPED_TRACE("backend " + be + (graphs ? " with decode graphs" : ""));
+      model.set_experts_implementation(be);
+      if (!graphs) {
+        const std::string ref_name = ref.contains("logits." + be) ? "logits." + be : "logits.eager";
+        const Tensor ref_logits = ref.get(ref_name);
+        for (int64_t r = 0; r < ids.size(0); ++r) {
+          const Tensor logits = model.logits(test::row_ids(ids, r));
+          ASSERT_EQ(logits.shape(), Shape({L, V}));
+          EXPECT_LT(test::rel_l2(logits.ptr<float>(), ref_logits.ptr<float>() + r * L * V, L * V), 1e-4)
+              << GetParam() << " row " << r << " vs " << ref_name;
+        }
+      }
+      GenerationConfig gc;
+      gc.max_new_tokens = n_new;
+      gc.min_new_tokens = n_new;
+      if (graphs && be == "eager") {
+        ErrorCode code{};
+        EXPECT_NE(test::error_of([&] { model.generate(test::row_ids(ids, 0), gc); }, &code).find("eager"),
+                  std::string::npos);
+        EXPECT_EQ(code, ErrorCode::not_supported);
+        continue;
+      }
+      const GenerationResult res = model.generate(test::row_ids(ids, 0), gc);
+      EXPECT_EQ(res.tokens, expect) << GetParam();
+      // SPEC section 4 on a GPU: grouped_mm prefills, batched_mm decodes, the map comes back.
+      const std::string decode = be == "grouped_mm" ? "batched_mm" : be;
+      EXPECT_EQ(res.prefill_experts.at(""), be);
+      EXPECT_EQ(res.decode_experts.at(model.config().text_config_key), decode);
+      EXPECT_EQ(model.get_experts_implementation().at(""), be);
+      EXPECT_EQ(res.graph_replays, graphs ? std::max<int64_t>(0, n_new - 2) : 0);
+      if (graphs) {  // a second generation replays the same graph from its first decode steps on
+        const GenerationResult again = model.generate(test::row_ids(ids, 0), gc);
+        EXPECT_EQ(again.tokens, expect);
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, CudaFixtureModel, ::testing::ValuesIn(test::fixture_models()),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(CudaFixtureModel);
+
+TEST(CudaModel, LowPrecisionModelsStayCloseToTheCpu) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  const std::string dir = test::models_dir() + "/qwen3_moe";
+  const auto ref = SafetensorsFile::open(dir + "/reference.safetensors");
+  const Tensor ids = ref.get("input_ids"), ref_logits = ref.get("logits.eager");
+  for (DType t : {DType::bf16, DType::f16}) {
+    Model model = Model::from_pretrained(dir, ModelOptions{.device = kDev, .dtype = t});
+    const Tensor logits = model.logits(test::row_ids(ids, 0));
+    const double err = test::rel_l2(logits.ptr<float>(), ref_logits.ptr<float>(), logits.numel());
+    EXPECT_LT(err, 3e-2) << dtype_name(t);
+    EXPECT_GT(err, 0.0) << dtype_name(t);
+  }
+}
+
+}  // namespace
