@@ -260,7 +260,7 @@ Tensor Model::Impl::decode_step_graphed(int64_t token, KvCache& cache) {
   reserve(cache, 1);
   auto& st = cache.state();
   const Device dev = options.device;
-  const Stream s = model_stream();
+  const Stream s = decode_graph_stream();
   model::StreamScope scope(s);
   if (!step_io.defined()) step_io = Tensor::empty({2}, DType::i64, dev);
   const int64_t io[2] = {token, st.length};

@@ -160,6 +160,7 @@ Model Model::from_pretrained(const std::string& dir, const ModelOptions& options
                       " requested but no CUDA device is available in this build or on this machine; use device cpu");
     model::ops_for(dev);  // throws when the layer ops have no CUDA implementation
     im->stream = std::make_unique<OwnedStream>(dev);
+    im->graph_stream = std::make_unique<OwnedStream>(dev);
   }
   MOEKIT_CHECK_CODE(!options.cuda_graph || dev.is_cuda(), not_supported,
                     "cuda_graph: CUDA graphs need a CUDA device, the model runs on ", dev.to_string(),

@@ -101,8 +101,10 @@ struct DecodeGraph {
 };
 
 struct Model::Impl {
-  // Declared first, destroyed last: the work of everything below runs on it.
-  std::unique_ptr<OwnedStream> stream;
+  // Declared first, destroyed last: the work of everything below runs on them. Decode graphs are recorded
+  // and replayed on a stream of their own, whose workspaces (experts, layer ops) only ever serve one-token
+  // steps: a longer prefill on `stream` cannot grow (move) a buffer that a recorded graph points to.
+  std::unique_ptr<OwnedStream> stream, graph_stream;
   ModelConfig config;
   ModelOptions options;
   DType dtype = DType::f32;
@@ -118,6 +120,7 @@ struct Model::Impl {
 
   const model::DeviceOps& ops() const { return model::ops_for(options.device); }
   Stream model_stream() const { return stream ? stream->get() : nullptr; }
+  Stream decode_graph_stream() const { return graph_stream ? graph_stream->get() : nullptr; }
   void apply_experts_map();
   // The decoder forward over `ids` after the cache; logits [n, V] f32 on the CPU.
   Tensor forward(const std::vector<int64_t>& ids, KvCache& cache, bool all_logits);
