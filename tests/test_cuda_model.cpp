@@ -89,6 +89,13 @@ TEST_F(CudaModelOps, RmsnormMatchesCpuInPlaceAndStrided) {
         cpu().rmsnorm(model::columns(wide.view(), 5, D), w.view(), 1e-6f, before_cast, y.view());
         gpu().rmsnorm(model::columns(gwide.view(), 5, D), gw.view(), 1e-6f, before_cast, gy.view());
         EXPECT_LT(dist(gy, y), tol(t));
+        // The fused residual add and norm.
+        Tensor hh = test::randn({M, D}, t, rng), aa = test::randn({M, D}, t, rng);
+        Tensor gh = on_gpu(hh), ga = on_gpu(aa), y2 = poisoned({M, D}, t, Device::cpu()), gy2 = poisoned({M, D}, t, kDev);
+        cpu().add_rmsnorm(hh.view(), aa.view(), w.view(), 1e-6f, before_cast, y2.view());
+        gpu().add_rmsnorm(gh.view(), ga.view(), gw.view(), 1e-6f, before_cast, gy2.view());
+        EXPECT_LT(dist(gh, hh), tol(t));
+        EXPECT_LT(dist(gy2, y2), tol(t));
         // In place.
         Tensor x = test::randn({M, D}, t, rng);
         Tensor gx = on_gpu(x);
@@ -127,7 +134,8 @@ TEST_F(CudaModelOps, AttentionMatchesCpuAndReadsNoKeyPastThePosition) {
     int64_t T, pos0, Hq, Hkv, Dk, Dv;
   };
   for (const Case c : {Case{1, 0, 4, 4, 16, 16}, Case{1, 150, 8, 2, 64, 64}, Case{5, 3, 6, 2, 12, 7},
-                       Case{70, 0, 4, 1, 192, 128}, Case{3, 200, 2, 2, 128, 256}}) {
+                       Case{70, 0, 4, 1, 192, 128}, Case{3, 200, 2, 2, 128, 256}, Case{1, 3000, 4, 1, 128, 128},
+                       Case{2, 700, 32, 4, 128, 128}}) {
     for (DType t : {DType::f32, DType::bf16}) {
       for (int64_t window : {0, 4, 129}) {
         for (bool with_sinks : {false, true}) {

@@ -185,19 +185,26 @@ Tensor Model::Impl::forward_device(const TensorView& ids, model::Position pos, K
   o.embedding(ids, weights.embed.view(), h.view());
   const float eps = float(c.rms_norm_eps);
   Tensor n = x.empty({T, H}, dtype);
+  const bool wbc = c.norm_weight_before_cast;
+  Tensor m;  // the last layer's MLP output, added to the residual by the next norm
   for (size_t i = 0; i < weights.layers.size(); ++i) {
     const Layer& L = weights.layers[i];
-    o.rmsnorm(h.view(), L.input_norm.view(), eps, c.norm_weight_before_cast, n.view());
+    if (i == 0)
+      o.rmsnorm(h.view(), L.input_norm.view(), eps, wbc, n.view());
+    else
+      o.add_rmsnorm(h.view(), m.view(), L.input_norm.view(), eps, wbc, n.view());
     Tensor a = c.mla ? mla_attention(x, L, n.view(), st.k[i], st.v[i]) : attention(x, L, n.view(), st.k[i], st.v[i]);
-    o.add(h.view(), a.view(), h.view());
-    o.rmsnorm(h.view(), L.post_norm.view(), eps, c.norm_weight_before_cast, n.view());
-    Tensor m = L.is_moe ? moe(x, L, n.view()) : x.dense_mlp(n.view(), L.mlp);
-    o.add(h.view(), m.view(), h.view());
+    o.add_rmsnorm(h.view(), a.view(), L.post_norm.view(), eps, wbc, n.view());
+    m = L.is_moe ? moe(x, L, n.view()) : x.dense_mlp(n.view(), L.mlp);
   }
+  // Only the rows whose logits are asked for get the last residual add and the final norm.
   const int64_t rows_out = all_logits ? T : 1;
   const TensorView last = rows(h.view(), T - rows_out, rows_out);
   Tensor hn = x.empty({rows_out, H}, dtype);
-  o.rmsnorm(last, weights.norm.view(), eps, c.norm_weight_before_cast, hn.view());
+  if (m.defined())
+    o.add_rmsnorm(last, rows(m.view(), T - rows_out, rows_out), weights.norm.view(), eps, wbc, hn.view());
+  else
+    o.rmsnorm(last, weights.norm.view(), eps, wbc, hn.view());
   Tensor logits = x.empty({rows_out, c.vocab_size}, DType::f32);
   o.linear(hn.view(), weights.lm_head.view(), TensorView(), logits.view());
   return logits;

@@ -86,6 +86,28 @@ Tensor stack_rows(const std::vector<Tensor>& parts, const Shape& shape, DType dt
   return out.to(device);
 }
 
+// A checkpoint tensor [E, A, B] as [E, B, A] in the model dtype on the model's device (undefined when
+// missing or misshapen, as TensorReader::get).
+Tensor transposed_experts(TensorReader& r, const std::string& name, const Shape& stored) {
+  Tensor t = r.host(name, stored);
+  if (!t.defined()) return t;
+  const Tensor src = t.to(r.dtype()).contiguous();
+  const int64_t E = stored[0], A = stored[1], B = stored[2];
+  Tensor out = Tensor::empty({E, B, A}, r.dtype(), Device::cpu());
+  const size_t es = dtype_nbytes(r.dtype(), 1);
+  const char* in = static_cast<const char*>(src.data());
+  char* o = static_cast<char*>(out.data());
+  constexpr int64_t kBlock = 64;
+#pragma omp parallel for collapse(2) schedule(static) if (E * A * B > (int64_t(1) << 20))
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t a0 = 0; a0 < A; a0 += kBlock)
+      for (int64_t b0 = 0; b0 < B; b0 += kBlock)
+        for (int64_t a = a0; a < std::min(A, a0 + kBlock); ++a)
+          for (int64_t b = b0; b < std::min(B, b0 + kBlock); ++b)
+            std::memcpy(o + size_t((e * B + b) * A + a) * es, in + size_t((e * A + a) * B + b) * es, es);
+  return out.to(r.device());
+}
+
 Linear linear(TensorReader& r, const std::string& name, int64_t out, int64_t in, bool bias) {
   Linear l;
   l.w = r.get(name + ".weight", {out, in});
@@ -137,8 +159,9 @@ void load_attention(TensorReader& r, const std::string& p, const TextConfig& c, 
 // Already-fused experts (gpt-oss, qwen3_vl_moe, or checkpoints saved fused) load as they are; the layout
 // follows the shapes as transformers' loading does ([E, 2I, H] as is, [E, H, 2I] transposed).
 // Per-expert tensors are fused into gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I].
+// `stored_transposed` receives the checkpoint's layout (the module's is always [E, out, in]).
 ExpertsWeights load_experts(TensorReader& r, const Checkpoint& ck, const std::string& p, ExpertsSpec& spec,
-                            const MoeNaming& n) {
+                            const MoeNaming& n, bool& stored_transposed) {
   const int64_t E = spec.num_experts, H = spec.hidden, I = spec.intermediate;
   ExpertsWeights w;
   const std::string gu_name = p + "gate_up_proj";
@@ -153,8 +176,17 @@ ExpertsWeights load_experts(TensorReader& r, const Checkpoint& ck, const std::st
         spec.is_transposed = true;
       gu_shape = spec.is_transposed ? transposed : plain;
     }
-    w.gate_up_proj = r.get(gu_name, gu_shape);
-    w.down_proj = r.get(p + "down_proj", spec.is_transposed ? Shape{E, I, H} : Shape{E, H, I});
+    stored_transposed = spec.is_transposed;
+    if (spec.is_transposed) {
+      // Stored [E, in, out] (gpt-oss): transposed once here into the [E, out, in] layout that every backend
+      // serves at full speed (the GPU GEMV and tensor-core kernels read rows of `in`); same values.
+      w.gate_up_proj = transposed_experts(r, gu_name, gu_shape);
+      w.down_proj = transposed_experts(r, p + "down_proj", {E, I, H});
+      spec.is_transposed = false;
+    } else {
+      w.gate_up_proj = r.get(gu_name, gu_shape);
+      w.down_proj = r.get(p + "down_proj", {E, H, I});
+    }
     if (spec.has_bias) {
       w.gate_up_proj_bias = r.get(p + "gate_up_proj_bias", {E, 2 * I});
       w.down_proj_bias = r.get(p + "down_proj_bias", {E, H});
@@ -196,10 +228,11 @@ void load_moe(TensorReader& r, const Checkpoint& ck, const std::string& lp, Text
     m.correction_bias = r.get(bias_name, {E}, DType::f32);
   }
   ExpertsSpec spec = c.experts;
-  ExpertsWeights w = load_experts(r, ck, p + "experts.", spec, n);
+  bool stored_transposed = spec.is_transposed;
+  ExpertsWeights w = load_experts(r, ck, p + "experts.", spec, n, stored_transposed);
   if (w.gate_up_proj.defined() && w.down_proj.defined() &&
       (!spec.has_bias || (w.gate_up_proj_bias.defined() && w.down_proj_bias.defined()))) {
-    c.experts.is_transposed = spec.is_transposed;
+    c.experts.is_transposed = stored_transposed;
     m.experts = Experts(spec, std::move(w), experts_implementation);
   }
   if (c.shared_expert_intermediate_size > 0 && !n.shared.empty()) {

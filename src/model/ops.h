@@ -75,6 +75,10 @@ class DeviceOps {
   // (gpt-oss), else w * round(x_hat) as transformers' RMSNorm does in low precision.
   virtual void rmsnorm(const TensorView& x, const TensorView& w, float eps, bool weight_before_cast,
                        const TensorView& y) const = 0;
+  // h [M, D] += a (in place, both contiguous), then y = rmsnorm(h) * w as rmsnorm does: the residual add
+  // and the next norm in one pass.
+  virtual void add_rmsnorm(const TensorView& h, const TensorView& a, const TensorView& w, float eps,
+                           bool weight_before_cast, const TensorView& y) const = 0;
   // In place on x [T, heads, S] (strides allowed on the first two dimensions): rotates dims
   // [offset, offset + rot_dim) of every head; row t sits at position pos0 + t.
   virtual void rope(const TensorView& x, int64_t offset, Position pos0, const RopeSpec& rope) const = 0;

@@ -176,6 +176,12 @@ class CpuOps final : public DeviceOps {
     }
   }
 
+  void add_rmsnorm(const TensorView& h, const TensorView& a, const TensorView& w, float eps, bool weight_before_cast,
+                   const TensorView& y) const override {
+    add(h, a, h);
+    rmsnorm(h, w, eps, weight_before_cast, y);
+  }
+
   void rope(const TensorView& x, int64_t offset, Position position, const RopeSpec& rope) const override {
     check_float(x, "rope input");
     const int64_t pos0 = host_position(position);

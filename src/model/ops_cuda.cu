@@ -8,6 +8,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <map>
@@ -118,6 +119,52 @@ __global__ void rmsnorm_kernel(const void* x, int xt, int64_t ldx, const void* w
   }
 }
 
+// h = round(h + a) in place, then y = rmsnorm(h) * w: each thread re-reads only what it wrote.
+__global__ void add_rmsnorm_kernel(void* h, int ht, const void* a, int at, const void* w, int wt, void* y, int yt,
+                                   int64_t D, float eps, int weight_before_cast) {
+  __shared__ float red[32];
+  const int64_t r = blockIdx.x;
+  float ss = 0;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+    const float v = round_as(ht, ld(h, ht, r * D + i) + ld(a, at, r * D + i));
+    st(h, ht, r * D + i, v);
+    ss += v * v;
+  }
+  const float var = block_sum(ss, red) / float(D);
+  const float inv = rsqrtf(var + eps);
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+    const float x = ld(h, ht, r * D + i) * inv;
+    const float wv = ld(w, wt, i);
+    st(y, yt, r * D + i, weight_before_cast ? wv * x : wv * round_as(ht, x));
+  }
+}
+
+// y [M, N] = x [M, K] w [N, K]^T + bias for a few rows (M <= kSmallM) of operands of different dtypes (the
+// f32 router under bf16 activations): one warp per output column, no conversion pass.
+constexpr int kSmallM = 8;
+__global__ void small_m_linear_kernel(const void* x, int xt, int64_t ldx, const void* w, int wt, const void* bias,
+                                      int bt, void* y, int yt, int M, int64_t N, int64_t K) {
+  const int lane = threadIdx.x % 32;
+  const int64_t n = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
+  if (n >= N) return;
+  float acc[kSmallM];
+#pragma unroll
+  for (int m = 0; m < kSmallM; ++m) acc[m] = 0.0f;
+#pragma unroll 4
+  for (int64_t k = lane; k < K; k += 32) {
+    const float wv = ld(w, wt, n * K + k);
+#pragma unroll
+    for (int m = 0; m < kSmallM; ++m)
+      if (m < M) acc[m] += wv * ld(x, xt, m * ldx + k);
+  }
+#pragma unroll
+  for (int m = 0; m < kSmallM; ++m) {
+    if (m >= M) break;
+    const float s = warp_sum(acc[m]);
+    if (lane == 0) st(y, yt, m * N + n, s + (bias ? ld(bias, bt, n) : 0.0f));
+  }
+}
+
 constexpr int kMaxRopeHalf = 256;
 struct RopeArgs {
   float inv_freq[kMaxRopeHalf];
@@ -148,39 +195,51 @@ __global__ void rope_kernel(void* x, int t, int64_t s0, int64_t s1, int64_t NH, 
 }
 
 constexpr int kAttnThreads = 128, kAttnTile = 64, kAttnMaxDv = 4 * kAttnThreads;
-static_assert(kAttnThreads >= kAttnTile, "one thread per key of a tile");
+constexpr int kAttnThreadsPerKey = kAttnThreads / kAttnTile;
+static_assert(kAttnThreads % kAttnTile == 0 && kAttnThreadsPerKey == 2, "two threads score each key of a tile");
 
-// One block per (query, head): an online softmax over tiles of kAttnTile keys. Each warp scores keys of the
-// tile (lanes split the head dimension), then every thread rescales and accumulates its own value dims.
+// One block per (query, head, split of the keys): an online softmax over tiles of kAttnTile keys. Two threads
+// score each key of a tile (all the tile's key loads are in flight at once), then every thread rescales and
+// accumulates its own value dims. Without `part` (one split) the block writes the normalised output, the
+// sink included; with it, the split's running max, sum and unnormalised values go to
+// part[(query * Hq + head) * splits + split] ([m, l, acc[Dv]]) for attention_combine_kernel.
 template <class T>
 __global__ void __launch_bounds__(kAttnThreads)
     attention_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
                      int Hq, int Hkv, int Dk, int Dv, int64_t pos_value, const int64_t* pos_device, float scale,
-                     int64_t window, const void* sinks, int sink_t) {
+                     int64_t window, const void* sinks, int sink_t, int64_t chunk, float* __restrict__ part) {
   extern __shared__ float sm[];
   float* qs = sm;        // [Dk]
   float* p = sm + Dk;    // [kAttnTile]
-  const int t = blockIdx.x / Hq, h = blockIdx.x % Hq, g = h / (Hq / Hkv);
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, warps = blockDim.x / 32;
+  const int bh = blockIdx.x, t = bh / Hq, h = bh % Hq, g = h / (Hq / Hkv);
+  const int split = blockIdx.y, splits = gridDim.y;
+  const int tid = threadIdx.x;
   const int64_t pos = position(pos_value, pos_device) + t;
-  const int64_t lo = window > 0 ? max(int64_t(0), pos - window + 1) : 0;
+  int64_t lo = window > 0 ? max(int64_t(0), pos - window + 1) : 0;
+  int64_t hi = pos;  // last key, inclusive
+  lo = max(lo, split * chunk);
+  hi = min(hi, (split + 1) * chunk - 1);
   for (int d = tid; d < Dk; d += blockDim.x) qs[d] = to_f32(q[(int64_t(t) * Hq + h) * Dk + d]);
   float m = -INFINITY, l = 0.0f;
-  if (sinks) {  // the sink's logit: probability mass, no value
+  if (sinks && !part) {  // the sink's logit: probability mass, no value
     m = ld(sinks, sink_t, h);
     l = 1.0f;
   }
   float acc[kAttnMaxDv / kAttnThreads] = {0.0f, 0.0f, 0.0f, 0.0f};
   __syncthreads();
-  for (int64_t j0 = lo; j0 <= pos; j0 += kAttnTile) {
-    const int n = int(min(int64_t(kAttnTile), pos + 1 - j0));
-    for (int jj = warp; jj < n; jj += warps) {
-      const T* kr = k + ((j0 + jj) * Hkv + g) * int64_t(Dk);
-      float s = 0.0f;
-      for (int d = lane; d < Dk; d += 32) s += qs[d] * to_f32(kr[d]);
-      s = warp_sum(s);
-      if (lane == 0) p[jj] = s * scale;
+  const int key = tid / kAttnThreadsPerKey, sub = tid % kAttnThreadsPerKey;
+  const int per = (Dk + kAttnThreadsPerKey - 1) / kAttnThreadsPerKey;
+  const int d0 = sub * per, d1 = min(Dk, d0 + per);
+  for (int64_t j0 = lo; j0 <= hi; j0 += kAttnTile) {
+    const int n = int(min(int64_t(kAttnTile), hi + 1 - j0));
+    float sc = 0.0f;
+    if (key < n) {
+      const T* kr = k + ((j0 + key) * Hkv + g) * int64_t(Dk);
+#pragma unroll 8
+      for (int d = d0; d < d1; ++d) sc += qs[d] * to_f32(kr[d]);
     }
+    sc += __shfl_xor_sync(0xffffffffu, sc, 1);  // the two halves of the key's dot product
+    if (key < n && sub == 0) p[key] = sc * scale;
     __syncthreads();
     float tmax = -INFINITY;
     for (int jj = 0; jj < n; ++jj) tmax = fmaxf(tmax, p[jj]);
@@ -196,18 +255,57 @@ __global__ void __launch_bounds__(kAttnThreads)
     for (int i = 0; i < kAttnMaxDv / kAttnThreads; ++i) {
       const int d = tid + i * kAttnThreads;
       if (d >= Dv) break;
+      const T* vc = v + (j0 * Hkv + g) * int64_t(Dv) + d;
       float a = acc[i] * corr;
-      for (int jj = 0; jj < n; ++jj) a += p[jj] * to_f32(v[((j0 + jj) * Hkv + g) * int64_t(Dv) + d]);
+#pragma unroll 8
+      for (int jj = 0; jj < n; ++jj) a += p[jj] * to_f32(vc[int64_t(jj) * Hkv * Dv]);
       acc[i] = a;
     }
     m = mnew;
     __syncthreads();  // before the next tile's scores overwrite p
+  }
+  if (part) {
+    float* o = part + (int64_t(bh) * splits + split) * (Dv + 2);
+    if (tid == 0) {
+      o[0] = m;
+      o[1] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < kAttnMaxDv / kAttnThreads; ++i) {
+      const int d = tid + i * kAttnThreads;
+      if (d < Dv) o[2 + d] = acc[i];
+    }
+    return;
   }
   const float inv = 1.0f / l;
 #pragma unroll
   for (int i = 0; i < kAttnMaxDv / kAttnThreads; ++i) {
     const int d = tid + i * kAttnThreads;
     if (d < Dv) out[(int64_t(t) * Hq + h) * Dv + d] = from_f32<T>(acc[i] * inv);
+  }
+}
+
+// Merges the splits of attention_kernel: one block per (query, head).
+template <class T>
+__global__ void attention_combine_kernel(const float* __restrict__ part, int splits, int Hq, int Dv, const void* sinks,
+                                         int sink_t, T* __restrict__ out) {
+  const int bh = blockIdx.x;
+  const float* pp = part + int64_t(bh) * splits * (Dv + 2);
+  float M = sinks ? ld(sinks, sink_t, bh % Hq) : -INFINITY;
+  for (int s = 0; s < splits; ++s) M = fmaxf(M, pp[int64_t(s) * (Dv + 2)]);
+  float L = sinks ? expf(ld(sinks, sink_t, bh % Hq) - M) : 0.0f;
+  for (int s = 0; s < splits; ++s) {
+    const float ms = pp[int64_t(s) * (Dv + 2)];
+    if (ms != -INFINITY) L += pp[int64_t(s) * (Dv + 2) + 1] * expf(ms - M);
+  }
+  const float inv = 1.0f / L;
+  for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
+    float a = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const float ms = pp[int64_t(s) * (Dv + 2)];
+      if (ms != -INFINITY) a += pp[int64_t(s) * (Dv + 2) + 2 + d] * expf(ms - M);
+    }
+    out[int64_t(bh) * Dv + d] = from_f32<T>(a * inv);
   }
 }
 
@@ -482,6 +580,13 @@ class CudaOps final : public DeviceOps {
     const int dev = x.device.index;
     DeviceGuard g(dev);
     const cudaStream_t s = stream();
+    if (xt != wt && M <= kSmallM) {
+      constexpr int kWarps = 8;
+      small_m_linear_kernel<<<unsigned((N + kWarps - 1) / kWarps), 32 * kWarps, 0, s>>>(
+          x.data, xt, ldx, w.data, wt, bias.data, bias.data ? code(bias, "linear bias") : 0, y.data, yt, int(M), N, K);
+      launched();
+      return;
+    }
     // cuBLAS multiplies operands of one dtype; a lone f32 operand turns the other into f32 (exact).
     const void* xp = x.data;
     const void* wp = w.data;
@@ -548,9 +653,25 @@ class CudaOps final : public DeviceOps {
     const int64_t ldy = row_stride(y, "rmsnorm output");
     if (M == 0) return;
     DeviceGuard g(x.device.index);
-    const int threads = D >= 1024 ? 256 : D >= 256 ? 128 : 64;
-    rmsnorm_kernel<<<unsigned(M), threads, 0, stream()>>>(x.data, xt, ldx, w.data, wt, y.data, yt, ldy, D, eps,
+    rmsnorm_kernel<<<unsigned(M), norm_threads(D), 0, stream()>>>(x.data, xt, ldx, w.data, wt, y.data, yt, ldy, D, eps,
                                                           weight_before_cast ? 1 : 0);
+    launched();
+  }
+
+  void add_rmsnorm(const TensorView& h, const TensorView& a, const TensorView& w, float eps, bool weight_before_cast,
+                   const TensorView& y) const override {
+    const int ht = code(h, "residual"), at = code(a, "residual addend"), wt = code(w, "rmsnorm weight");
+    const int yt = code(y, "rmsnorm output");
+    MOEKIT_CHECK(h.dim() == 2 && h.is_contiguous() && a.shape == h.shape && a.is_contiguous() && y.shape == h.shape &&
+                     y.is_contiguous(),
+                 "add_rmsnorm: residual ", h.to_string(), ", addend ", a.to_string(), " and output ", y.to_string(),
+                 " must be contiguous [M, D] tensors");
+    const int64_t M = h.shape[0], D = h.shape[1];
+    MOEKIT_CHECK(w.numel() == D, "rmsnorm weight has ", w.numel(), " values, rows have ", D);
+    if (M == 0) return;
+    DeviceGuard g(h.device.index);
+    add_rmsnorm_kernel<<<unsigned(M), norm_threads(D), 0, stream()>>>(h.data, ht, a.data, at, w.data, wt, y.data, yt,
+                                                                      D, eps, weight_before_cast ? 1 : 0);
     launched();
   }
 
@@ -600,16 +721,40 @@ class CudaOps final : public DeviceOps {
       MOEKIT_CHECK(sinks.numel() == Hq, "attention sinks must have ", Hq, " values, got ", sinks.to_string());
     }
     if (T == 0) return;
-    DeviceGuard g(q.device.index);
+    const int dev = q.device.index;
+    DeviceGuard g(dev);
+    const cudaStream_t s = stream();
     const size_t smem = size_t(Dk + kAttnTile) * sizeof(float);
     MOEKIT_CHECK(smem <= 48 * 1024, "attention: key heads of ", Dk, " dims do not fit the CUDA kernel");
-    const unsigned blocks = unsigned(T * Hq);
+    // Few (query, head) pairs (decode): split the keys over more blocks, then merge (flash-decoding). The
+    // split depends on S (the cache rows given), not on the position, so a recorded graph keeps its shape.
+    const int64_t bh = T * Hq;
+    const int64_t keys_max = window > 0 ? std::min(window, S) : S;
+    const int64_t target = 2 * int64_t(cuda::device_info(dev).multiprocessors);
+    int64_t splits = std::clamp<int64_t>((target + bh - 1) / bh, 1, std::max<int64_t>(1, (keys_max + kAttnTile - 1) / kAttnTile));
+    splits = std::min<int64_t>(splits, 64);
+    // Chunks over absolute key indices [0, S): with a window the live keys sit at the end, so each split
+    // covers a window-sized share when the window is narrower.
+    int64_t chunk = std::max<int64_t>(kAttnTile, (S + splits - 1) / splits);
+    if (window > 0 && keys_max < S) splits = 1, chunk = S;
+    chunk = (chunk + kAttnTile - 1) / kAttnTile * kAttnTile;
+    splits = (S + chunk - 1) / chunk;
+    float* part = nullptr;
+    if (splits > 1)
+      part = static_cast<float*>(workspaces().get(dev, s, size_t(bh * splits * (Dv + 2)) * sizeof(float)));
+    const dim3 grid{unsigned(bh), unsigned(splits)};
     auto run = [&](auto tag) {
       using E = decltype(tag);
-      attention_kernel<E><<<blocks, kAttnThreads, smem, stream()>>>(
+      attention_kernel<E><<<grid, kAttnThreads, smem, s>>>(
           static_cast<const E*>(q.data), static_cast<const E*>(k.data), static_cast<const E*>(v.data),
           static_cast<E*>(out.data), int(Hq), int(Hkv), int(Dk), int(Dv), pos.value, pos.device, scale, window,
-          sinks.data, sink_t);
+          sinks.data, sink_t, chunk, part);
+      launched();
+      if (part) {
+        attention_combine_kernel<E><<<unsigned(bh), 128, 0, s>>>(part, int(splits), int(Hq), int(Dv), sinks.data,
+                                                                 sink_t, static_cast<E*>(out.data));
+        launched();
+      }
     };
     if (qt == kF32)
       run(float());
@@ -617,7 +762,6 @@ class CudaOps final : public DeviceOps {
       run(bf16());
     else
       run(f16());
-    launched();
   }
 
   void write_rows(const TensorView& src, const TensorView& dst, Position row0) const override {
@@ -811,6 +955,8 @@ class CudaOps final : public DeviceOps {
     }
     return k::kActIdentity;
   }
+  // About four elements per thread: one row per block, so a single decode row is spread wide.
+  static int norm_threads(int64_t D) { return int(std::clamp<int64_t>((D / 4 + 31) / 32 * 32, 64, 1024)); }
   static Workspaces& workspaces() {
     static Workspaces w;
     return w;
