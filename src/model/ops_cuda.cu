@@ -140,28 +140,25 @@ __global__ void add_rmsnorm_kernel(void* h, int ht, const void* a, int at, const
 }
 
 // y [M, N] = x [M, K] w [N, K]^T + bias for a few rows (M <= kSmallM) of operands of different dtypes (the
-// f32 router under bf16 activations): one warp per output column, no conversion pass.
+// f32 router under bf16 activations): one block per output column, the block's threads split K so that
+// all of the column's loads are in flight at once; no conversion pass.
 constexpr int kSmallM = 8;
 __global__ void small_m_linear_kernel(const void* x, int xt, int64_t ldx, const void* w, int wt, const void* bias,
                                       int bt, void* y, int yt, int M, int64_t N, int64_t K) {
-  const int lane = threadIdx.x % 32;
-  const int64_t n = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
-  if (n >= N) return;
+  __shared__ float red[32];
+  const int64_t n = blockIdx.x;
   float acc[kSmallM];
 #pragma unroll
   for (int m = 0; m < kSmallM; ++m) acc[m] = 0.0f;
-#pragma unroll 4
-  for (int64_t k = lane; k < K; k += 32) {
+  for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
     const float wv = ld(w, wt, n * K + k);
 #pragma unroll
     for (int m = 0; m < kSmallM; ++m)
       if (m < M) acc[m] += wv * ld(x, xt, m * ldx + k);
   }
-#pragma unroll
-  for (int m = 0; m < kSmallM; ++m) {
-    if (m >= M) break;
-    const float s = warp_sum(acc[m]);
-    if (lane == 0) st(y, yt, m * N + n, s + (bias ? ld(bias, bt, n) : 0.0f));
+  for (int m = 0; m < M; ++m) {
+    const float s = block_sum(acc[m], red);
+    if (threadIdx.x == 0) st(y, yt, m * N + n, s + (bias ? ld(bias, bt, n) : 0.0f));
   }
 }
 
@@ -581,8 +578,7 @@ class CudaOps final : public DeviceOps {
     DeviceGuard g(dev);
     const cudaStream_t s = stream();
     if (xt != wt && M <= kSmallM) {
-      constexpr int kWarps = 8;
-      small_m_linear_kernel<<<unsigned((N + kWarps - 1) / kWarps), 32 * kWarps, 0, s>>>(
+      small_m_linear_kernel<<<unsigned(N), 256, 0, s>>>(
           x.data, xt, ldx, w.data, wt, bias.data, bias.data ? code(bias, "linear bias") : 0, y.data, yt, int(M), N, K);
       launched();
       return;
@@ -812,7 +808,8 @@ class CudaOps final : public DeviceOps {
         "act_mul: input ", gu.to_string(), " and output ", out.to_string(), " do not match");
     if (M * I == 0) return;
     DeviceGuard g(gu.device.index);
-    act_mul_kernel<<<blocks_for(M * I), 256, 0, stream()>>>(gu.data, gt, ld, out.data, ot, M, I, act_code(act));
+    act_mul_kernel<<<blocks_for(M * I), 256, 0, stream()>>>(gu.data, gt, ld, out.data, ot, M, I,
+                                                            cuda::kernel_activation(act));
     launched();
   }
 
@@ -942,19 +939,6 @@ class CudaOps final : public DeviceOps {
   }
 
  private:
-  static int act_code(Activation a) {
-    namespace k = cuda::kernels;
-    switch (a) {
-      case Activation::silu: return k::kActSilu;
-      case Activation::gelu: return k::kActGelu;
-      case Activation::gelu_tanh: return k::kActGeluTanh;
-      case Activation::relu: return k::kActRelu;
-      case Activation::relu2: return k::kActRelu2;
-      case Activation::sigmoid: return k::kActSigmoid;
-      case Activation::identity: return k::kActIdentity;
-    }
-    return k::kActIdentity;
-  }
   // About four elements per thread: one row per block, so a single decode row is spread wide.
   static int norm_threads(int64_t D) { return int(std::clamp<int64_t>((D / 4 + 31) / 32 * 32, 64, 1024)); }
   static Workspaces& workspaces() {

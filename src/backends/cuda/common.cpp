@@ -1,4 +1,5 @@
 #include "backends/cuda/common.h"
+#include "backends/cuda/kernels/kernels.h"
 
 #include <map>
 #include <vector>
@@ -127,6 +128,19 @@ CublasHandle::~CublasHandle() {
   if (previous != device_) (void)cudaSetDevice(device_);
   (void)cublasDestroy(handle_);
   if (previous >= 0 && previous != device_) (void)cudaSetDevice(previous);
+}
+
+int kernel_activation(Activation a) {
+  switch (a) {
+    case Activation::silu: return kernels::kActSilu;
+    case Activation::gelu: return kernels::kActGelu;
+    case Activation::gelu_tanh: return kernels::kActGeluTanh;
+    case Activation::relu: return kernels::kActRelu;
+    case Activation::relu2: return kernels::kActRelu2;
+    case Activation::sigmoid: return kernels::kActSigmoid;
+    case Activation::identity: return kernels::kActIdentity;
+  }
+  return -1;
 }
 
 std::shared_ptr<CublasHandle> shared_cublas_handle(int device) {

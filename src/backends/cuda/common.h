@@ -9,6 +9,7 @@
 #include <string>
 
 #include "moekit/error.h"
+#include "moekit/experts.h"
 
 // Every CUDA runtime / cuBLAS call goes through these: the error names the call.
 #define MOEKIT_CUDA_CALL(expr)                                                                       \
@@ -24,6 +25,9 @@
   } while (0)
 
 namespace moekit::cuda {
+
+// The kernels' code of an activation (kernels::kAct*), or -1 when they do not implement it.
+int kernel_activation(Activation a);
 
 [[noreturn]] void throw_cuda_error(const char* call, cudaError_t err, const char* file, int line);
 [[noreturn]] void throw_cublas_error(const char* call, cublasStatus_t status, const char* file, int line);

@@ -26,19 +26,6 @@ kernels::Elem to_elem(DType t) {
   }
 }
 
-// The kernels' code of an activation, or -1 when they do not implement it.
-int kernel_activation(Activation a) {
-  switch (a) {
-    case Activation::silu: return kernels::kActSilu;
-    case Activation::gelu: return kernels::kActGelu;
-    case Activation::gelu_tanh: return kernels::kActGeluTanh;
-    case Activation::relu: return kernels::kActRelu;
-    case Activation::relu2: return kernels::kActRelu2;
-    case Activation::sigmoid: return kernels::kActSigmoid;
-    case Activation::identity: return kernels::kActIdentity;
-  }
-  return -1;
-}
 
 }  // namespace
 
