@@ -227,6 +227,36 @@ TEST(CudaBackends, SweepOddAndLargeSizes) {
     }
 }
 
+// Transposed weights ([E, in, out], gpt-oss) on the tensor-core kernel: reductions over several tiles,
+// partial column tiles, interleaved gated columns with bias and the clamped gate, and the plain layout.
+TEST(CudaBackends, TransposedWeightsOnTensorCores) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(17);
+  struct Size { int64_t H, I, E, K, T; };
+  const Size sizes[] = {{520, 200, 8, 2, 333}, {136, 72, 32, 4, 64}, {64, 1000, 4, 2, 9}};
+  int n = 0;
+  for (DType dt : {DType::bf16, DType::f16})
+    for (const Size& z : sizes)
+      for (int has_gate = 0; has_gate < 2; ++has_gate) {
+        SweepCase c;
+        c.cfg.dtype = dt;
+        c.cfg.hidden = z.H;
+        c.cfg.inter = z.I;
+        c.cfg.experts = z.E;
+        c.cfg.transposed = true;
+        c.cfg.concatenated = false;
+        c.cfg.has_gate = has_gate;
+        c.cfg.has_bias = true;
+        c.cfg.gate = has_gate && n % 2 ? GateKind::clamped_swiglu : GateKind::act_mul;
+        c.tokens = z.T;
+        c.top_k = z.K;
+        c.used = z.E;
+        c.sentinel_every = n % 2 ? 5 : 0;
+        c.weight_dtype = kWeightDtypes[n++ % 3];
+        check_case(c, rng);
+      }
+}
+
 // One small case per kernel path (routing over several blocks, wgmma wide and narrow with partial
 // tiles, mma.sync, CUDA cores, GEMV):
 // short enough for compute-sanitizer's racecheck.

@@ -91,6 +91,10 @@ struct TileLoader {
   }
 
   __device__ __forceinline__ void load(T* as, T* bs, int kt) const {
+    load_a(as, kt);
+    load_b(bs, kt);
+  }
+  __device__ __forceinline__ void load_a(T* as, int kt) const {
     const bool k_ok = int64_t(kt) * kTileK + chunk * 8 < k;
 #pragma unroll
     for (int j = 0; j < kAIters; ++j) {
@@ -98,6 +102,9 @@ struct TileLoader {
       cp_async16(smem_u32(as + swizzled(row_base + j * kRowsPerPass, chunk)), ok ? a_src[j] + int64_t(kt) * kTileK : a_base,
                  ok);
     }
+  }
+  __device__ __forceinline__ void load_b(T* bs, int kt) const {
+    const bool k_ok = int64_t(kt) * kTileK + chunk * 8 < k;
 #pragma unroll
     for (int j = 0; j < kBIters; ++j) {
       const bool ok = b_ok[j] && k_ok;

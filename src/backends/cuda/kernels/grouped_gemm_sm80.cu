@@ -2,10 +2,13 @@
 // and f16 with f32 accumulation. Each block computes one row tile of one expert (offsets read on the
 // device: no host synchronisation) against 128 virtual columns of that expert's weights, read in place.
 //
-// Weights are [n, k] with k contiguous (the default, non-transposed layout). A rows are gathered on
-// the fly (first projection: A row = token of the sorted pair). Shared memory: STAGES of [BM | BN] x
-// 64 tiles filled by cp.async (grouped_gemm_common.cuh). Gated projections interleave virtual columns
-// (2c: gate, 2c + 1: up of output column c), so a thread's accumulator pair is one gate/up pair.
+// Weights are [n, k] with k contiguous (the default layout), or [k, n] with n contiguous (transposed,
+// TRANS_B: gpt-oss stores [E, in, out]). A rows are gathered on the fly (first projection: A row = token
+// of the sorted pair). Shared memory: STAGES of [BM | BN] x 64 tiles filled by cp.async
+// (grouped_gemm_common.cuh); a transposed B tile is 64 rows of k by BN columns instead, read with
+// ldmatrix.trans. Gated projections interleave virtual columns (2c: gate, 2c + 1: up of output column c),
+// so a thread's accumulator pair is one gate/up pair; with transposed weights that needs the gate and up
+// columns interleaved in memory too (gpt-oss), so that 8 virtual columns are 8 adjacent weight columns.
 #include "backends/cuda/kernels/grouped_gemm_common.cuh"
 
 namespace moekit::cuda::kernels {
@@ -46,7 +49,58 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
   }
 }
 
-template <class T, int BM, int WARPS_M, int EPI>
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// Element offset of 16-byte chunk `chunk` of row `row` of a [64][BN] transposed B tile: the chunk index's
+// low three bits are XORed with the row's, so the eight rows one ldmatrix reads hit distinct banks.
+template <int BN>
+__device__ __forceinline__ int swizzled_t(int row, int chunk) {
+  return row * BN + ((chunk ^ (row & 7)) * 8);
+}
+
+// Copies the 64 x BN tile of transposed weights (k rows, n contiguous) of reduction step kt: virtual
+// column v of block column bn is weight column bn * BN + v (plain, or gated with interleaved gate / up
+// columns). Rows past k and columns past the weights' are zero-filled.
+template <class T, int BN, int THREADS, int EPI>
+struct TransposedBLoader {
+  static constexpr int kChunksPerRow = BN / 8;
+  static constexpr int kRowsPerPass = THREADS / kChunksPerRow;
+  static constexpr int kIters = kTileK / kRowsPerPass;
+  static_assert(THREADS % kChunksPerRow == 0 && kIters >= 1 && kTileK % kRowsPerPass == 0, "loader shape");
+
+  const T* src;
+  const T* base;
+  bool col_ok;
+  int chunk, row_base;
+  int64_t k, stride_k;
+
+  __device__ __forceinline__ TransposedBLoader(const GroupedGemmArgs& args, const RowTile& t, int bn, int tid) {
+    chunk = tid % kChunksPerRow;
+    row_base = tid / kChunksPerRow;
+    k = args.k;
+    stride_k = args.b_stride_k;
+    base = static_cast<const T*>(args.b) + int64_t(t.expert) * args.b_expert_stride;
+    const int64_t cols = EPI == kEpiGated ? 2 * args.n : args.n;
+    const int64_t col = int64_t(bn) * BN + chunk * 8;
+    col_ok = col < cols;
+    src = base + (col_ok ? col : 0);
+  }
+  __device__ __forceinline__ void load(T* bs, int kt) const {
+#pragma unroll
+    for (int j = 0; j < kIters; ++j) {
+      const int r = row_base + j * kRowsPerPass;
+      const int64_t kk = int64_t(kt) * kTileK + r;
+      const bool ok = col_ok && kk < k;
+      cp_async16(smem_u32(bs + swizzled_t<BN>(r, chunk)), ok ? src + kk * stride_k : base, ok);
+    }
+  }
+};
+
+template <class T, int BM, int WARPS_M, int EPI, bool TRANS_B>
 __global__ void __launch_bounds__(MmaTile<BM, WARPS_M>::kThreads) grouped_gemm_mma_kernel(GroupedGemmArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using C = MmaTile<BM, WARPS_M>;
@@ -61,9 +115,14 @@ __global__ void __launch_bounds__(MmaTile<BM, WARPS_M>::kThreads) grouped_gemm_m
   const int warp_m = warp / C::WARPS_N, warp_n = warp % C::WARPS_N;
   const int ktiles = int((args.k + BK - 1) / BK);
   const TileLoader<T, BM, C::BN, C::kThreads, EPI> loader(args, t, bn, tid);
+  const TransposedBLoader<T, C::BN, C::kThreads, EPI> loader_t(args, t, bn, tid);
   auto load_stage = [&](int stage, int kt) {
     T* as = smem + stage * C::kStageElems;
-    loader.load(as, as + BM * BK, kt);
+    loader.load_a(as, kt);
+    if constexpr (TRANS_B)
+      loader_t.load(as + BM * BK, kt);
+    else
+      loader.load_b(as + BM * BK, kt);
   };
 
   float acc[C::MF][C::NF][4];
@@ -99,9 +158,17 @@ __global__ void __launch_bounds__(MmaTile<BM, WARPS_M>::kThreads) grouped_gemm_m
       }
 #pragma unroll
       for (int j = 0; j < C::NF / 2; ++j) {
-        const int r = warp_n * C::WN + j * 16 + (lane & 7) + ((lane >> 4) << 3);
         uint32_t q[4];
-        ldmatrix_x4(q, smem_u32(bs + swizzled(r, kk * 2 + ((lane >> 3) & 1))));
+        if constexpr (TRANS_B) {
+          // Matrix lane / 8: k half (bit 0) and n half (bit 1) of the 16 x 16 block, as below.
+          const int mi = lane >> 3;
+          const int krow = kk * 16 + (mi & 1) * 8 + (lane & 7);
+          const int ncol = warp_n * C::WN + j * 16 + (mi >> 1) * 8;
+          ldmatrix_x4_trans(q, smem_u32(bs + swizzled_t<C::BN>(krow, ncol / 8)));
+        } else {
+          const int r = warp_n * C::WN + j * 16 + (lane & 7) + ((lane >> 4) << 3);
+          ldmatrix_x4(q, smem_u32(bs + swizzled(r, kk * 2 + ((lane >> 3) & 1))));
+        }
         bf[2 * j][0] = q[0];
         bf[2 * j][1] = q[1];
         bf[2 * j + 1][0] = q[2];
@@ -136,7 +203,8 @@ __global__ void __launch_bounds__(MmaTile<BM, WARPS_M>::kThreads) grouped_gemm_m
 template <class T, int BM, int WARPS_M, int EPI>
 cudaError_t launch_mma_epi(const GroupedGemmArgs& a, cudaStream_t stream) {
   using C = MmaTile<BM, WARPS_M>;
-  auto kernel = grouped_gemm_mma_kernel<T, BM, WARPS_M, EPI>;
+  auto kernel = a.b_stride_k == 1 ? grouped_gemm_mma_kernel<T, BM, WARPS_M, EPI, false>
+                                  : grouped_gemm_mma_kernel<T, BM, WARPS_M, EPI, true>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmemBytes));
   if (err != cudaSuccess) return err;
   const int64_t cols = EPI == kEpiGated ? C::BN / 2 : C::BN;
@@ -183,9 +251,14 @@ int grouped_tile_m(int64_t max_rows, int experts) {
 }
 
 bool grouped_gemm_mma_ok(const GroupedGemmArgs& a, int arch) {
-  return arch >= 80 && (a.type == Elem::bf16 || a.type == Elem::f16) && a.b_stride_k == 1 && a.k % 8 == 0 &&
-         a.lda % 8 == 0 && a.b_stride_n % 8 == 0 && a.b_expert_stride % 8 == 0 && aligned16(a.a) &&
-         aligned16(a.b) && (a.n + 63) / 64 <= 65535 && grouped_max_tiles(a.max_rows, a.experts, 16) <= INT32_MAX;
+  const bool k_major = a.b_stride_k == 1 && a.b_stride_n % 8 == 0;
+  // Transposed weights: 16-byte chunks of 8 adjacent columns, and gate / up columns interleaved.
+  const int64_t cols = a.epilogue == kEpiGated ? 2 * a.n : a.n;
+  const bool n_major = a.b_stride_n == 1 && a.b_stride_k % 8 == 0 && cols % 8 == 0 &&
+                       (a.epilogue != kEpiGated || (!a.gate.concatenated && a.inter == a.n));
+  return arch >= 80 && (a.type == Elem::bf16 || a.type == Elem::f16) && (k_major || n_major) && a.k % 8 == 0 &&
+         a.lda % 8 == 0 && a.b_expert_stride % 8 == 0 && aligned16(a.a) && aligned16(a.b) &&
+         (a.n + 63) / 64 <= 65535 && grouped_max_tiles(a.max_rows, a.experts, 16) <= INT32_MAX;
 }
 
 cudaError_t grouped_gemm_mma(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream) {

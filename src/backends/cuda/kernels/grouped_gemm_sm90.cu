@@ -266,7 +266,7 @@ bool wgmma_compiled_for(int arch) {
 }  // namespace
 
 bool grouped_gemm_wgmma_ok(const GroupedGemmArgs& a, int arch) {
-  return grouped_gemm_mma_ok(a, arch) && wgmma_compiled_for(arch);
+  return grouped_gemm_mma_ok(a, arch) && a.b_stride_k == 1 && wgmma_compiled_for(arch);  // K-major weights only
 }
 
 cudaError_t grouped_gemm_wgmma(const GroupedGemmArgs& a, int tile_m, bool wide, cudaStream_t stream) {
