@@ -29,6 +29,74 @@ const DeviceOps& ops_for(Device device) {
   return *ops;
 }
 
+int64_t row_stride(const TensorView& v, const char* what) {
+  MOEKIT_CHECK(v.dim() == 2, what, " must be 2-D, got ", v.to_string());
+  MOEKIT_CHECK(v.stride(1) == 1, what, " must have unit inner stride, got ", shape_to_string(v.strides));
+  return v.stride(0);
+}
+
+LinearDims check_linear(const TensorView& x, const TensorView& w, const TensorView& bias, const TensorView& y) {
+  const int64_t ldx = row_stride(x, "linear input");
+  MOEKIT_CHECK(w.dim() == 2 && w.is_contiguous(), "linear weight must be a contiguous [N, K] tensor, got ",
+               w.to_string());
+  const int64_t M = x.shape[0], K = x.shape[1], N = w.shape[0];
+  MOEKIT_CHECK(w.shape[1] == K, "linear: input has ", K, " features, weight ", w.to_string(), " expects ", w.shape[1]);
+  MOEKIT_CHECK(y.dim() == 2 && y.shape[0] == M && y.shape[1] == N && y.is_contiguous(),
+               "linear output must be a contiguous [", M, ", ", N, "] tensor, got ", y.to_string());
+  if (bias.data) MOEKIT_CHECK(bias.numel() == N, "linear bias must have ", N, " values, got ", bias.to_string());
+  return {M, K, N, ldx};
+}
+
+NormDims check_rmsnorm(const TensorView& x, const TensorView& w, const TensorView& y) {
+  const int64_t ldx = row_stride(x, "rmsnorm input");
+  const int64_t M = x.shape[0], D = x.shape[1];
+  MOEKIT_CHECK(w.numel() == D, "rmsnorm weight has ", w.numel(), " values, rows have ", D);
+  MOEKIT_CHECK(y.dim() == 2 && y.shape[0] == M && y.shape[1] == D, "rmsnorm output must be [", M, ", ", D, "], got ",
+               y.to_string());
+  return {M, D, ldx, row_stride(y, "rmsnorm output")};
+}
+
+AttentionDims check_attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                              int64_t pos0, const TensorView& sinks) {
+  MOEKIT_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "attention operands must be 3-D");
+  for (const auto* t : {&q, &k, &v, &out})
+    MOEKIT_CHECK(t->is_contiguous(), "attention operands must be contiguous, got ", t->to_string());
+  const AttentionDims d{q.shape[0], q.shape[1], q.shape[2], k.shape[0], k.shape[1], v.shape[2]};
+  MOEKIT_CHECK(k.shape[2] == d.Dk && v.shape[0] == d.S && v.shape[1] == d.Hkv && d.Hkv > 0 && d.Hq % d.Hkv == 0,
+               "attention: q ", q.to_string(), ", k ", k.to_string(), ", v ", v.to_string(), " do not match");
+  MOEKIT_CHECK(out.shape == Shape({d.T, d.Hq, d.Dv}), "attention output must be [", d.T, ", ", d.Hq, ", ", d.Dv,
+               "], got ", out.to_string());
+  MOEKIT_CHECK(pos0 >= 0 && pos0 + d.T <= d.S, "attention: queries at positions [", pos0, ", ", pos0 + d.T,
+               ") need that many keys, got ", d.S);
+  if (sinks.data)
+    MOEKIT_CHECK(sinks.numel() == d.Hq, "attention sinks must have ", d.Hq, " values, got ", sinks.to_string());
+  return d;
+}
+
+RouteDims check_route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
+                      const TensorView& index, const TensorView& weights) {
+  MOEKIT_CHECK(logits.dtype == DType::f32 && logits.dim() == 2 && logits.is_contiguous(),
+               "router logits must be a contiguous f32 [T, E] tensor, got ", logits.to_string());
+  const int64_t T = logits.shape[0], E = logits.shape[1], K = spec.top_k;
+  MOEKIT_CHECK(K >= 1 && K <= E, "router top_k ", K, " must be in [1, ", E, "]");
+  MOEKIT_CHECK(index.dtype == DType::i32 && index.shape == Shape({T, K}) && weights.dtype == DType::f32 &&
+                   weights.shape == Shape({T, K}) && index.device == logits.device &&
+                   weights.device == logits.device,
+               "router outputs must be index i32 [", T, ", ", K, "] and weights f32 [", T, ", ", K, "] on ",
+               logits.device.to_string());
+  if (correction_bias.data)
+    MOEKIT_CHECK(correction_bias.dtype == DType::f32 && correction_bias.numel() == E &&
+                     correction_bias.device == logits.device,
+                 "router correction bias must be f32 [", E, "] on ", logits.device.to_string(), ", got ",
+                 correction_bias.to_string());
+  if (spec.kind == RouterKind::grouped_sigmoid)
+    MOEKIT_CHECK(spec.n_group >= 1 && E % spec.n_group == 0 && spec.topk_group >= 1 &&
+                     spec.topk_group <= spec.n_group && K <= spec.topk_group * (E / spec.n_group),
+                 "grouped router: n_group ", spec.n_group, ", topk_group ", spec.topk_group, " and top_k ", K,
+                 " do not fit ", E, " experts");
+  return {T, E, K};
+}
+
 TensorView rows(const TensorView& t, int64_t begin, int64_t count) {
   MOEKIT_CHECK(t.dim() >= 1 && begin >= 0 && count >= 0 && begin + count <= t.shape[0], "rows [", begin, ", ",
                begin + count, ") out of range for ", t.to_string());

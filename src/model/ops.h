@@ -112,6 +112,29 @@ class DeviceOps {
   virtual std::unique_ptr<StepGraph> capture(const std::function<void()>& body) const = 0;
 };
 
+// Shape checks shared by the device implementations (dtypes and devices are theirs to check). Each throws
+// Error(invalid_argument) naming the operands, and returns the sizes the op runs over.
+struct LinearDims {
+  int64_t M, K, N, ldx;
+};
+LinearDims check_linear(const TensorView& x, const TensorView& w, const TensorView& bias, const TensorView& y);
+struct NormDims {
+  int64_t M, D, ldx, ldy;
+};
+NormDims check_rmsnorm(const TensorView& x, const TensorView& w, const TensorView& y);
+struct AttentionDims {
+  int64_t T, Hq, Dk, S, Hkv, Dv;
+};
+AttentionDims check_attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                              int64_t pos0, const TensorView& sinks);
+struct RouteDims {
+  int64_t T, E, K;
+};
+RouteDims check_route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
+                      const TensorView& index, const TensorView& weights);
+// The row stride of a 2-D view with unit inner stride.
+int64_t row_stride(const TensorView& v, const char* what);
+
 const DeviceOps* cpu_ops();
 const DeviceOps* cuda_ops();  // nullptr in a build without CUDA
 bool has_ops(Device device);

@@ -27,12 +27,6 @@ void check_float(const TensorView& v, const char* what) {
   MOEKIT_CHECK(v.device.is_cpu(), what, " must be on the CPU, got ", v.to_string());
 }
 
-// Row stride of a 2-D (or flattened N-D contiguous) view whose innermost stride is 1.
-int64_t row_stride(const TensorView& v, const char* what) {
-  MOEKIT_CHECK(v.dim() == 2, what, " must be 2-D, got ", v.to_string());
-  MOEKIT_CHECK(v.stride(1) == 1, what, " must have unit inner stride, got ", shape_to_string(v.strides));
-  return v.stride(0);
-}
 
 const char* row_ptr(const TensorView& v, int64_t r, int64_t ld) {
   return static_cast<const char*>(v.data) + size_t(r * ld) * esize(v.dtype);
@@ -116,18 +110,10 @@ class CpuOps final : public DeviceOps {
     check_float(x, "linear input");
     check_float(w, "linear weight");
     check_float(y, "linear output");
-    const int64_t ldx = row_stride(x, "linear input");
-    MOEKIT_CHECK(w.dim() == 2 && w.is_contiguous(), "linear weight must be a contiguous [N, K] tensor, got ",
-                 w.to_string());
-    const int64_t M = x.shape[0], K = x.shape[1], N = w.shape[0];
-    MOEKIT_CHECK(w.shape[1] == K, "linear: input has ", K, " features, weight ", w.to_string(), " expects ",
-                 w.shape[1]);
-    MOEKIT_CHECK(y.dim() == 2 && y.shape[0] == M && y.shape[1] == N && y.is_contiguous(),
-                 "linear output must be a contiguous [", M, ", ", N, "] tensor, got ", y.to_string());
+    const auto [M, K, N, ldx] = check_linear(x, w, bias, y);
     if (M == 0 || N == 0) return;
     std::vector<float> bias_f;
     if (bias.data) {
-      MOEKIT_CHECK(bias.numel() == N, "linear bias must have ", N, " values, got ", bias.to_string());
       bias_f.resize(size_t(N));
       load_f32(bias.data, bias.dtype, bias_f.data(), N);
     }
@@ -148,12 +134,7 @@ class CpuOps final : public DeviceOps {
     check_float(x, "rmsnorm input");
     check_float(w, "rmsnorm weight");
     check_float(y, "rmsnorm output");
-    const int64_t ldx = row_stride(x, "rmsnorm input");
-    const int64_t M = x.shape[0], D = x.shape[1];
-    MOEKIT_CHECK(w.numel() == D, "rmsnorm weight has ", w.numel(), " values, rows have ", D);
-    MOEKIT_CHECK(y.dim() == 2 && y.shape[0] == M && y.shape[1] == D, "rmsnorm output must be [", M, ", ", D, "], got ",
-                 y.to_string());
-    const int64_t ldy = row_stride(y, "rmsnorm output");
+    const auto [M, D, ldx, ldy] = check_rmsnorm(x, w, y);
     std::vector<float> wf(static_cast<size_t>(D));
     load_f32(w.data, w.dtype, wf.data(), D);
     const DType in_t = x.dtype;
@@ -228,20 +209,9 @@ class CpuOps final : public DeviceOps {
     check_float(k, "attention k");
     check_float(v, "attention v");
     check_float(out, "attention output");
-    MOEKIT_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "attention operands must be 3-D");
-    for (const auto* t : {&q, &k, &v, &out})
-      MOEKIT_CHECK(t->is_contiguous(), "attention operands must be contiguous, got ", t->to_string());
-    const int64_t T = q.shape[0], Hq = q.shape[1], Dk = q.shape[2];
-    const int64_t S = k.shape[0], Hkv = k.shape[1], Dv = v.shape[2];
-    MOEKIT_CHECK(k.shape[2] == Dk && v.shape[0] == S && v.shape[1] == Hkv && Hkv > 0 && Hq % Hkv == 0, "attention: q ",
-                 q.to_string(), ", k ", k.to_string(), ", v ", v.to_string(), " do not match");
-    MOEKIT_CHECK(out.shape == Shape({T, Hq, Dv}), "attention output must be [", T, ", ", Hq, ", ", Dv, "], got ",
-                 out.to_string());
-    MOEKIT_CHECK(pos0 >= 0 && pos0 + T <= S, "attention: queries at positions [", pos0, ", ", pos0 + T,
-                 ") need that many keys, got ", S);
+    const auto [T, Hq, Dk, S, Hkv, Dv] = check_attention(q, k, v, out, pos0, sinks);
     std::vector<float> sink_f;
     if (sinks.data) {
-      MOEKIT_CHECK(sinks.numel() == Hq, "attention sinks must have ", Hq, " values, got ", sinks.to_string());
       sink_f.resize(size_t(Hq));
       load_f32(sinks.data, sinks.dtype, sink_f.data(), Hq);
     }
@@ -444,24 +414,9 @@ void top_k_desc(const float* v, int64_t n, int64_t k, std::vector<int32_t>& orde
 
 void CpuOps::route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
                    const TensorView& index, const TensorView& weights) const {
-  MOEKIT_CHECK(logits.dtype == DType::f32 && logits.dim() == 2 && logits.is_contiguous(),
-               "router logits must be a contiguous f32 [T, E] tensor, got ", logits.to_string());
-  const int64_t T = logits.shape[0], E = logits.shape[1], K = spec.top_k;
-  MOEKIT_CHECK(K >= 1 && K <= E, "router top_k ", K, " must be in [1, ", E, "]");
-  MOEKIT_CHECK(index.dtype == DType::i32 && index.shape == Shape({T, K}) && weights.dtype == DType::f32 &&
-                   weights.shape == Shape({T, K}),
-               "router outputs must be index i32 [", T, ", ", K, "] and weights f32 [", T, ", ", K, "]");
-  const float* bias = nullptr;
-  if (correction_bias.data) {
-    MOEKIT_CHECK(correction_bias.dtype == DType::f32 && correction_bias.numel() == E,
-                 "router correction bias must be f32 [", E, "], got ", correction_bias.to_string());
-    bias = correction_bias.ptr<float>();
-  }
-  if (spec.kind == RouterKind::grouped_sigmoid)
-    MOEKIT_CHECK(spec.n_group >= 1 && E % spec.n_group == 0 && spec.topk_group >= 1 &&
-                     spec.topk_group <= spec.n_group && K <= spec.topk_group * (E / spec.n_group),
-                 "grouped router: n_group ", spec.n_group, ", topk_group ", spec.topk_group, " and top_k ", K,
-                 " do not fit ", E, " experts");
+  MOEKIT_CHECK(logits.device.is_cpu(), "router logits must be on the CPU, got ", logits.to_string());
+  const auto [T, E, K] = check_route(logits, correction_bias, spec, index, weights);
+  const float* bias = correction_bias.data ? correction_bias.ptr<float>() : nullptr;
   const float* lg = logits.ptr<float>();
   int32_t* out_idx = index.ptr<int32_t>();
   float* out_w = weights.ptr<float>();

@@ -101,6 +101,17 @@ __global__ void convert_rows_kernel(const void* x, int xt, int64_t ldx, void* y,
     st(y, yt, i, ld(x, xt, (i / K) * ldx + i % K));
 }
 
+// The second pass of both norms: y = w * (x * inv), with x_hat rounded to x's dtype first unless
+// weight_before_cast (see DeviceOps::rmsnorm).
+__device__ __forceinline__ void store_normed(const void* x, int xt, int64_t x0, const void* w, int wt, void* y, int yt,
+                                             int64_t y0, int64_t D, float inv, int weight_before_cast) {
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+    const float h = ld(x, xt, x0 + i) * inv;
+    const float wv = ld(w, wt, i);
+    st(y, yt, y0 + i, weight_before_cast ? wv * h : wv * round_as(xt, h));
+  }
+}
+
 __global__ void rmsnorm_kernel(const void* x, int xt, int64_t ldx, const void* w, int wt, void* y, int yt, int64_t ldy,
                                int64_t D, float eps, int weight_before_cast) {
   __shared__ float red[32];
@@ -110,13 +121,8 @@ __global__ void rmsnorm_kernel(const void* x, int xt, int64_t ldx, const void* w
     const float v = ld(x, xt, r * ldx + i);
     ss += v * v;
   }
-  const float var = block_sum(ss, red) / float(D);
-  const float inv = rsqrtf(var + eps);
-  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
-    const float h = ld(x, xt, r * ldx + i) * inv;
-    const float wv = ld(w, wt, i);
-    st(y, yt, r * ldy + i, weight_before_cast ? wv * h : wv * round_as(xt, h));
-  }
+  const float inv = rsqrtf(block_sum(ss, red) / float(D) + eps);
+  store_normed(x, xt, r * ldx, w, wt, y, yt, r * ldy, D, inv, weight_before_cast);
 }
 
 // h = round(h + a) in place, then y = rmsnorm(h) * w: each thread re-reads only what it wrote.
@@ -130,13 +136,8 @@ __global__ void add_rmsnorm_kernel(void* h, int ht, const void* a, int at, const
     st(h, ht, r * D + i, v);
     ss += v * v;
   }
-  const float var = block_sum(ss, red) / float(D);
-  const float inv = rsqrtf(var + eps);
-  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
-    const float x = ld(h, ht, r * D + i) * inv;
-    const float wv = ld(w, wt, i);
-    st(y, yt, r * D + i, weight_before_cast ? wv * x : wv * round_as(ht, x));
-  }
+  const float inv = rsqrtf(block_sum(ss, red) / float(D) + eps);
+  store_normed(h, ht, r * D, w, wt, y, yt, r * D, D, inv, weight_before_cast);
 }
 
 // y [M, N] = x [M, K] w [N, K]^T + bias for a few rows (M <= kSmallM) of operands of different dtypes (the
@@ -482,11 +483,6 @@ int code(const TensorView& v, const char* what) {
     default: MOEKIT_FAIL(invalid_argument, what, " must be f32, bf16 or f16, got ", v.to_string());
   }
 }
-int64_t row_stride(const TensorView& v, const char* what) {
-  MOEKIT_CHECK(v.dim() == 2, what, " must be 2-D, got ", v.to_string());
-  MOEKIT_CHECK(v.stride(1) == 1, what, " must have unit inner stride, got ", shape_to_string(v.strides));
-  return v.stride(0);
-}
 void launched() { MOEKIT_CUDA_CALL(cudaGetLastError()); }
 // Grid for a grid-stride elementwise loop over n elements.
 unsigned blocks_for(int64_t n, int threads = 256) {
@@ -564,15 +560,9 @@ class CudaOps final : public DeviceOps {
   void linear(const TensorView& x, const TensorView& w, const TensorView& bias, const TensorView& y) const override {
     int xt = code(x, "linear input"), wt = code(w, "linear weight");
     const int yt = code(y, "linear output");
-    int64_t ldx = row_stride(x, "linear input");
-    MOEKIT_CHECK(w.dim() == 2 && w.is_contiguous(), "linear weight must be a contiguous [N, K] tensor, got ",
-                 w.to_string());
-    const int64_t M = x.shape[0], K = x.shape[1], N = w.shape[0];
-    MOEKIT_CHECK(w.shape[1] == K, "linear: input has ", K, " features, weight ", w.to_string(), " expects ",
-                 w.shape[1]);
-    MOEKIT_CHECK(y.dim() == 2 && y.shape[0] == M && y.shape[1] == N && y.is_contiguous(),
-                 "linear output must be a contiguous [", M, ", ", N, "] tensor, got ", y.to_string());
-    if (bias.data) MOEKIT_CHECK(bias.numel() == N, "linear bias must have ", N, " values, got ", bias.to_string());
+    const LinearDims dims = check_linear(x, w, bias, y);
+    const int64_t M = dims.M, K = dims.K, N = dims.N;
+    int64_t ldx = dims.ldx;
     if (M == 0 || N == 0) return;
     const int dev = x.device.index;
     DeviceGuard g(dev);
@@ -641,12 +631,7 @@ class CudaOps final : public DeviceOps {
   void rmsnorm(const TensorView& x, const TensorView& w, float eps, bool weight_before_cast,
                const TensorView& y) const override {
     const int xt = code(x, "rmsnorm input"), wt = code(w, "rmsnorm weight"), yt = code(y, "rmsnorm output");
-    const int64_t ldx = row_stride(x, "rmsnorm input");
-    const int64_t M = x.shape[0], D = x.shape[1];
-    MOEKIT_CHECK(w.numel() == D, "rmsnorm weight has ", w.numel(), " values, rows have ", D);
-    MOEKIT_CHECK(y.dim() == 2 && y.shape[0] == M && y.shape[1] == D, "rmsnorm output must be [", M, ", ", D, "], got ",
-                 y.to_string());
-    const int64_t ldy = row_stride(y, "rmsnorm output");
+    const auto [M, D, ldx, ldy] = check_rmsnorm(x, w, y);
     if (M == 0) return;
     DeviceGuard g(x.device.index);
     rmsnorm_kernel<<<unsigned(M), norm_threads(D), 0, stream()>>>(x.data, xt, ldx, w.data, wt, y.data, yt, ldy, D, eps,
@@ -699,23 +684,9 @@ class CudaOps final : public DeviceOps {
     MOEKIT_CHECK(code(k, "attention k") == qt && code(v, "attention v") == qt && code(out, "attention output") == qt,
                  "attention operands must share one dtype: q ", q.to_string(), ", k ", k.to_string(), ", v ",
                  v.to_string(), ", out ", out.to_string());
-    MOEKIT_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "attention operands must be 3-D");
-    for (const auto* t : {&q, &k, &v, &out})
-      MOEKIT_CHECK(t->is_contiguous(), "attention operands must be contiguous, got ", t->to_string());
-    const int64_t T = q.shape[0], Hq = q.shape[1], Dk = q.shape[2];
-    const int64_t S = k.shape[0], Hkv = k.shape[1], Dv = v.shape[2];
-    MOEKIT_CHECK(k.shape[2] == Dk && v.shape[0] == S && v.shape[1] == Hkv && Hkv > 0 && Hq % Hkv == 0, "attention: q ",
-                 q.to_string(), ", k ", k.to_string(), ", v ", v.to_string(), " do not match");
-    MOEKIT_CHECK(out.shape == Shape({T, Hq, Dv}), "attention output must be [", T, ", ", Hq, ", ", Dv, "], got ",
-                 out.to_string());
-    MOEKIT_CHECK(pos.value >= 0 && pos.value + T <= S, "attention: queries at positions [", pos.value, ", ",
-                 pos.value + T, ") need that many keys, got ", S);
+    const auto [T, Hq, Dk, S, Hkv, Dv] = check_attention(q, k, v, out, pos.value, sinks);
     MOEKIT_CHECK(Dv <= kAttnMaxDv, "attention: value heads of ", Dv, " dims; the CUDA ops support up to ", kAttnMaxDv);
-    int sink_t = 0;
-    if (sinks.data) {
-      sink_t = code(sinks, "attention sinks");
-      MOEKIT_CHECK(sinks.numel() == Hq, "attention sinks must have ", Hq, " values, got ", sinks.to_string());
-    }
+    const int sink_t = sinks.data ? code(sinks, "attention sinks") : 0;
     if (T == 0) return;
     const int dev = q.device.index;
     DeviceGuard g(dev);
@@ -849,33 +820,15 @@ class CudaOps final : public DeviceOps {
 
   void route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
              const TensorView& index, const TensorView& weights) const override {
-    MOEKIT_CHECK(logits.dtype == DType::f32 && logits.dim() == 2 && logits.is_contiguous() && logits.device.is_cuda(),
-                 "router logits must be a contiguous f32 [T, E] tensor on a CUDA device, got ", logits.to_string());
-    const int64_t T = logits.shape[0], E = logits.shape[1], K = spec.top_k;
-    MOEKIT_CHECK(K >= 1 && K <= E, "router top_k ", K, " must be in [1, ", E, "]");
+    MOEKIT_CHECK(logits.device.is_cuda(), "router logits must be on a CUDA device, got ", logits.to_string());
+    const auto [T, E, K] = check_route(logits, correction_bias, spec, index, weights);
     MOEKIT_CHECK(E <= 32 * kRouteMaxPerLane && K <= kRouteMaxK, "router: ", E, " experts, top_k ", K,
                  "; the CUDA router supports up to ", 32 * kRouteMaxPerLane, " experts and top_k ", kRouteMaxK);
-    MOEKIT_CHECK(index.dtype == DType::i32 && index.shape == Shape({T, K}) && weights.dtype == DType::f32 &&
-                     weights.shape == Shape({T, K}) && index.device == logits.device &&
-                     weights.device == logits.device,
-                 "router outputs must be index i32 [", T, ", ", K, "] and weights f32 [", T, ", ", K, "] on ",
-                 logits.device.to_string());
-    const float* bias = nullptr;
-    if (correction_bias.data) {
-      MOEKIT_CHECK(correction_bias.dtype == DType::f32 && correction_bias.numel() == E &&
-                       correction_bias.device == logits.device,
-                   "router correction bias must be f32 [", E, "] on ", logits.device.to_string(), ", got ",
-                   correction_bias.to_string());
-      bias = correction_bias.ptr<float>();
-    }
+    const float* bias = correction_bias.data ? correction_bias.ptr<float>() : nullptr;
     int kind = kRouteSoftmaxTopk;
     if (spec.kind == RouterKind::topk_softmax) kind = kRouteTopkSoftmax;
     if (spec.kind == RouterKind::grouped_sigmoid) {
       kind = kRouteGroupedSigmoid;
-      MOEKIT_CHECK(spec.n_group >= 1 && E % spec.n_group == 0 && spec.topk_group >= 1 &&
-                       spec.topk_group <= spec.n_group && K <= spec.topk_group * (E / spec.n_group),
-                   "grouped router: n_group ", spec.n_group, ", topk_group ", spec.topk_group, " and top_k ", K,
-                   " do not fit ", E, " experts");
       MOEKIT_CHECK(spec.n_group <= kRouteMaxGroups, "grouped router: ", spec.n_group,
                    " groups; the CUDA router supports up to ", kRouteMaxGroups);
     }
