@@ -150,7 +150,9 @@ void add_run_command(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_flag("--json", o->json, "print one JSON line: generated_ids, experts_implementation, phases, timings");
   cmd->add_option("--dump-logits", o->dump_logits, "write the prompt's logits [prompt_len, vocab] f32 (safetensors)");
-  cmd->add_flag("--cuda-graph", o->cuda_graph, "capture decode steps in CUDA graphs (CUDA devices)");
+  cmd->add_flag("--cuda-graph", o->cuda_graph,
+                "record one decode step as a CUDA graph and replay it for the later tokens (CUDA devices; decode "
+                "backend batched_mm or grouped_mm)");
   cmd->add_flag("--quiet", o->quiet, "no progress messages on stderr");
   cmd->callback([o] { run(*o); });
 }
