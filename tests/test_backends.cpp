@@ -47,55 +47,6 @@ void operator delete[](void* p, size_t) noexcept { std::free(p); }
 
 namespace {
 
-std::vector<Device> test_devices() {
-  std::vector<Device> d{Device::cpu()};
-  if (cuda_available()) d.push_back(Device::cuda(0));
-  return d;
-}
-
-struct Outcome {
-  int ok = 0, fail = 0, unsupported = 0;
-};
-
-// Runs every available backend on every device on one problem; prints a line per backend.
-void run_all_backends(const ProblemConfig& cfg, uint64_t seed, Outcome& outcome) {
-  const ExpertsProblem p = make_problem(cfg, seed);
-  const double tol = tolerance_for(cfg.act);
-  for (const Device dev : test_devices()) {
-    const Experts experts = p.experts.to(dev);
-    const Tensor x = p.hidden_states.to(dev), idx = p.top_k_index.to(dev), w = p.top_k_weights.to(dev);
-    for (const auto& backend : ExpertsInterface::global().backends()) {
-      const std::string name(backend->name());
-      if (!backend->available(dev)) continue;  // reported once in AvailabilityIsExplained
-      const Support s = backend->supports(experts, cfg.act);
-      if (!s) {
-        ++outcome.unsupported;
-        std::printf("  %-16s %-7s %s  NOT SUPPORTED (%s)\n", name.c_str(), dev.to_string().c_str(),
-                    cfg.to_string().c_str(), s.reason.c_str());
-        continue;
-      }
-      Tensor out = Tensor::empty(x.shape(), x.dtype(), dev);
-      if (out.numel()) poison(out);
-      std::string error;
-      double err = 0;
-      try {
-        experts.forward_with(name, ExpertsCall{x.view(), idx.view(), w.view(), out.view(), nullptr});
-        stream_synchronize(nullptr, dev);
-        err = relative_l2(out.view(), p.reference);
-      } catch (const std::exception& e) {
-        error = e.what();
-      }
-      const bool ok = error.empty() && err <= tol;
-      ok ? ++outcome.ok : ++outcome.fail;
-      std::printf("  %-16s %-7s %s  %s (rel L2 %.2e, tolerance %.0e)%s%s\n", name.c_str(), dev.to_string().c_str(),
-                  cfg.to_string().c_str(), ok ? "OK" : "FAIL", err, tol,
-                  error.empty() ? "" : " error: ", error.c_str());
-      EXPECT_TRUE(ok) << name << " on " << dev.to_string() << ": " << cfg.to_string() << " rel L2 " << err << " > "
-                      << tol << " " << error;
-    }
-  }
-}
-
 // Every flag combination with one activation each (cycled), the gate kinds where they apply.
 std::vector<ProblemConfig> flag_combinations() {
   std::vector<ProblemConfig> out;
@@ -145,6 +96,75 @@ TEST(Backends, AvailabilityIsExplained) {
     }
   for (const char* n : {"eager", "batched_mm", "grouped_mm"})
     EXPECT_TRUE(ExpertsInterface::global().get(n)->available(Device::cpu())) << n;
+}
+
+namespace {
+
+// A backend added the way a user adds one: one class and one registration. It computes the f64 reference
+// (or, broken, leaves half of each row at zero), on the CPU.
+class ToyBackend final : public ExpertsBackend {
+ public:
+  ToyBackend(std::string name, bool broken) : name_(std::move(name)), broken_(broken) {}
+  std::string_view name() const override { return name_; }
+  std::string_view description() const override { return "f64 reference loop (test)"; }
+  Support available(Device d) const override {
+    return d.is_cpu() ? Support::yes() : Support::no("the toy backends run on the CPU only");
+  }
+  Support supports(const Experts& e, DType) const override { return available(e.device()); }
+  void run(const Experts& e, const ExpertsCall& call) const override {
+    std::vector<double> y = reference_forward(e, call.hidden_states, call.top_k_index, call.top_k_weights);
+    const int64_t H = e.spec().hidden;
+    if (broken_)
+      for (size_t i = 0; i < y.size(); ++i)
+        if (int64_t(i) % H < H / 2) y[i] = 0;
+    convert(y.data(), DType::f64, call.out.data, call.out.dtype, int64_t(y.size()));
+  }
+
+ private:
+  std::string name_;
+  bool broken_;
+};
+
+struct Unregister {
+  std::vector<std::string> names;
+  ~Unregister() {
+    for (const auto& n : names) ExpertsInterface::global().unregister_backend(n);
+  }
+};
+
+}  // namespace
+
+// The differential loop runs whatever is registered: a correct toy passes every case, a wrong one fails them,
+// with no edit to the loop.
+TEST(Backends, DifferentialLoopPicksUpANewBackend) {
+  Unregister guard{{"test_toy_reference", "test_toy_broken"}};
+  ExpertsInterface::global().register_backend(std::make_shared<ToyBackend>("test_toy_reference", false));
+  std::vector<ExpertsProblem> problems;
+  int n = 0;
+  for (const ProblemConfig& flags : flag_combinations()) {
+    ProblemConfig c = flags;
+    c.act = kFloatTypes[n % 3];
+    c.wdt = kFloatTypes[(n / 3) % 3];
+    c.T = 1 + n % 6;
+    c.E = 4;
+    c.K = 2;
+    c.H = 24;
+    c.I = 16;
+    c.idt = n % 2 ? DType::i32 : DType::i64;
+    problems.push_back(make_problem(c, 700 + uint64_t(n++)));
+  }
+  Outcome good;
+  for (const ExpertsProblem& p : problems) check_backends_on(p, Device::cpu(), good);
+  EXPECT_EQ(good.ran["test_toy_reference"], n);
+  EXPECT_EQ(good.failed["test_toy_reference"], 0);
+  EXPECT_EQ(good.ran["grouped_mm"], n);
+  // A wrong backend, registered the same way, fails every case of the same loop (counted, not reported).
+  ExpertsInterface::global().register_backend(std::make_shared<ToyBackend>("test_toy_broken", true));
+  Outcome bad;
+  for (const ExpertsProblem& p : problems) check_backends_on(p, Device::cpu(), bad, /*report=*/false);
+  EXPECT_EQ(bad.ran["test_toy_broken"], n);
+  EXPECT_EQ(bad.failed["test_toy_broken"], n) << "a wrong backend must fail every case";
+  EXPECT_EQ(bad.failed["test_toy_reference"] + bad.failed["grouped_mm"] + bad.failed["eager"], 0);
 }
 
 // Full product of flags x activation dtype x weight dtype on small odd shapes; tokens, experts, top-k, routing
@@ -256,15 +276,11 @@ TEST(Backends, SentinelSlotsContributeExactlyZero) {
     for (int64_t i : {0, 1, 2, 3, 5}) p.top_k_weights.ptr<float>()[i] = NAN;
     const auto ref = reference_forward(p.experts, p.hidden_states, p.top_k_index, p.top_k_weights);
     const Experts experts = p.experts.to(dev);
-    for (const auto& b : ExpertsInterface::global().backends()) {
-      if (!b->available(dev) || !b->supports(experts, DType::f32)) continue;
-      const Tensor x = p.hidden_states.to(dev), idx = p.top_k_index.to(dev), w = p.top_k_weights.to(dev);
-      Tensor out = Tensor::empty(x.shape(), x.dtype(), dev);
-      poison(out);
-      experts.forward_with(b->name(), ExpertsCall{x.view(), idx.view(), w.view(), out.view(), nullptr});
-      const Tensor host = out.to(Device::cpu());
+    for (const auto& b : backends_on(dev)) {
+      if (!b->supports(experts, DType::f32)) continue;
+      const Tensor host = run_backend(experts, b->name(), p.hidden_states, p.top_k_index, p.top_k_weights);
       for (int64_t h = 0; h < c.H; ++h) EXPECT_EQ(f32_to_bits(host.ptr<float>()[h]), 0u) << b->name() << " h=" << h;
-      EXPECT_LE(relative_l2(out.view(), ref), 1e-5) << b->name();
+      EXPECT_LE(relative_l2(host.view(), ref), experts_tolerance(DType::f32)) << b->name();
     }
   }
 }
@@ -284,16 +300,12 @@ TEST(Backends, DeterministicRunToRunAndAcrossThreadCounts) {
   const int threads = omp_get_max_threads();
   for (const Device dev : test_devices()) {
     const Experts experts = p.experts.to(dev);
-    const Tensor x = p.hidden_states.to(dev), idx = p.top_k_index.to(dev), w = p.top_k_weights.to(dev);
-    for (const auto& b : ExpertsInterface::global().backends()) {
-      if (!b->available(dev) || !b->supports(experts, c.act)) continue;
+    for (const auto& b : backends_on(dev)) {
+      if (!b->supports(experts, c.act)) continue;
       std::vector<Tensor> outs;
       for (int run = 0; run < 3; ++run) {
         omp_set_num_threads(run == 2 ? 1 : std::max(2, threads));
-        Tensor out = Tensor::empty(x.shape(), x.dtype(), dev);
-        poison(out);
-        experts.forward_with(b->name(), ExpertsCall{x.view(), idx.view(), w.view(), out.view(), nullptr});
-        outs.push_back(out.to(Device::cpu()));
+        outs.push_back(run_backend(experts, b->name(), p));
       }
       omp_set_num_threads(threads);
       for (int run = 1; run < 3; ++run)

@@ -1,12 +1,12 @@
-// The CUDA experts backends (eager, batched_mm, grouped_mm) against the f64 reference: a sweep of
-// dtypes, token counts, experts, top-k, odd sizes, empty experts, sentinels and every flag; bad ids;
-// determinism; what is rejected. Every test skips when no CUDA device is present.
+// The CUDA experts backends (every registered backend available on cuda:0) against the f64 reference: a
+// sweep of dtypes, token counts, experts, top-k, odd sizes, empty experts, sentinels and every flag; bad
+// ids; determinism; what is rejected. Every test skips when no CUDA device is present.
 #include <gtest/gtest.h>
 
 #include <filesystem>
 
 #include "io/experts_case.h"
-#include "test_cuda_util.h"
+#include "test_experts_problem.h"
 #ifdef MOEKIT_WITH_CUDA
 #include "backends/cuda/policy.h"
 #endif
@@ -16,18 +16,8 @@ using namespace moekit::test;
 
 namespace {
 
-const char* const kBackends[] = {"eager", "batched_mm", "grouped_mm"};
-
-struct SweepCase {
-  ExpertsConfig cfg;
-  int64_t tokens = 0, top_k = 1, used = 0, sentinel_every = 0;
-  DType index_dtype = DType::i64, weight_dtype = DType::f32;
-  std::string to_string() const {
-    return cfg.to_string() + " T=" + std::to_string(tokens) + " K=" + std::to_string(top_k) +
-           " used=" + std::to_string(used) + " sentinel_every=" + std::to_string(sentinel_every) + " idx=" +
-           dtype_name(index_dtype) + " w=" + dtype_name(weight_dtype);
-  }
-};
+// The registered backends that run on cuda:0.
+std::vector<BackendPtr> cuda_backends() { return backends_on(Device::cuda(0)); }
 
 // Forces batched_mm's per-pair GEMV path (or the grouped one) for the scope.
 class BatchedPolicy {
@@ -49,43 +39,23 @@ class BatchedPolicy {
   int64_t previous_ = 0;
 };
 
-// Runs every backend (batched_mm with both of its paths) on one case; returns the number of failures.
-int check_case(const SweepCase& c, std::mt19937_64& rng) {
-  const Experts host = make_random_experts(c.cfg, rng);
-  const Experts dev = host.to(Device::cuda(0));
-  const RoutedInputs in = make_routed_inputs(c.tokens, c.top_k, c.cfg.experts, c.cfg.hidden, c.used, c.sentinel_every,
-                                             c.cfg.dtype, c.index_dtype, c.weight_dtype, rng);
-  const std::vector<double> ref = reference_forward(host, in.x, in.index, in.weights);
-  const double tol = cuda_tolerance(c.cfg.dtype);
-  int failures = 0;
-  auto check = [&](const std::string& label, const std::string& backend) {
-    const Tensor out = run_on_cuda(dev, backend, in);
-    EXPECT_EQ(out.shape(), (Shape{c.tokens, c.cfg.hidden}));
-    const double err = relative_l2(out.view(), ref);
-    const bool ok = err <= tol;
-    EXPECT_TRUE(ok) << label << ": rel L2 " << err << " > " << tol << " for " << c.to_string();
-    failures += !ok;
-    if (c.sentinel_every > 0 && c.tokens > 0) {  // token 0 has only sentinel slots: exactly zero
-      for (int64_t h = 0; h < c.cfg.hidden; ++h) {
-        const double v = load_as_f64(out.data(), out.dtype(), h);
-        if (v != 0.0 || std::signbit(v)) {
-          ADD_FAILURE() << label << ": all-sentinel token has out[0, " << h << "] = " << v << " for " << c.to_string();
-          ++failures;
-          break;
-        }
-      }
-    }
-  };
-  for (const char* b : kBackends) check(b, b);
+// Runs every backend that runs on cuda:0 on one case, batched_mm also with each of its two paths forced;
+// returns the number of failures.
+int check_case(const ProblemConfig& c, std::mt19937_64& rng) {
+  const ExpertsProblem p = make_problem(c, rng());
+  const Device dev = Device::cuda(0);
+  Outcome o;
+  check_backends_on(p, dev, o);
+  const Experts experts = p.experts.to(dev);
   {
     BatchedPolicy gemv(int64_t(1) << 40);
-    check("batched_mm (per-pair GEMV)", "batched_mm");
+    check_backend(p, experts, "batched_mm", "batched_mm (per-pair GEMV)", o);
   }
   {
     BatchedPolicy grouped(0);
-    check("batched_mm (grouped path)", "batched_mm");
+    check_backend(p, experts, "batched_mm", "batched_mm (grouped path)", o);
   }
-  return failures;
+  return o.fail;
 }
 
 const DType kDtypes[] = {DType::bf16, DType::f16, DType::f32};
@@ -93,21 +63,29 @@ const DType kWeightDtypes[] = {DType::f32, DType::bf16, DType::f16};
 
 }  // namespace
 
+// A built-in with a CUDA implementation runs on cuda:0 and names the device; one without says why and what to
+// use instead; an absent device is named.
 TEST(CudaBackends, AvailableNamesTheDevice) {
   MOEKIT_SKIP_WITHOUT_CUDA();
-  for (const char* b : kBackends) {
-    const Support s = ExpertsInterface::global().get(b)->available(Device::cuda(0));
-    EXPECT_TRUE(s.ok) << b << ": " << s.reason;
-    EXPECT_NE(s.reason.find("compute capability"), std::string::npos) << s.reason;
+  auto& reg = ExpertsInterface::global();
+  int runs = 0;
+  for (const auto& b : reg.backends()) {
+    if (!reg.is_builtin(b->name())) continue;
+    const auto devices = b->devices();
+    const bool has_cuda = std::find(devices.begin(), devices.end(), DeviceType::cuda) != devices.end();
+    const Support s = b->available(Device::cuda(0));
+    EXPECT_EQ(s.ok, has_cuda) << b->name() << ": " << s.reason;
+    if (has_cuda) {
+      ++runs;
+      EXPECT_NE(s.reason.find("compute capability"), std::string::npos) << s.reason;
+      const Support missing = b->available(Device::cuda(4096));
+      EXPECT_FALSE(missing.ok) << b->name();
+      EXPECT_NE(missing.reason.find("cuda:4096"), std::string::npos) << missing.reason;
+    } else {
+      EXPECT_NE(s.reason.find("grouped_mm"), std::string::npos) << s.reason;
+    }
   }
-  for (const char* b : {"deepgemm", "sonicmoe"}) {
-    const Support s = ExpertsInterface::global().get(b)->available(Device::cuda(0));
-    EXPECT_FALSE(s.ok);
-    EXPECT_NE(s.reason.find("grouped_mm"), std::string::npos) << s.reason;
-  }
-  const Support missing = ExpertsInterface::global().get("grouped_mm")->available(Device::cuda(4096));
-  EXPECT_FALSE(missing.ok);
-  EXPECT_NE(missing.reason.find("cuda:4096"), std::string::npos) << missing.reason;
+  EXPECT_GE(runs, 1);
 }
 
 // Tokens x experts x top-k for every dtype, the main sizes (tensor-core path for bf16/f16).
@@ -120,18 +98,18 @@ TEST(CudaBackends, SweepTokensExpertsTopK) {
       for (int64_t E : {1, 8, 60, 128}) {
         for (int64_t K : {1, 2, 8}) {
           if (K > E) continue;
-          SweepCase c;
-          c.cfg.dtype = dt;
-          c.cfg.experts = E;
-          c.cfg.hidden = 64;
-          c.cfg.inter = 32;
-          c.cfg.has_bias = n % 3 == 0;
-          c.tokens = T;
-          c.top_k = K;
+          ProblemConfig c = cuda_case();
+          c.act = c.wdt = dt;
+          c.E = E;
+          c.H = 64;
+          c.I = 32;
+          c.has_bias = n % 3 == 0;
+          c.T = T;
+          c.K = K;
           c.used = (n % 4 == 1) ? std::max<int64_t>(1, E / 3) : E;  // some experts stay empty
           c.sentinel_every = (n % 4 == 2 && T > 1) ? 3 : 0;
-          c.index_dtype = n % 2 ? DType::i32 : DType::i64;
-          c.weight_dtype = kWeightDtypes[n % 3];
+          c.idt = n % 2 ? DType::i32 : DType::i64;
+          c.rwt = kWeightDtypes[n % 3];
           failures += check_case(c, rng);
           ++n;
         }
@@ -153,23 +131,23 @@ TEST(CudaBackends, SweepFlags) {
           for (int concat = 0; concat < 2; ++concat)
             for (GateKind gk : {GateKind::act_mul, GateKind::clamped_swiglu}) {
               if (!has_gate && (!concat || gk != GateKind::act_mul)) continue;  // no gate: one layout
-              SweepCase c;
-              c.cfg.dtype = dt;
-              c.cfg.experts = 8;
-              c.cfg.hidden = 64;
-              c.cfg.inter = 48;
-              c.cfg.has_gate = has_gate;
-              c.cfg.has_bias = bias;
-              c.cfg.transposed = transposed;
-              c.cfg.concatenated = concat;
-              c.cfg.gate = gk;
-              c.cfg.act = has_gate ? Activation::silu : Activation::gelu;
-              c.tokens = 37;
-              c.top_k = 2;
+              ProblemConfig c = cuda_case();
+              c.act = c.wdt = dt;
+              c.E = 8;
+              c.H = 64;
+              c.I = 48;
+              c.has_gate = has_gate;
+              c.has_bias = bias;
+              c.transposed = transposed;
+              c.concatenated = concat;
+              c.gate = gk;
+              c.activation = has_gate ? Activation::silu : Activation::gelu;
+              c.T = 37;
+              c.K = 2;
               c.used = 6;
               c.sentinel_every = 5;
-              c.index_dtype = n % 2 ? DType::i64 : DType::i32;
-              c.weight_dtype = kWeightDtypes[n % 3];
+              c.idt = n % 2 ? DType::i64 : DType::i32;
+              c.rwt = kWeightDtypes[n % 3];
               check_case(c, rng);
               ++n;
             }
@@ -184,17 +162,17 @@ TEST(CudaBackends, SweepActivations) {
     for (Activation a : {Activation::silu, Activation::gelu, Activation::gelu_tanh, Activation::relu,
                          Activation::relu2, Activation::sigmoid, Activation::identity})
       for (int has_gate = 0; has_gate < 2; ++has_gate) {
-        SweepCase c;
-        c.cfg.dtype = dt;
-        c.cfg.act = a;
-        c.cfg.has_gate = has_gate;
-        c.cfg.experts = 4;
-        c.cfg.hidden = 32;
-        c.cfg.inter = 16;
-        c.tokens = 19;
-        c.top_k = 2;
+        ProblemConfig c = cuda_case();
+        c.act = c.wdt = dt;
+        c.activation = a;
+        c.has_gate = has_gate;
+        c.E = 4;
+        c.H = 32;
+        c.I = 16;
+        c.T = 19;
+        c.K = 2;
         c.used = 4;
-        c.weight_dtype = kWeightDtypes[n++ % 3];
+        c.rwt = kWeightDtypes[n++ % 3];
         check_case(c, rng);
       }
 }
@@ -210,19 +188,19 @@ TEST(CudaBackends, SweepOddAndLargeSizes) {
   int n = 0;
   for (DType dt : kDtypes)
     for (const Size& s : sizes) {
-      SweepCase c;
-      c.cfg.dtype = dt;
-      c.cfg.hidden = s.H;
-      c.cfg.inter = s.I;
-      c.cfg.experts = s.E;
-      c.cfg.has_bias = n % 2;
-      c.cfg.concatenated = n % 3 != 1;
-      c.tokens = s.T;
-      c.top_k = s.K;
+      ProblemConfig c = cuda_case();
+      c.act = c.wdt = dt;
+      c.H = s.H;
+      c.I = s.I;
+      c.E = s.E;
+      c.has_bias = n % 2;
+      c.concatenated = n % 3 != 1;
+      c.T = s.T;
+      c.K = s.K;
       c.used = s.E;
       c.sentinel_every = n % 2 ? 7 : 0;
-      c.index_dtype = n % 2 ? DType::i32 : DType::i64;
-      c.weight_dtype = kWeightDtypes[n++ % 3];
+      c.idt = n % 2 ? DType::i32 : DType::i64;
+      c.rwt = kWeightDtypes[n++ % 3];
       check_case(c, rng);
     }
 }
@@ -238,21 +216,21 @@ TEST(CudaBackends, TransposedWeightsOnTensorCores) {
   for (DType dt : {DType::bf16, DType::f16})
     for (const Size& z : sizes)
       for (int has_gate = 0; has_gate < 2; ++has_gate) {
-        SweepCase c;
-        c.cfg.dtype = dt;
-        c.cfg.hidden = z.H;
-        c.cfg.inter = z.I;
-        c.cfg.experts = z.E;
-        c.cfg.transposed = true;
-        c.cfg.concatenated = false;
-        c.cfg.has_gate = has_gate;
-        c.cfg.has_bias = true;
-        c.cfg.gate = has_gate && n % 2 ? GateKind::clamped_swiglu : GateKind::act_mul;
-        c.tokens = z.T;
-        c.top_k = z.K;
+        ProblemConfig c = cuda_case();
+        c.act = c.wdt = dt;
+        c.H = z.H;
+        c.I = z.I;
+        c.E = z.E;
+        c.transposed = true;
+        c.concatenated = false;
+        c.has_gate = has_gate;
+        c.has_bias = true;
+        c.gate = has_gate && n % 2 ? GateKind::clamped_swiglu : GateKind::act_mul;
+        c.T = z.T;
+        c.K = z.K;
         c.used = z.E;
         c.sentinel_every = n % 2 ? 5 : 0;
-        c.weight_dtype = kWeightDtypes[n++ % 3];
+        c.rwt = kWeightDtypes[n++ % 3];
         check_case(c, rng);
       }
 }
@@ -272,14 +250,14 @@ TEST(CudaBackends, EveryKernelPathSmall) {
     const bool saved = cuda::set_grouped_wgmma_enabled(p.wgmma);
     const bool saved_wide = cuda::set_grouped_wgmma_wide_enabled(p.wide);
 #endif
-    SweepCase c;
-    c.cfg.dtype = p.dt;
-    c.cfg.experts = 8;
-    c.cfg.hidden = 128;
-    c.cfg.inter = 64;
-    c.cfg.has_bias = true;
-    c.tokens = p.T;
-    c.top_k = 2;
+    ProblemConfig c = cuda_case();
+    c.act = c.wdt = p.dt;
+    c.E = 8;
+    c.H = 128;
+    c.I = 64;
+    c.has_bias = true;
+    c.T = p.T;
+    c.K = 2;
     c.used = 8;
     c.sentinel_every = 5;
     EXPECT_EQ(check_case(c, rng), 0) << c.to_string();
@@ -292,88 +270,99 @@ TEST(CudaBackends, EveryKernelPathSmall) {
 
 TEST(CudaBackends, DeterministicRunToRun) {
   MOEKIT_SKIP_WITHOUT_CUDA();
-  std::mt19937_64 rng(17);
-  ExpertsConfig cfg;
-  cfg.experts = 60;
-  cfg.hidden = 128;
-  cfg.inter = 64;
-  const Experts dev = make_random_experts(cfg, rng).to(Device::cuda(0));
-  const RoutedInputs in =
-      make_routed_inputs(1000, 8, 60, 128, 60, 0, DType::bf16, DType::i32, DType::f32, rng);
-  for (const char* b : kBackends) {
-    const Tensor first = run_on_cuda(dev, b, in);
-    for (int i = 0; i < 3; ++i) EXPECT_TRUE(bitwise_equal(first, run_on_cuda(dev, b, in))) << b;
+  ProblemConfig c = cuda_case();
+  c.E = 60;
+  c.H = 128;
+  c.I = 64;
+  c.T = 1000;
+  c.K = 8;
+  c.used = 60;
+  c.idt = DType::i32;
+  const ExpertsProblem p = make_problem(c, 17);
+  const Experts dev = p.experts.to(Device::cuda(0));
+  for (const auto& b : cuda_backends()) {
+    const Tensor first = run_backend(dev, b->name(), p);
+    for (int i = 0; i < 3; ++i) EXPECT_TRUE(bitwise_equal(first, run_backend(dev, b->name(), p))) << b->name();
   }
 }
 
-// Ids < 0 or > E: eager throws at once; batched_mm and grouped_mm drop the slot (no out-of-bounds
-// access) and check_experts_errors reports the first one.
+// Ids < 0 or > E: a backend that synchronises with the host (eager) throws at once; the others drop the slot
+// (no out-of-bounds access) and check_experts_errors reports the first one.
 TEST(CudaBackends, BadIdsAreReported) {
   MOEKIT_SKIP_WITHOUT_CUDA();
-  std::mt19937_64 rng(19);
-  ExpertsConfig cfg;
-  cfg.experts = 8;
-  const Experts host = make_random_experts(cfg, rng);
-  const Experts dev = host.to(Device::cuda(0));
   for (DType it : {DType::i32, DType::i64}) {
-    RoutedInputs in = make_routed_inputs(16, 2, 8, cfg.hidden, 8, 0, cfg.dtype, it, DType::f32, rng);
-    RoutedInputs dropped = in;
-    dropped.index = Tensor::copy_of(in.index.view(), Device::cpu());
-    auto set = [&](Tensor& t, int64_t p, int64_t v) {
-      if (it == DType::i32) t.ptr<int32_t>()[p] = int32_t(v);
-      else t.ptr<int64_t>()[p] = v;
+    ProblemConfig c = cuda_case();
+    c.T = 16;
+    c.K = 2;
+    c.used = 8;
+    c.idt = it;
+    const ExpertsProblem p = make_problem(c, it == DType::i32 ? 19 : 20);
+    const Experts dev = p.experts.to(Device::cuda(0));
+    Tensor bad = Tensor::copy_of(p.top_k_index.view(), Device::cpu());
+    Tensor dropped = Tensor::copy_of(p.top_k_index.view(), Device::cpu());
+    auto set = [&](Tensor& t, int64_t i, int64_t v) {
+      if (it == DType::i32) t.ptr<int32_t>()[i] = int32_t(v);
+      else t.ptr<int64_t>()[i] = v;
     };
-    set(in.index, 3 * 2 + 1, -1);  // token 3, slot 1
-    set(in.index, 9 * 2 + 0, 8 + 5);
-    set(dropped.index, 3 * 2 + 1, 8);
-    set(dropped.index, 9 * 2 + 0, 8);
-    const auto ref = reference_forward(host, dropped.x, dropped.index, dropped.weights);
-    try {
-      run_on_cuda(dev, "eager", in);
-      ADD_FAILURE() << "eager accepted a bad id";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-      EXPECT_NE(std::string(e.what()).find("top_k_index[3, 1] = -1"), std::string::npos) << e.what();
-    }
-    for (const char* b : {"batched_mm", "grouped_mm"}) {
+    set(bad, 3 * 2 + 1, -1);  // token 3, slot 1
+    set(bad, 9 * 2 + 0, 8 + 5);
+    set(dropped, 3 * 2 + 1, 8);
+    set(dropped, 9 * 2 + 0, 8);
+    const auto ref = reference_forward(p.experts, p.hidden_states, dropped, p.top_k_weights);
+    int synchronous = 0, recorded = 0;
+    for (const auto& b : cuda_backends()) {
+      const std::string name(b->name());
+      if (b->needs_host_sync()) {
+        ++synchronous;
+        try {
+          run_backend(dev, name, p.hidden_states, bad, p.top_k_weights);
+          ADD_FAILURE() << name << " accepted a bad id";
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+          EXPECT_NE(std::string(e.what()).find("top_k_index[3, 1] = -1"), std::string::npos) << e.what();
+        }
+        continue;
+      }
+      ++recorded;
       check_experts_errors(dev);  // clean before
-      const Tensor out = run_on_cuda(dev, b, in);
-      EXPECT_LE(relative_l2(out.view(), ref), cuda_tolerance(cfg.dtype)) << b;
+      const Tensor out = run_backend(dev, name, p.hidden_states, bad, p.top_k_weights);
+      EXPECT_LE(relative_l2(out.view(), ref), experts_tolerance(c.act)) << name;
       try {
         check_experts_errors(dev);
-        ADD_FAILURE() << b << ": bad id not reported";
+        ADD_FAILURE() << name << ": bad id not reported";
       } catch (const Error& e) {
         EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
         EXPECT_NE(std::string(e.what()).find("top_k_index[3, 1] = -1"), std::string::npos) << e.what();
       }
-      EXPECT_NO_THROW(check_experts_errors(dev)) << b << ": the record must be cleared";
+      EXPECT_NO_THROW(check_experts_errors(dev)) << name << ": the record must be cleared";
     }
+    EXPECT_GE(synchronous, 1);
+    EXPECT_GE(recorded, 1);
   }
 }
 
 TEST(CudaBackends, EmptyInputGivesEmptyOutput) {
   MOEKIT_SKIP_WITHOUT_CUDA();
-  std::mt19937_64 rng(23);
-  const Experts dev = make_random_experts(ExpertsConfig{}, rng).to(Device::cuda(0));
+  const Experts dev = make_problem(cuda_case(), 23).experts.to(Device::cuda(0));
   Tensor x = Tensor::empty({0, 64}, DType::bf16, Device::cuda(0));
   Tensor idx = Tensor::empty({0, 2}, DType::i32, Device::cuda(0));
   Tensor w = Tensor::empty({0, 2}, DType::f32, Device::cuda(0));
-  for (const char* b : kBackends) {
+  for (const auto& b : cuda_backends()) {
     Experts e = dev;
-    e.set_implementation(b);
+    e.set_implementation(std::string(b->name()));
     const Tensor out = e.forward(x, idx, w);
-    EXPECT_EQ(out.shape(), (Shape{0, 64})) << b;
+    EXPECT_EQ(out.shape(), (Shape{0, 64})) << b->name();
   }
 }
 
 TEST(CudaBackends, RejectsWhatItCannotRun) {
   MOEKIT_SKIP_WITHOUT_CUDA();
-  std::mt19937_64 rng(29);
-  ExpertsConfig cfg;
-  const Experts dev = make_random_experts(cfg, rng).to(Device::cuda(0));
-  for (const char* b : kBackends) {
-    const Support mixed = ExpertsInterface::global().get(b)->supports(dev, DType::f32);  // bf16 weights
-    EXPECT_FALSE(mixed.ok) << b;
+  const Experts dev = make_problem(cuda_case(), 29).experts.to(Device::cuda(0));
+  auto& reg = ExpertsInterface::global();
+  for (const auto& b : cuda_backends()) {
+    if (!reg.is_builtin(b->name())) continue;
+    const Support mixed = b->supports(dev, DType::f32);  // bf16 weights
+    EXPECT_FALSE(mixed.ok) << b->name();
     EXPECT_NE(mixed.reason.find("dtype"), std::string::npos) << mixed.reason;
   }
   ExpertsSpec spec = dev.spec();
@@ -382,9 +371,10 @@ TEST(CudaBackends, RejectsWhatItCannotRun) {
     for (int64_t i = 0; i < n; ++i) o[i] = g[i] * u[i];
   };
   const Experts custom(spec, dev.weights(), "eager");
-  for (const char* b : kBackends) {
-    const Support s = ExpertsInterface::global().get(b)->supports(custom, DType::bf16);
-    EXPECT_FALSE(s.ok) << b;
+  for (const auto& b : cuda_backends()) {
+    if (!reg.is_builtin(b->name())) continue;
+    const Support s = b->supports(custom, DType::bf16);
+    EXPECT_FALSE(s.ok) << b->name();
     EXPECT_NE(s.reason.find("custom gate"), std::string::npos) << s.reason;
   }
   // A strided (non-contiguous) argument on the GPU is rejected, never misread.
@@ -394,7 +384,9 @@ TEST(CudaBackends, RejectsWhatItCannotRun) {
   Tensor out = Tensor::empty({4, 64}, DType::bf16, Device::cuda(0));
   TensorView strided(idx.data(), DType::i32, {4, 1}, Device::cuda(0), {2, 1});
   TensorView wv(w.data(), DType::f32, {4, 1}, Device::cuda(0), {2, 1});
-  EXPECT_THROW(dev.forward_with("grouped_mm", ExpertsCall{x.view(), strided, wv, out.view(), nullptr}), Error);
+  EXPECT_THROW(dev.forward_with(default_experts_implementation(Device::cuda(0)),
+                                ExpertsCall{x.view(), strided, wv, out.view(), nullptr}),
+               Error);
 }
 
 // The committed transformers cases (f32): every backend within 1e-5 of transformers' output.
@@ -405,11 +397,11 @@ TEST(CudaBackends, MatchTheFixtures) {
     if (entry.path().extension() != ".safetensors") continue;
     const ExpertsCase c = load_experts_case(entry.path().string());
     const Experts dev = c.experts.to(Device::cuda(0));
-    const RoutedInputs in{c.hidden_states, c.top_k_index, c.top_k_weights};
-    for (const char* b : kBackends) {
-      const Tensor out = run_on_cuda(dev, b, in);
+    for (const auto& b : cuda_backends()) {
+      const Tensor out = run_backend(dev, b->name(), c.hidden_states, c.top_k_index, c.top_k_weights);
       const double err = relative_l2(out.view(), c.expected_values);
-      EXPECT_LE(err, 1e-5) << b << " on " << entry.path() << " vs transformers out." << c.expected_name;
+      EXPECT_LE(err, experts_tolerance(DType::f32)) << b->name() << " on " << entry.path()
+                                                    << " vs transformers out." << c.expected_name;
     }
     ++n;
   }

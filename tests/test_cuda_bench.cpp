@@ -9,7 +9,7 @@
 #include <cstdio>
 #include <functional>
 
-#include "test_cuda_util.h"
+#include "test_experts_problem.h"
 #ifdef MOEKIT_WITH_CUDA
 #include <cuda_runtime_api.h>
 
@@ -185,10 +185,19 @@ TEST(CudaTiming, DISABLED_Qwen3Shape) {
     const int64_t T = an.T;
     constexpr int kSets = 4;
     std::vector<DeviceInputs> sets;
-    std::vector<RoutedInputs> host_sets;
+    std::vector<ExpertsProblem> host_sets;
+    ProblemConfig routing = cuda_case();
+    routing.T = T;
+    routing.K = K;
+    routing.E = E;
+    routing.H = H;
+    routing.used = E;
+    routing.idt = DType::i32;
     for (int s = 0; s < kSets; ++s) {
-      RoutedInputs in = make_routed_inputs(T, K, E, H, E, 0, DType::bf16, DType::i32, DType::f32, rng);
-      sets.push_back({in.x.to(dev), in.index.to(dev), in.weights.to(dev), Tensor::empty({T, H}, DType::bf16, dev)});
+      ExpertsProblem in;
+      make_inputs(routing, rng, in);
+      sets.push_back({in.hidden_states.to(dev), in.top_k_index.to(dev), in.top_k_weights.to(dev),
+                      Tensor::empty({T, H}, DType::bf16, dev)});
       host_sets.push_back(std::move(in));
     }
     if (T >= 64) grouped_breakdown(experts, sets[0], stream);
@@ -211,7 +220,7 @@ TEST(CudaTiming, DISABLED_Qwen3Shape) {
       if (std::string(v.label) == "eager") {
         eager_out = out0;
         if (T == 1) {
-          const auto ref = reference_forward(host, host_sets[0].x, host_sets[0].index, host_sets[0].weights);
+          const auto ref = reference_forward(host, host_sets[0].hidden_states, host_sets[0].top_k_index, host_sets[0].top_k_weights);
           err = relative_l2(out0.view(), ref);
         }
       } else {

@@ -1,8 +1,9 @@
-// ExpertsGraph: replays are bit-identical to the uncaptured call on the same inputs, for new inputs
-// written into the captured buffers; eager cannot be captured; errors are reported.
+// ExpertsGraph: replays of every capturable backend are bit-identical to the uncaptured call on the same
+// inputs, for new inputs written into the captured buffers; backends that are not capturable are refused;
+// errors are reported.
 #include <gtest/gtest.h>
 
-#include "test_cuda_util.h"
+#include "test_experts_problem.h"
 #ifdef MOEKIT_WITH_CUDA
 #include <cuda_runtime_api.h>
 #endif
@@ -10,9 +11,18 @@
 using namespace moekit;
 using namespace moekit::test;
 
+namespace {
+// The registered backends that run on cuda:0 and can (or cannot) be captured.
+std::vector<std::string> cuda_backends(bool capturable) {
+  std::vector<std::string> out;
+  for (const auto& b : backends_on(Device::cuda(0)))
+    if (b->graph_capturable() == capturable) out.emplace_back(b->name());
+  return out;
+}
+}  // namespace
+
 TEST(CudaGraph, CpuExpertsCannotBeCaptured) {
-  std::mt19937_64 rng(1);
-  const Experts host = make_random_experts(ExpertsConfig{}, rng);
+  const Experts host = make_problem(cuda_case(), 1).experts;
   try {
     ExpertsGraph g(host, {.tokens = 4, .top_k = 2, .act_dtype = DType::bf16}, "grouped_mm");
     ADD_FAILURE() << "captured CPU experts";
@@ -21,123 +31,141 @@ TEST(CudaGraph, CpuExpertsCannotBeCaptured) {
   }
 }
 
-TEST(CudaGraph, EagerIsRejected) {
+TEST(CudaGraph, BackendsThatAreNotCapturableAreRejected) {
   MOEKIT_SKIP_WITHOUT_CUDA();
-  std::mt19937_64 rng(2);
-  const Experts dev = make_random_experts(ExpertsConfig{}, rng).to(Device::cuda(0));
-  try {
-    ExpertsGraph g(dev, {.tokens = 4, .top_k = 2, .act_dtype = DType::bf16}, "eager");
-    ADD_FAILURE() << "captured eager";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::not_supported);
-    EXPECT_NE(std::string(e.what()).find("eager"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("grouped_mm"), std::string::npos) << e.what();
+  const Experts dev = make_problem(cuda_case(), 2).experts.to(Device::cuda(0));
+  const auto refused = cuda_backends(false);
+  EXPECT_FALSE(refused.empty());
+  for (const std::string& b : refused) {
+    try {
+      ExpertsGraph g(dev, {.tokens = 4, .top_k = 2, .act_dtype = DType::bf16}, b);
+      ADD_FAILURE() << "captured " << b;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::not_supported);
+      EXPECT_NE(std::string(e.what()).find(b), std::string::npos) << e.what();
+      for (const std::string& ok : cuda_backends(true))  // names what can be captured
+        EXPECT_NE(std::string(e.what()).find(ok), std::string::npos) << e.what();
+    }
   }
 }
 
 namespace {
 
 struct GraphCase {
-  const char* backend;
   DType dtype;
   int64_t tokens, top_k, experts;
   bool transposed;
 };
 
-void replay_matches_uncaptured(const GraphCase& gc, uint64_t seed) {
+void replay_matches_uncaptured(const std::string& backend, const GraphCase& gc, uint64_t seed) {
   std::mt19937_64 rng(seed);
-  ExpertsConfig cfg;
-  cfg.dtype = gc.dtype;
-  cfg.experts = gc.experts;
-  cfg.hidden = 96;
-  cfg.inter = 40;
+  ProblemConfig cfg = cuda_case();
+  cfg.act = cfg.wdt = gc.dtype;
+  cfg.E = gc.experts;
+  cfg.H = 96;
+  cfg.I = 40;
   cfg.has_bias = true;
   cfg.transposed = gc.transposed;
-  const Experts host = make_random_experts(cfg, rng);
-  const Experts dev = host.to(Device::cuda(0));
+  cfg.T = gc.tokens;
+  cfg.K = gc.top_k;
+  cfg.used = gc.experts;
+  cfg.idt = DType::i32;
+  cfg.rwt = DType::bf16;
+  ExpertsProblem p;
+  p.config = cfg;
+  p.experts = make_experts(cfg, rng);
+  const Experts dev = p.experts.to(Device::cuda(0));
   const ExpertsGraphShape shape{.tokens = gc.tokens, .top_k = gc.top_k, .act_dtype = gc.dtype,
                                 .index_dtype = DType::i32, .weight_dtype = DType::bf16};
-  ExpertsGraph g(dev, shape, gc.backend);
-  EXPECT_EQ(g.backend(), gc.backend);
-  const std::string label = std::string(gc.backend) + " " + dtype_name(gc.dtype) + " T=" +
-                            std::to_string(gc.tokens) + " K=" + std::to_string(gc.top_k);
+  ExpertsGraph g(dev, shape, backend);
+  EXPECT_EQ(g.backend(), backend);
+  const std::string label = backend + " " + dtype_name(gc.dtype) + " T=" + std::to_string(gc.tokens) +
+                            " K=" + std::to_string(gc.top_k) + (gc.transposed ? " transposed" : "");
   for (int round = 0; round < 3; ++round) {
-    const RoutedInputs in = make_routed_inputs(gc.tokens, gc.top_k, gc.experts, cfg.hidden, gc.experts,
-                                               round == 1 ? 4 : 0, gc.dtype, DType::i32, DType::bf16, rng);
-    g.hidden_states().copy_from(in.x.view());
-    g.top_k_index().copy_from(in.index.view());
-    g.top_k_weights().copy_from(in.weights.view());
+    p.config.sentinel_every = round == 1 ? 4 : 0;
+    make_inputs(p.config, rng, p);
+    p.reference = reference_forward(p.experts, p.hidden_states, p.top_k_index, p.top_k_weights);
+    g.hidden_states().copy_from(p.hidden_states.view());
+    g.top_k_index().copy_from(p.top_k_index.view());
+    g.top_k_weights().copy_from(p.top_k_weights.view());
     Tensor out = g.out();
     if (out.numel() > 0) poison(out);
     g.replay();
     const Tensor replayed = g.out().to(Device::cpu());  // copies on the default stream: after the replay
-    const Tensor direct = run_on_cuda(dev, gc.backend, in);
+    const Tensor direct = run_backend(dev, backend, p);
     EXPECT_TRUE(bitwise_equal(replayed, direct)) << label << " round " << round;
-    const auto ref = reference_forward(host, in.x, in.index, in.weights);
-    EXPECT_LE(relative_l2(replayed.view(), ref), cuda_tolerance(gc.dtype)) << label << " round " << round;
+    EXPECT_EQ(compare_with_reference(p, replayed), "") << label << " round " << round;
   }
   EXPECT_NO_THROW(g.check_errors());
 }
 
 }  // namespace
 
+// Every capturable backend on each shape.
 TEST(CudaGraph, ReplayIsBitIdenticalToTheUncapturedCall) {
   MOEKIT_SKIP_WITHOUT_CUDA();
   const GraphCase cases[] = {
-      {"batched_mm", DType::bf16, 1, 8, 128, false},  {"batched_mm", DType::bf16, 8, 8, 128, false},
-      {"batched_mm", DType::f32, 5, 2, 8, false},     {"batched_mm", DType::f16, 333, 2, 8, false},
-      {"grouped_mm", DType::bf16, 64, 8, 128, false}, {"grouped_mm", DType::bf16, 333, 4, 60, false},
-      {"grouped_mm", DType::f32, 17, 2, 8, true},     {"grouped_mm", DType::f16, 1, 1, 1, false},
+      {DType::bf16, 1, 8, 128, false},  {DType::bf16, 8, 8, 128, false}, {DType::f32, 5, 2, 8, false},
+      {DType::f16, 333, 2, 8, false},   {DType::bf16, 64, 8, 128, false}, {DType::bf16, 333, 4, 60, false},
+      {DType::f32, 17, 2, 8, true},     {DType::f16, 1, 1, 1, false},
   };
+  const auto capturable = cuda_backends(true);
+  EXPECT_FALSE(capturable.empty());
   uint64_t seed = 100;
-  for (const GraphCase& c : cases) replay_matches_uncaptured(c, seed++);
+  for (const std::string& b : capturable)
+    for (const GraphCase& c : cases) replay_matches_uncaptured(b, c, seed++);
 }
 
 TEST(CudaGraph, ReplayOnAStreamAndErrorCheck) {
   MOEKIT_SKIP_WITHOUT_CUDA();
 #ifdef MOEKIT_WITH_CUDA
-  std::mt19937_64 rng(3);
-  ExpertsConfig cfg;
-  cfg.experts = 8;
-  const Experts host = make_random_experts(cfg, rng);
-  const Experts dev = host.to(Device::cuda(0));
-  ExpertsGraph g(dev, {.tokens = 6, .top_k = 2, .act_dtype = DType::bf16, .index_dtype = DType::i64}, "grouped_mm");
-  RoutedInputs in = make_routed_inputs(6, 2, 8, cfg.hidden, 8, 0, DType::bf16, DType::i64, DType::f32, rng);
-  in.index.ptr<int64_t>()[5] = 99;  // token 2, slot 1
-  g.hidden_states().copy_from(in.x.view());
-  g.top_k_index().copy_from(in.index.view());
-  g.top_k_weights().copy_from(in.weights.view());
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  g.replay(stream);
-  try {
-    g.check_errors(stream);
-    ADD_FAILURE() << "bad id not reported";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("top_k_index[2, 1] = 99"), std::string::npos) << e.what();
+  ProblemConfig cfg = cuda_case();
+  cfg.T = 6;
+  cfg.K = 2;
+  cfg.used = 8;
+  const ExpertsProblem p = make_problem(cfg, 3);
+  const Experts dev = p.experts.to(Device::cuda(0));
+  for (const std::string& b : cuda_backends(true)) {
+    ExpertsGraph g(dev, {.tokens = 6, .top_k = 2, .act_dtype = DType::bf16, .index_dtype = DType::i64}, b);
+    Tensor index = Tensor::copy_of(p.top_k_index.view(), Device::cpu());
+    index.ptr<int64_t>()[5] = 99;  // token 2, slot 1
+    g.hidden_states().copy_from(p.hidden_states.view());
+    g.top_k_index().copy_from(index.view());
+    g.top_k_weights().copy_from(p.top_k_weights.view());
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    g.replay(stream);
+    try {
+      g.check_errors(stream);
+      ADD_FAILURE() << b << ": bad id not reported";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("top_k_index[2, 1] = 99"), std::string::npos) << e.what();
+    }
+    EXPECT_NO_THROW(g.check_errors(stream));
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
   }
-  EXPECT_NO_THROW(g.check_errors(stream));
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 #endif
 }
 
 TEST(CudaGraph, EmptyShape) {
   MOEKIT_SKIP_WITHOUT_CUDA();
-  std::mt19937_64 rng(4);
-  const Experts dev = make_random_experts(ExpertsConfig{}, rng).to(Device::cuda(0));
-  ExpertsGraph g(dev, {.tokens = 0, .top_k = 2, .act_dtype = DType::bf16}, "batched_mm");
-  g.replay();
-  EXPECT_EQ(g.out().shape(), (Shape{0, 64}));
+  const Experts dev = make_problem(cuda_case(), 4).experts.to(Device::cuda(0));
+  for (const std::string& b : cuda_backends(true)) {
+    ExpertsGraph g(dev, {.tokens = 0, .top_k = 2, .act_dtype = DType::bf16}, b);
+    g.replay();
+    EXPECT_EQ(g.out().shape(), (Shape{0, 64})) << b;
+  }
 }
 
 TEST(CudaGraph, MovedGraphStillReplays) {
   MOEKIT_SKIP_WITHOUT_CUDA();
-  std::mt19937_64 rng(5);
-  const Experts dev = make_random_experts(ExpertsConfig{}, rng).to(Device::cuda(0));
-  ExpertsGraph a(dev, {.tokens = 3, .top_k = 2, .act_dtype = DType::bf16}, "grouped_mm");
-  ExpertsGraph b = std::move(a);
-  b.replay();
-  const Tensor out = b.out().to(Device::cpu());
-  EXPECT_EQ(out.shape(), (Shape{3, 64}));
+  const Experts dev = make_problem(cuda_case(), 5).experts.to(Device::cuda(0));
+  for (const std::string& b : cuda_backends(true)) {
+    ExpertsGraph a(dev, {.tokens = 3, .top_k = 2, .act_dtype = DType::bf16}, b);
+    ExpertsGraph moved = std::move(a);
+    moved.replay();
+    const Tensor out = moved.out().to(Device::cpu());
+    EXPECT_EQ(out.shape(), (Shape{3, 64})) << b;
+  }
 }

@@ -10,7 +10,7 @@
 #include "model/ops.h"
 #include "moekit/model.h"
 #include "moekit/safetensors.h"
-#include "test_cuda_util.h"
+#include "test_experts_problem.h"
 
 using namespace moekit;
 using model::DeviceOps;

@@ -11,7 +11,13 @@ using namespace moekit::test;
 
 namespace {
 
-const char* const kCpuBackends[] = {"eager", "batched_mm", "grouped_mm"};
+// The built-in backends that run on the CPU in this build.
+std::vector<std::string> cpu_backends() {
+  std::vector<std::string> out;
+  for (const auto& b : backends_on(Device::cpu()))
+    if (ExpertsInterface::global().is_builtin(b->name())) out.emplace_back(b->name());
+  return out;
+}
 
 ExpertsProblem problem(DType act = DType::f32, int64_t T = 7, DType idt = DType::i64) {
   ProblemConfig c;
@@ -41,12 +47,12 @@ void expect_error(const std::function<void()>& fn, std::initializer_list<const c
 TEST(ExpertsApi, ForwardAndForwardIntoAgree) {
   for (const DType act : {DType::f32, DType::bf16, DType::f16}) {
     ExpertsProblem p = problem(act);
-    for (const char* b : kCpuBackends) {
+    for (const std::string& b : cpu_backends()) {
       p.experts.set_implementation(b);
       const Tensor out = p.experts.forward(p.hidden_states, p.top_k_index, p.top_k_weights);
       EXPECT_EQ(out.shape(), p.hidden_states.shape());
       EXPECT_EQ(out.dtype(), act);
-      EXPECT_LE(relative_l2(out.view(), p.reference), tolerance_for(act)) << b;
+      EXPECT_LE(relative_l2(out.view(), p.reference), experts_tolerance(act)) << b;
       Tensor into = Tensor::empty(p.hidden_states.shape(), act);
       poison(into);
       p.experts.forward_into(
@@ -59,7 +65,7 @@ TEST(ExpertsApi, ForwardAndForwardIntoAgree) {
 TEST(ExpertsApi, ZeroTokensGiveAnEmptyOutput) {
   for (const DType idt : {DType::i32, DType::i64}) {
     ExpertsProblem p = problem(DType::bf16, 0, idt);
-    for (const char* b : kCpuBackends) {
+    for (const std::string& b : cpu_backends()) {
       p.experts.set_implementation(b);
       const Tensor out = p.experts.forward(p.hidden_states, p.top_k_index, p.top_k_weights);
       EXPECT_EQ(out.shape(), (Shape{0, 24})) << b;
@@ -78,7 +84,7 @@ TEST(ExpertsApi, BadExpertIdsAreRejectedNamingTheValue) {
         p.top_k_index.ptr<int32_t>()[7] = int32_t(bad);
       else
         p.top_k_index.ptr<int64_t>()[7] = bad;
-      for (const char* b : kCpuBackends) {
+      for (const std::string& b : cpu_backends()) {
         p.experts.set_implementation(b);
         const std::string value = "= " + std::to_string(bad);
         expect_error([&] { p.experts.forward(p.hidden_states, p.top_k_index, p.top_k_weights); },
@@ -139,10 +145,10 @@ TEST(ExpertsApi, DtypeMismatchIsNotAnErrorWhereItIsDefined) {
   ExpertsProblem p = problem(DType::f16);
   const Tensor w16 = p.top_k_weights.to(DType::bf16);
   const auto ref = reference_forward(p.experts, p.hidden_states, p.top_k_index, w16);
-  for (const char* b : kCpuBackends) {
+  for (const std::string& b : cpu_backends()) {
     p.experts.set_implementation(b);
     const Tensor out = p.experts.forward(p.hidden_states, p.top_k_index, w16);
-    EXPECT_LE(relative_l2(out.view(), ref), tolerance_for(DType::f16)) << b;
+    EXPECT_LE(relative_l2(out.view(), ref), experts_tolerance(DType::f16)) << b;
   }
 }
 
@@ -165,7 +171,7 @@ TEST(ExpertsApi, NonContiguousInputsWorkInForwardAndAreRejectedByForwardInto) {
   const TensorView w_s(w_t.data(), DType::f32, {T, K}, Device::cpu(), {1, T});
   ASSERT_FALSE(xs.is_contiguous());
   ASSERT_FALSE(idx_s.is_contiguous());
-  for (const char* b : kCpuBackends) {
+  for (const std::string& b : cpu_backends()) {
     p.experts.set_implementation(b);
     const Tensor dense = p.experts.forward(p.hidden_states, p.top_k_index, p.top_k_weights);
     const Tensor strided = p.experts.forward(xs, idx_s, w_s);
@@ -194,7 +200,7 @@ TEST(ExpertsApi, UnsupportedWeightsAreRefusedWithAReason) {
   w.gate_up_proj = Tensor::zeros({2, 8, 8}, DType::f8e4m3);
   w.down_proj = Tensor::zeros({2, 8, 4}, DType::f8e4m3);
   const Experts e(s, w, "eager");
-  for (const char* b : kCpuBackends) {
+  for (const std::string& b : cpu_backends()) {
     const Support sup = ExpertsInterface::global().get(b)->supports(e, DType::bf16);
     EXPECT_FALSE(sup.ok) << b;
     EXPECT_NE(sup.reason.find("f8e4m3"), std::string::npos) << sup.reason;
@@ -216,7 +222,7 @@ TEST(ExpertsApi, CustomGateErrorsReachTheCaller) {
     MOEKIT_FAIL(invalid_argument, "custom gate refuses this input");
   };
   const Experts e(s, p.experts.weights(), "eager");
-  for (const char* b : kCpuBackends) {
+  for (const std::string& b : cpu_backends()) {
     Tensor out = Tensor::empty(p.hidden_states.shape(), DType::f32);
     expect_error(
         [&] {
@@ -225,4 +231,56 @@ TEST(ExpertsApi, CustomGateErrorsReachTheCaller) {
         },
         {"custom gate refuses"});
   }
+}
+
+// [E, A, B] -> [E, B, A], every dtype; twice gives the tensor back.
+TEST(ExpertsApi, TransposeExpertWeight) {
+  std::mt19937_64 rng(9);
+  for (const DType dt : {DType::f32, DType::bf16, DType::f16}) {
+    const Tensor w = randn({3, 70, 129}, dt, rng);
+    const Tensor t = transpose_expert_weight(w);
+    ASSERT_EQ(t.shape(), (Shape{3, 129, 70}));
+    EXPECT_EQ(t.dtype(), dt);
+    for (int64_t e = 0; e < 3; ++e)
+      for (int64_t a = 0; a < 70; a += 7)
+        for (int64_t b = 0; b < 129; b += 5)
+          ASSERT_EQ(load_as_f64(t.data(), dt, (e * 129 + b) * 70 + a), load_as_f64(w.data(), dt, (e * 70 + a) * 129 + b));
+    const Tensor back = transpose_expert_weight(t);
+    EXPECT_EQ(std::memcmp(back.data(), w.data(), w.nbytes()), 0) << dtype_name(dt);
+  }
+  EXPECT_THROW(transpose_expert_weight(Tensor::zeros({4, 4}, DType::f32)), Error);
+}
+
+// The same experts with transposed ([E, in, out]) and plain ([E, out, in]) weights give the same result
+// on every backend of every device present (the CUDA backends repack the transposed ones in prepare).
+TEST(ExpertsApi, TransposedAndPlainWeightsAgree) {
+  ProblemConfig c;
+  c.T = 9;
+  c.E = 4;
+  c.K = 2;
+  c.H = 40;
+  c.I = 24;
+  c.has_bias = true;
+  c.transposed = true;
+  c.concatenated = false;
+  c.gate = GateKind::clamped_swiglu;
+  const ExpertsProblem p = make_problem(c, 31);
+  ExpertsSpec plain_spec = p.experts.spec();
+  plain_spec.is_transposed = false;
+  ExpertsWeights plain_w = p.experts.weights();
+  plain_w.gate_up_proj = transpose_expert_weight(plain_w.gate_up_proj);
+  plain_w.down_proj = transpose_expert_weight(plain_w.down_proj);
+  const Experts plain(plain_spec, plain_w, "eager");
+  const auto plain_ref = reference_forward(plain, p.hidden_states, p.top_k_index, p.top_k_weights);
+  EXPECT_LE(relative_l2(plain_ref, p.reference), 1e-12);
+  for (const Device dev : test_devices())
+    for (const auto& b : backends_on(dev)) {
+      if (!ExpertsInterface::global().is_builtin(b->name())) continue;
+      const Tensor a = run_backend(p.experts.to(dev), b->name(), p);
+      const Tensor z = run_backend(plain.to(dev), b->name(), p);
+      EXPECT_LE(relative_l2(a.view(), p.reference), experts_tolerance(c.act)) << b->name() << " " << dev.to_string();
+      EXPECT_LE(relative_l2(z.view(), p.reference), experts_tolerance(c.act)) << b->name() << " " << dev.to_string();
+      if (dev.is_cuda())  // one kernel path for both layouts after the repack
+        EXPECT_TRUE(bitwise_equal(a, z)) << b->name();
+    }
 }

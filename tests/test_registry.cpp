@@ -85,6 +85,18 @@ TEST(Registry, UserClassBackendIsPreparedRunAndCanRefuse) {
   EXPECT_EQ(backend->runs.load(), 1);
   EXPECT_EQ(backend->prepares.load(), 1);
   EXPECT_LT(relative_l2(out.view(), p.reference), 1e-5);
+  // Prepared once per module: not again on the next forward, nor on a copy (which shares the state); again
+  // after clear_state() and for a module with its own weights.
+  p.experts.forward(p.hidden_states, p.top_k_index, p.top_k_weights);
+  const Experts copy = p.experts;
+  copy.forward(p.hidden_states, p.top_k_index, p.top_k_weights);
+  EXPECT_EQ(backend->runs.load(), 3);
+  EXPECT_EQ(backend->prepares.load(), 1);
+  p.experts.clear_state();
+  p.experts.forward(p.hidden_states, p.top_k_index, p.top_k_weights);
+  EXPECT_EQ(backend->prepares.load(), 2);
+  p.experts.to(Device::cpu()).forward(p.hidden_states, p.top_k_index, p.top_k_weights);
+  EXPECT_EQ(backend->prepares.load(), 3);
   // Its refusal reaches the caller with the backend's reason.
   const Tensor xb = p.hidden_states.to(DType::bf16);
   ErrorCode code{};
@@ -92,7 +104,7 @@ TEST(Registry, UserClassBackendIsPreparedRunAndCanRefuse) {
   EXPECT_EQ(code, ErrorCode::not_supported);
   EXPECT_NE(msg.find("refuses bf16"), std::string::npos) << msg;
   EXPECT_NE(msg.find("test_counting"), std::string::npos) << msg;
-  EXPECT_EQ(backend->runs.load(), 1);
+  EXPECT_EQ(backend->runs.load(), 5);
 }
 
 TEST(Registry, DuplicateAndBuiltinNamesAreRejected) {
@@ -186,9 +198,35 @@ TEST(Registry, GpuOnlyBackendsGiveAReasonOnTheCpu) {
   EXPECT_NE(s.reason.find("cpu"), std::string::npos) << s.reason;
 }
 
+// A built-in that runs on no device in this build claims nothing: not capturable, no dtypes, the same reason
+// on every device, a reason naming a backend that runs.
+TEST(Registry, BackendsThatRunNowhereClaimNothing) {
+  auto& reg = ExpertsInterface::global();
+  int nowhere = 0;
+  for (const auto& b : reg.backends()) {
+    if (!reg.is_builtin(b->name()) || !b->devices().empty()) continue;
+    ++nowhere;
+    EXPECT_FALSE(b->graph_capturable()) << b->name();
+    EXPECT_TRUE(b->weight_dtypes().empty()) << b->name();
+    const Support cpu = b->available(Device::cpu()), gpu = b->available(Device::cuda(0));
+    EXPECT_FALSE(cpu.ok) << b->name();
+    EXPECT_FALSE(gpu.ok) << b->name();
+    EXPECT_EQ(cpu.reason, gpu.reason) << b->name();
+    EXPECT_NE(cpu.reason.find("grouped_mm"), std::string::npos) << cpu.reason;
+    EXPECT_EQ(cpu.reason.find("dequantize"), std::string::npos) << cpu.reason;
+  }
+  EXPECT_GE(nowhere, 3);  // deepgemm, sonicmoe, deepgemm_megamoe in this build
+  // Exactly one built-in is load-time only, and it is the one SPEC section 2 names.
+  for (const auto& b : reg.backends())
+    EXPECT_EQ(b->load_time_only(), b->name() == "deepgemm_megamoe") << b->name();
+}
+
 TEST(Registry, DefaultIsGroupedMmOnTheCpu) {
   ExpertsProblem p = small_problem();
   const Experts e(p.experts.spec(), p.experts.weights());
   EXPECT_EQ(e.implementation(), "grouped_mm");
   EXPECT_EQ(default_experts_implementation(e, DType::bf16), "grouped_mm");
+  EXPECT_EQ(default_experts_implementation(Device::cpu()), "grouped_mm");
+  // SPEC section 4: the decode steps of GPU generation switch grouped_mm to batched_mm.
+  EXPECT_EQ(ExpertsInterface::global().get("grouped_mm")->decode_backend(), "batched_mm");
 }

@@ -7,10 +7,13 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "moekit/tensor.h"
 
 namespace moekit {
+
+class ExpertsBackend;  // moekit/interface.h
 
 enum class Activation : uint8_t { silu, gelu, gelu_tanh, relu, sigmoid, identity, relu2 };
 // "silu"/"swish", "gelu", "gelu_pytorch_tanh"/"gelu_new"/"gelu_fast", "relu", "sigmoid", "identity"/"linear",
@@ -93,7 +96,8 @@ class Experts {
   // out = experts(hidden_states, top_k_index, top_k_weights); T = 0 gives an empty [0, H] tensor.
   Tensor forward(const TensorView& hidden_states, const TensorView& top_k_index,
                  const TensorView& top_k_weights, Stream stream = nullptr) const;
-  // Writes into call.out (preallocated). Validates, then dispatches through the registry.
+  // Writes into call.out (preallocated): validates the call, looks the backend up in the registry, checks
+  // that it supports these experts, prepares it once for this module, then runs it.
   void forward_into(const ExpertsCall& call) const;
   // Same, with an explicit backend name instead of implementation().
   void forward_with(std::string_view backend, const ExpertsCall& call) const;
@@ -109,10 +113,13 @@ class Experts {
     if (!slot) slot = make();
     return static_cast<S&>(*slot);
   }
+  // Drops every backend state; backends are prepared again before their next run.
   void clear_state() const;
 
  private:
   void validate_call(const ExpertsCall& call) const;
+  // Runs backend.prepare(*this) unless it already ran for this module.
+  void prepare_once(const std::shared_ptr<const ExpertsBackend>& backend) const;
 
   ExpertsSpec spec_;
   ExpertsWeights weights_;
@@ -120,10 +127,23 @@ class Experts {
   std::shared_ptr<std::mutex> state_mutex_ = std::make_shared<std::mutex>();
   std::shared_ptr<std::map<std::string, std::unique_ptr<BackendState>>> states_ =
       std::make_shared<std::map<std::string, std::unique_ptr<BackendState>>>();
+  std::shared_ptr<std::mutex> prepare_mutex_ = std::make_shared<std::mutex>();
+  std::shared_ptr<std::vector<std::shared_ptr<const ExpertsBackend>>> prepared_ =
+      std::make_shared<std::vector<std::shared_ptr<const ExpertsBackend>>>();
 };
 
 // Builds ExpertsWeights from the tensors of a transformers Experts module, by parameter name
 // (gate_up_proj, down_proj, up_proj, *_bias), checking shapes against the spec.
 ExpertsWeights make_experts_weights(const ExpertsSpec& spec, const std::map<std::string, Tensor>& params);
+
+// The relative L2 error against the f64 reference that every backend meets, by activation dtype (SPEC
+// section 1): 1e-5 for f32, 5e-3 for f16, 1e-2 for bf16. The tests, `moekit check` and the benchmarks'
+// output check use this one table.
+double experts_tolerance(DType act_dtype);
+
+// A stacked expert weight [E, A, B] as [E, B, A] (same dtype, same device): the transposed layout
+// ([E, in, out], gpt-oss) into the [E, out, in] one, or back. Used by the model loader and by the CUDA
+// backends' prepare. Weights on a GPU are staged through host memory.
+Tensor transpose_expert_weight(const Tensor& w);
 
 }  // namespace moekit

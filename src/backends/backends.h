@@ -1,4 +1,7 @@
-// Internal: the per-device implementations behind the built-in backends of registry.cpp.
+// Internal: what the backend classes (src/backends/<name>.cpp) are built from: the CPU implementations, the
+// CUDA entry points (src/backends/cuda/, or cuda_stub.cpp in builds without CUDA), and the base class of the
+// backends that run on both devices. Each backend's file defines `BackendPtr make_<name>_backend()`; the
+// registry (registry.cpp) lists them; nothing else names a backend.
 #pragma once
 #include <string_view>
 
@@ -14,12 +17,46 @@ void batched_mm(const Experts& experts, const ExpertsCall& call);
 void grouped_mm(const Experts& experts, const ExpertsCall& call);
 }  // namespace cpu
 
-// CUDA implementations (src/backends/cuda/, or cuda_stub.cpp in builds without CUDA).
-// `backend` is one of eager, batched_mm, grouped_mm, deepgemm, sonicmoe.
+// CUDA: one helper validates a call and builds its CallContext (dispatch.cpp); each backend passes its own
+// kernel path. `backend` is the calling backend's name, for messages only.
 namespace cuda {
-Support available(std::string_view backend, Device device);                 // build, device, arch
+struct CallContext;  // backends/cuda/state.h
+using KernelPath = void (*)(const CallContext&);
+
+// Whether this build's CUDA kernels run on `device` (build, device present, compute capability).
+Support available(std::string_view backend, Device device);
+// Whether they run these experts (weights, activation dtype, gate, sizes).
 Support supports(std::string_view backend, const Experts& experts, DType act_dtype);
-void run(std::string_view backend, const Experts& experts, const ExpertsCall& call);
+// One-time work per module: transposed weights ([E, in, out]) repacked to [E, out, in], kept in the
+// module's CUDA state, so every kernel reads rows of `in`.
+void prepare(const Experts& experts);
+// Checks the call, builds its CallContext over the module's CUDA state and runs `path` on it.
+void run(std::string_view backend, const Experts& experts, const ExpertsCall& call, KernelPath path);
+
+// The kernel paths (eager.cpp, batched_mm.cpp, grouped_mm.cpp). Each enqueues the whole forward.
+void run_eager(const CallContext& c);
+void run_batched_mm(const CallContext& c);
+void run_grouped_mm(const CallContext& c);
 }  // namespace cuda
+
+// Base of the backends with a CPU and a CUDA implementation (eager, batched_mm, grouped_mm): availability,
+// support and preparation per device. A derived class adds its identity, its properties and run().
+class CpuCudaBackend : public ExpertsBackend {
+ public:
+  std::vector<DeviceType> devices() const override { return {DeviceType::cpu, DeviceType::cuda}; }
+  std::string_view requirements() const override {
+    return "CUDA: compute capability 8.0 or newer, activations in the weights' dtype, built-in gates";
+  }
+  Support available(Device device) const override {
+    return device.is_cpu() ? Support::yes() : cuda::available(name(), device);
+  }
+  Support supports(const Experts& experts, DType act_dtype) const override {
+    return experts.device().is_cpu() ? cpu::supports(experts, act_dtype)
+                                     : cuda::supports(name(), experts, act_dtype);
+  }
+  void prepare(const Experts& experts) const override {
+    if (experts.device().is_cuda()) cuda::prepare(experts);
+  }
+};
 
 }  // namespace moekit

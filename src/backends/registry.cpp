@@ -4,74 +4,22 @@
 #include "backends/backends.h"
 
 namespace moekit {
+
+// The built-in backends, in the order they are listed. Each is one class in src/backends/<file>.cpp that
+// defines make_<name>_backend(); adding one is its file and one line here.
+#define MOEKIT_BUILTIN_BACKENDS(X) \
+  X(eager)                         \
+  X(batched_mm)                    \
+  X(grouped_mm)                    \
+  X(deepgemm)                      \
+  X(sonicmoe)                      \
+  X(deepgemm_megamoe)
+
+#define MOEKIT_DECLARE_BACKEND(n) BackendPtr make_##n##_backend();
+MOEKIT_BUILTIN_BACKENDS(MOEKIT_DECLARE_BACKEND)
+#undef MOEKIT_DECLARE_BACKEND
+
 namespace {
-
-// eager, batched_mm, grouped_mm: CPU and CUDA.
-class PortableBackend final : public ExpertsBackend {
- public:
-  using CpuFn = void (*)(const Experts&, const ExpertsCall&);
-  PortableBackend(std::string_view name, std::string_view description, CpuFn cpu_fn, bool capturable)
-      : name_(name), description_(description), cpu_fn_(cpu_fn), capturable_(capturable) {}
-  std::string_view name() const override { return name_; }
-  std::string_view description() const override { return description_; }
-  Support available(Device device) const override {
-    return device.is_cpu() ? Support::yes() : cuda::available(name_, device);
-  }
-  Support supports(const Experts& experts, DType act_dtype) const override {
-    return experts.device().is_cpu() ? cpu::supports(experts, act_dtype)
-                                     : cuda::supports(name_, experts, act_dtype);
-  }
-  bool graph_capturable() const override { return capturable_; }
-  void run(const Experts& experts, const ExpertsCall& call) const override {
-    if (experts.device().is_cpu()) cpu_fn_(experts, call);
-    else cuda::run(name_, experts, call);
-  }
-
- private:
-  std::string_view name_, description_;
-  CpuFn cpu_fn_;
-  bool capturable_;
-};
-
-// deepgemm, sonicmoe: CUDA only (SM90+).
-class CudaOnlyBackend final : public ExpertsBackend {
- public:
-  CudaOnlyBackend(std::string_view name, std::string_view description) : name_(name), description_(description) {}
-  std::string_view name() const override { return name_; }
-  std::string_view description() const override { return description_; }
-  Support available(Device device) const override {
-    if (device.is_cpu())
-      return Support::no(std::string(name_) + " needs a CUDA GPU of compute capability 9.0 or newer; on the CPU use grouped_mm or batched_mm");
-    return cuda::available(name_, device);
-  }
-  Support supports(const Experts& experts, DType act_dtype) const override {
-    if (experts.device().is_cpu()) return available(experts.device());
-    return cuda::supports(name_, experts, act_dtype);
-  }
-  bool graph_capturable() const override { return true; }
-  void run(const Experts& experts, const ExpertsCall& call) const override { cuda::run(name_, experts, call); }
-
- private:
-  std::string_view name_, description_;
-};
-
-// deepgemm_megamoe: needs SM100+, FP4 experts and an expert-parallel group; none exist on SM90.
-class MegaMoeBackend final : public ExpertsBackend {
- public:
-  std::string_view name() const override { return "deepgemm_megamoe"; }
-  std::string_view description() const override {
-    return "one fused kernel: expert-parallel dispatch, gated MLP, combine (load-time choice)";
-  }
-  Support available(Device device) const override {
-    if (device.is_cpu())
-      return Support::no("deepgemm_megamoe needs CUDA SM100+ GPUs, FP4 experts and an expert-parallel group; use grouped_mm");
-    return Support::no("deepgemm_megamoe needs CUDA SM100+ (Blackwell), FP4 experts and an expert-parallel group; this build has no SM100 kernels, use deepgemm or grouped_mm");
-  }
-  Support supports(const Experts& experts, DType) const override { return available(experts.device()); }
-  void run(const Experts& experts, const ExpertsCall&) const override {
-    MOEKIT_FAIL(not_supported, available(experts.device()).reason);
-  }
-};
 
 // A user function registered by name.
 class FunctionBackend final : public ExpertsBackend {
@@ -80,6 +28,7 @@ class FunctionBackend final : public ExpertsBackend {
       : name_(std::move(name)), fn_(std::move(fn)), devices_(std::move(devices)), description_(std::move(desc)) {}
   std::string_view name() const override { return name_; }
   std::string_view description() const override { return description_; }
+  std::vector<DeviceType> devices() const override { return devices_; }
   Support available(Device device) const override {
     if (std::find(devices_.begin(), devices_.end(), device.type) != devices_.end()) return Support::yes();
     return Support::no("user backend '" + name_ + "' was not registered for " + device.to_string());
@@ -97,17 +46,9 @@ class FunctionBackend final : public ExpertsBackend {
 }  // namespace
 
 ExpertsInterface::ExpertsInterface() {
-  backends_ = {
-      std::make_shared<PortableBackend>("eager", "reference loop over the experts that got tokens (host synchronises)",
-                                        &cpu::eager, false),
-      std::make_shared<PortableBackend>("batched_mm", "one small GEMM per (token, slot) pair, weights indexed, not copied",
-                                        &cpu::batched_mm, true),
-      std::make_shared<PortableBackend>("grouped_mm", "pairs sorted by expert, one grouped GEMM per projection",
-                                        &cpu::grouped_mm, true),
-      std::make_shared<CudaOnlyBackend>("deepgemm", "rows padded to 128 per expert, one grouped GEMM on Hopper tensor cores (bf16, FP8)"),
-      std::make_shared<CudaOnlyBackend>("sonicmoe", "fused gather, gate/up GEMM with activation epilogue, down GEMM, weighted scatter"),
-      std::make_shared<MegaMoeBackend>(),
-  };
+#define MOEKIT_LIST_BACKEND(n) make_##n##_backend(),
+  backends_ = {MOEKIT_BUILTIN_BACKENDS(MOEKIT_LIST_BACKEND)};
+#undef MOEKIT_LIST_BACKEND
   n_builtin_ = backends_.size();
 }
 
@@ -181,10 +122,40 @@ std::vector<BackendPtr> ExpertsInterface::backends() const {
   return backends_;
 }
 
-std::string default_experts_implementation(const Experts& experts, DType act_dtype) {
+namespace {
+// The built-in of highest default_rank() for which `ok` holds; the lowest-ranked one when none does (the
+// module then fails at its first forward with that backend's reason).
+template <class Ok>
+std::string best_default(Ok&& ok) {
   auto& reg = ExpertsInterface::global();
-  if (reg.get("grouped_mm")->supports(experts, act_dtype)) return "grouped_mm";
-  return "eager";
+  std::vector<BackendPtr> ranked;
+  for (const auto& b : reg.backends())
+    if (b->default_rank() > 0 && reg.is_builtin(b->name())) ranked.push_back(b);
+  MOEKIT_CHECK_CODE(!ranked.empty(), internal, "no built-in experts backend can be the default");
+  std::stable_sort(ranked.begin(), ranked.end(),
+                   [](const BackendPtr& a, const BackendPtr& b) { return a->default_rank() > b->default_rank(); });
+  for (const auto& b : ranked)
+    if (ok(*b)) return std::string(b->name());
+  return std::string(ranked.back()->name());
+}
+}  // namespace
+
+std::string default_experts_implementation(const Experts& experts, DType act_dtype) {
+  return best_default([&](const ExpertsBackend& b) { return b.supports(experts, act_dtype).ok; });
+}
+
+std::string default_experts_implementation(Device device) {
+  return best_default([&](const ExpertsBackend& b) { return b.available(device).ok; });
+}
+
+void check_runtime_switch(std::string_view from, std::string_view to, std::string_view what) {
+  if (from.empty() || from == to) return;
+  auto& reg = ExpertsInterface::global();
+  for (const std::string_view n : {from, to}) {
+    if (!reg.get(n)->load_time_only()) continue;
+    MOEKIT_FAIL(not_supported, "cannot switch ", what, " from '", from, "' to '", to, "' at run time: '", n,
+                "' is a load-time choice; reload the model (or build the module) with it");
+  }
 }
 
 }  // namespace moekit

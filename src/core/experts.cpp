@@ -1,5 +1,7 @@
 #include "moekit/experts.h"
 
+#include <algorithm>
+#include <cstring>
 #include <sstream>
 
 #include "moekit/interface.h"
@@ -85,8 +87,6 @@ void validate_weights(const ExpertsSpec& s, const ExpertsWeights& w) {
   MOEKIT_CHECK(w.down_proj.dtype() == first.dtype(), "experts weights have different dtypes: ",
                dtype_name(first.dtype()), " and ", dtype_name(w.down_proj.dtype()));
 }
-
-bool is_megamoe(const std::string& n) { return n == "deepgemm_megamoe"; }
 }  // namespace
 
 Experts::Experts(ExpertsSpec spec, ExpertsWeights weights, std::string implementation)
@@ -102,16 +102,23 @@ Device Experts::device() const { return weights_.first().device(); }
 DType Experts::weight_dtype() const { return weights_.first().dtype(); }
 
 void Experts::set_implementation(const std::string& name) {
-  ExpertsInterface::global().get(name);
-  MOEKIT_CHECK_CODE(is_megamoe(name) == is_megamoe(implementation_), not_supported,
-                    "cannot switch experts implementation from '", implementation_, "' to '", name,
-                    "' at run time: deepgemm_megamoe is a load-time choice; reload the model with it");
+  ExpertsInterface::global().get(name);  // throws listing the valid names
+  check_runtime_switch(implementation_, name, "experts implementation");
   implementation_ = name;
 }
 
 void Experts::clear_state() const {
+  std::lock_guard<std::mutex> prepare_lock(*prepare_mutex_);
   std::lock_guard<std::mutex> lock(*state_mutex_);
   states_->clear();
+  prepared_->clear();
+}
+
+void Experts::prepare_once(const std::shared_ptr<const ExpertsBackend>& backend) const {
+  std::lock_guard<std::mutex> lock(*prepare_mutex_);
+  if (std::find(prepared_->begin(), prepared_->end(), backend) != prepared_->end()) return;
+  backend->prepare(*this);
+  prepared_->push_back(backend);  // holds it, so a replaced user backend is never mistaken for this one
 }
 
 Experts Experts::to(Device device) const {
@@ -170,15 +177,13 @@ void Experts::validate_call(const ExpertsCall& c) const {
 void Experts::forward_with(std::string_view name, const ExpertsCall& call) const {
   validate_call(call);
   auto backend = ExpertsInterface::global().get(name);
-  if (is_megamoe(std::string(name)) != is_megamoe(implementation_))
-    MOEKIT_FAIL(not_supported, "experts implementation '", name, "' differs from the load-time choice '",
-                implementation_, "' (deepgemm_megamoe is a load-time choice)");
+  check_runtime_switch(implementation_, name, "experts implementation of this call");
   Support s = backend->supports(*this, call.hidden_states.dtype);
   MOEKIT_CHECK_CODE(s.ok, not_supported, "experts implementation '", name, "' cannot run these experts (",
                     dtype_name(weight_dtype()), " weights on ", device().to_string(), ", ",
                     dtype_name(call.hidden_states.dtype), " activations): ", s.reason);
   if (call.tokens() == 0) return;
-  backend->prepare(*this);
+  prepare_once(backend);
   backend->run(*this, call);
 }
 
@@ -213,6 +218,35 @@ ExpertsWeights make_experts_weights(const ExpertsSpec& spec, const std::map<std:
   }
   validate_weights(spec, w);
   return w;
+}
+
+double experts_tolerance(DType act_dtype) {
+  switch (act_dtype) {
+    case DType::f32: return 1e-5;
+    case DType::f16: return 5e-3;
+    default: return 1e-2;  // bf16
+  }
+}
+
+Tensor transpose_expert_weight(const Tensor& w) {
+  MOEKIT_CHECK(w.defined() && w.dim() == 3, "transpose_expert_weight: expected a 3-D [E, A, B] tensor, got ",
+               w.defined() ? shape_to_string(w.shape()) : std::string("none"));
+  if (!w.device().is_cpu()) return transpose_expert_weight(w.to(Device::cpu())).to(w.device());
+  const Tensor src = w.contiguous();
+  const int64_t E = w.shape()[0], A = w.shape()[1], B = w.shape()[2];
+  Tensor out = Tensor::empty({E, B, A}, w.dtype(), Device::cpu());
+  const size_t es = dtype_nbytes(w.dtype(), 1);
+  const char* in = static_cast<const char*>(src.data());
+  char* o = static_cast<char*>(out.data());
+  constexpr int64_t kBlock = 64;
+#pragma omp parallel for collapse(2) schedule(static) if (E * A * B > (int64_t(1) << 20))
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t a0 = 0; a0 < A; a0 += kBlock)
+      for (int64_t b0 = 0; b0 < B; b0 += kBlock)
+        for (int64_t a = a0; a < std::min(A, a0 + kBlock); ++a)
+          for (int64_t b = b0; b < std::min(B, b0 + kBlock); ++b)
+            std::memcpy(o + size_t((e * B + b) * A + a) * es, in + size_t((e * A + a) * B + b) * es, es);
+  return out;
 }
 
 }  // namespace moekit

@@ -91,21 +91,7 @@ Tensor stack_rows(const std::vector<Tensor>& parts, const Shape& shape, DType dt
 Tensor transposed_experts(TensorReader& r, const std::string& name, const Shape& stored) {
   Tensor t = r.host(name, stored);
   if (!t.defined()) return t;
-  const Tensor src = t.to(r.dtype()).contiguous();
-  const int64_t E = stored[0], A = stored[1], B = stored[2];
-  Tensor out = Tensor::empty({E, B, A}, r.dtype(), Device::cpu());
-  const size_t es = dtype_nbytes(r.dtype(), 1);
-  const char* in = static_cast<const char*>(src.data());
-  char* o = static_cast<char*>(out.data());
-  constexpr int64_t kBlock = 64;
-#pragma omp parallel for collapse(2) schedule(static) if (E * A * B > (int64_t(1) << 20))
-  for (int64_t e = 0; e < E; ++e)
-    for (int64_t a0 = 0; a0 < A; a0 += kBlock)
-      for (int64_t b0 = 0; b0 < B; b0 += kBlock)
-        for (int64_t a = a0; a < std::min(A, a0 + kBlock); ++a)
-          for (int64_t b = b0; b < std::min(B, b0 + kBlock); ++b)
-            std::memcpy(o + size_t((e * B + b) * A + a) * es, in + size_t((e * A + a) * B + b) * es, es);
-  return out.to(r.device());
+  return transpose_expert_weight(t.to(r.dtype())).to(r.device());
 }
 
 Linear linear(TensorReader& r, const std::string& name, int64_t out, int64_t in, bool bias) {

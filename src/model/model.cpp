@@ -76,8 +76,6 @@ void KvCache::clear() { state_->length = 0; }
 
 namespace {
 
-bool is_megamoe(const std::string& n) { return n == "deepgemm_megamoe"; }
-
 std::string keys_list(const ExpertsMap& m) {
   std::string s;
   for (const auto& [k, v] : m) s += (s.empty() ? "'" : ", '") + k + "'";
@@ -101,10 +99,6 @@ ExpertsMap merged_map(const ExpertsMap& current, const ExpertsImplementation& re
   return next;
 }
 
-std::string default_backend_for(Device device) {
-  return ExpertsInterface::global().get("grouped_mm")->available(device) ? "grouped_mm" : "eager";
-}
-
 DType resolve_dtype(const ModelConfig& c, const std::optional<DType>& requested) {
   if (requested) {
     MOEKIT_CHECK(*requested == DType::f32 || *requested == DType::bf16 || *requested == DType::f16,
@@ -126,8 +120,12 @@ ExpertsMap decode_experts_map(const ExpertsMap& prefill, Device device, DecodeSw
   const bool applies = rule == DecodeSwitch::always || (rule == DecodeSwitch::automatic && device.is_cuda());
   if (!applies) return prefill;
   ExpertsMap out = prefill;
-  for (auto& [k, v] : out)
-    if (v == "grouped_mm") v = "batched_mm";
+  auto& reg = ExpertsInterface::global();
+  for (auto& [k, v] : out) {
+    if (!reg.contains(v)) continue;
+    const std::string_view decode = reg.get(v)->decode_backend();
+    if (!decode.empty()) v = std::string(decode);
+  }
   return out;
 }
 
@@ -189,9 +187,9 @@ Model Model::from_pretrained(const std::string& dir, const ModelOptions& options
       decoder_backend = L.moe.experts.implementation();
       break;
     }
-  if (decoder_backend.empty()) decoder_backend = default_backend_for(dev);
+  if (decoder_backend.empty()) decoder_backend = default_experts_implementation(dev);
   for (auto& [k, v] : requested)
-    if (v.empty()) v = k == im->decoder_key ? decoder_backend : default_backend_for(dev);
+    if (v.empty()) v = k == im->decoder_key ? decoder_backend : default_experts_implementation(dev);
   im->experts_map = requested;
   im->apply_experts_map();
   Model m;
@@ -209,12 +207,8 @@ const std::string& Model::experts_backend() const { return impl_->experts_map.at
 void Model::set_experts_implementation(const ExpertsImplementation& impl) {
   MOEKIT_CHECK(!impl.empty(), "set_experts_implementation: nothing requested (give a name or a map)");
   const ExpertsMap next = merged_map(impl_->experts_map, impl);
-  for (const auto& [k, v] : next) {
-    const std::string& cur = impl_->experts_map.at(k);
-    MOEKIT_CHECK_CODE(is_megamoe(cur) == is_megamoe(v), not_supported, "cannot switch experts implementation of '", k,
-                      "' from '", cur, "' to '", v,
-                      "' at run time: deepgemm_megamoe is a load-time choice; reload the model with it");
-  }
+  for (const auto& [k, v] : next)
+    check_runtime_switch(impl_->experts_map.at(k), v, "experts implementation of '" + k + "'");
   impl_->experts_map = next;
   impl_->apply_experts_map();
 }

@@ -1,4 +1,4 @@
-// moekit backends [--device cpu|cuda]: what runs here, and why not.
+// moekit backends [--device cpu|cuda]: what runs on this build and this device, and why not.
 #include <fmt/core.h>
 
 #include "backends/cpu/gemm.h"
@@ -12,11 +12,16 @@ void add_backends_command(CLI::App& app) {
   cmd->add_option("--device", *device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->callback([device] {
     const Device dev = Device::parse(*device);
-    fmt::print("{:<18} {:<6} {:<10} {}\n", "backend", "runs", "graphs", "notes");
+    fmt::print("experts backends on {} in this build:\n", dev.to_string());
+    fmt::print("{:<18} {:<5} {:<11} {}\n", "backend", "runs", "CUDA graph", "what it does (or why it does not run here)");
     for (const auto& b : ExpertsInterface::global().backends()) {
       const Support s = b->available(dev);
-      fmt::print("{:<18} {:<6} {:<10} {}\n", b->name(), s.ok ? "yes" : "no",
-                 b->graph_capturable() ? "capturable" : "no", s.ok ? std::string(b->description()) : s.reason);
+      // Capture applies to a backend that runs on a CUDA device.
+      const char* graph = !s.ok || !dev.is_cuda() ? "-" : b->graph_capturable() ? "capturable" : "no";
+      std::string notes = s.ok ? std::string(b->description()) : s.reason;
+      if (s.ok && dev.is_cuda() && b->needs_host_sync()) notes += "; synchronises with the host";
+      if (b->load_time_only()) notes += "; load-time choice";
+      fmt::print("{:<18} {:<5} {:<11} {}\n", b->name(), s.ok ? "yes" : "no", graph, notes);
     }
     if (dev.is_cpu()) {
       std::string have;

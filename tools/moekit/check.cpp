@@ -19,7 +19,7 @@ void add_check_command(CLI::App& app) {
   cmd->add_option("--case", o->file, "case file (safetensors: weights, inputs, out.*, meta)")->required();
   cmd->add_option("--backend", o->backend, "backend name or all");
   cmd->add_option("--device", o->device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  cmd->add_option("--tolerance", o->tolerance, "relative L2 tolerance (default 1e-5 for f32, 1e-2 otherwise)");
+  cmd->add_option("--tolerance", o->tolerance, "relative L2 tolerance (default: experts_tolerance of the activation dtype)");
   cmd->callback([o] {
     const Device dev = Device::parse(o->device);
     ExpertsCase c = load_experts_case(o->file);
@@ -32,7 +32,7 @@ void add_check_command(CLI::App& app) {
       ExpertsInterface::global().get(o->backend);
       names.push_back(o->backend);
     }
-    const double tol = o->tolerance > 0 ? o->tolerance : (c.hidden_states.dtype() == DType::f32 ? 1e-5 : 1e-2);
+    const double tol = o->tolerance > 0 ? o->tolerance : experts_tolerance(c.hidden_states.dtype());
     const auto ref = reference_forward(c.experts, c.hidden_states, c.top_k_index, c.top_k_weights);
     fmt::print("case {}: T={} H={} E={} K={} {}\n", o->file, c.hidden_states.size(0), c.experts.spec().hidden,
                c.experts.spec().num_experts, c.top_k_index.size(1), c.experts.spec().to_string());

@@ -259,7 +259,7 @@ Support supports(const Experts& experts, DType act) {
   const DType w = experts.weight_dtype();
   if (w != DType::f32 && w != DType::bf16 && w != DType::f16)
     return Support::no(std::string("CPU backends take f32, bf16 or f16 weights, got ") + dtype_name(w) +
-                       "; dequantize the experts (load option dequantize) or run them on a GPU");
+                       " (quantized experts are not in this build)");
   if (act != DType::f32 && act != DType::bf16 && act != DType::f16)
     return Support::no(std::string("CPU backends take f32, bf16 or f16 activations, got ") + dtype_name(act));
   return Support::yes();

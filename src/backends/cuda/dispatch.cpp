@@ -1,5 +1,7 @@
-// The CUDA side of the built-in backends (contract in src/backends/backends.h): availability, support,
-// and the forward, which validates the call and hands a CallContext to eager / batched_mm / grouped_mm.
+// The CUDA helper under the backend classes (contract in src/backends/backends.h): whether this build's
+// kernels run on a device and these experts, the one-time repack of transposed weights, and the call:
+// checked, described in a CallContext over the module's CUDA state, then handed to the calling backend's
+// kernel path. No backend is named here.
 #include <string>
 
 #include "backends/backends.h"
@@ -10,8 +12,6 @@ namespace moekit::cuda {
 namespace {
 
 constexpr int kMinArch = 80;  // this build's kernels: sm_80 (mma.sync, cp.async) and sm_90a
-
-bool is_portable(std::string_view b) { return b == "eager" || b == "batched_mm" || b == "grouped_mm"; }
 
 Support no(std::string_view backend, const std::string& why) {
   return Support::no("experts implementation '" + std::string(backend) + "' on CUDA: " + why);
@@ -30,8 +30,6 @@ kernels::Elem to_elem(DType t) {
 }  // namespace
 
 Support available(std::string_view backend, Device device) {
-  if (!is_portable(backend))
-    return no(backend, "not in this build; use grouped_mm (or batched_mm for decode)");
   if (!device.is_cuda()) return no(backend, "needs a CUDA device, got " + device.to_string());
   const int count = cuda_device_count();
   if (count == 0) return no(backend, "no CUDA device is present (or the driver cannot be loaded); use the CPU");
@@ -50,7 +48,7 @@ Support supports(std::string_view backend, const Experts& experts, DType act_dty
   const DType wt = experts.weight_dtype();
   if (wt != DType::f32 && wt != DType::bf16 && wt != DType::f16)
     return no(backend, std::string("takes f32, bf16 or f16 weights, got ") + dtype_name(wt) +
-                           " (quantized experts on CUDA are not in this build; dequantize them at load)");
+                           " (quantized experts are not in this build)");
   if (act_dtype != wt)
     return no(backend, std::string("activations must have the weights' dtype (") + dtype_name(wt) + "), got " +
                            dtype_name(act_dtype) + "; convert the hidden states or the weights");
@@ -71,7 +69,20 @@ Support supports(std::string_view backend, const Experts& experts, DType act_dty
   return Support{true, avail.reason};
 }
 
-void run(std::string_view backend, const Experts& experts, const ExpertsCall& call) {
+void prepare(const Experts& experts) {
+  if (!experts.spec().is_transposed) return;
+  CudaState& state = cuda_state(experts);
+  std::lock_guard<std::mutex> lock(state.mutex);
+  if (state.repacked) return;
+  DeviceGuard guard(experts.device().index);
+  // Staged through the host: once per module, before the first forward (never during graph capture:
+  // ExpertsGraph runs one uncaptured forward first).
+  state.w1 = transpose_expert_weight(experts.weights().first());  // [E, H, N1] -> [E, N1, H]
+  state.w2 = transpose_expert_weight(experts.weights().down_proj);  // [E, I, H] -> [E, H, I]
+  state.repacked = true;
+}
+
+void run(std::string_view backend, const Experts& experts, const ExpertsCall& call, KernelPath path) {
   const Support s = supports(backend, experts, call.hidden_states.dtype);
   MOEKIT_CHECK_CODE(s.ok, not_supported, s.reason);
   const ExpertsSpec& spec = experts.spec();
@@ -107,24 +118,25 @@ void run(std::string_view backend, const Experts& experts, const ExpertsCall& ca
   c.gate.alpha = spec.alpha;
   c.gate.limit = spec.limit;
   c.first_epilogue = spec.has_gate ? kernels::kEpiGated : kernels::kEpiActOnly;
-  c.transposed = spec.is_transposed;
 
+  // Transposed weights run from the [E, out, in] copy prepare() made; the kernels see one layout.
   const ExpertsWeights& w = experts.weights();
+  MOEKIT_CHECK_CODE(!spec.is_transposed || state.repacked, internal,
+                    "transposed CUDA experts were not prepared before their first run");
   const int64_t H = c.hidden, I = c.inter, N1 = c.n1;
-  c.w1 = w.first().data();
+  c.transposed = false;
+  c.w1 = spec.is_transposed ? state.w1.data() : w.first().data();  // [E, N1, H]
   c.w1_expert = N1 * H;
-  c.w1_n = spec.is_transposed ? 1 : H;  // [E, N1, H], or [E, H, N1] transposed
-  c.w1_k = spec.is_transposed ? N1 : 1;
+  c.w1_n = H;
+  c.w1_k = 1;
   c.b1 = w.first_bias().defined() ? w.first_bias().data() : nullptr;
-  c.w2 = w.down_proj.data();
+  c.w2 = spec.is_transposed ? state.w2.data() : w.down_proj.data();  // [E, H, I]
   c.w2_expert = H * I;
-  c.w2_n = spec.is_transposed ? 1 : I;  // [E, H, I], or [E, I, H] transposed
-  c.w2_k = spec.is_transposed ? H : 1;
+  c.w2_n = I;
+  c.w2_k = 1;
   c.b2 = w.down_proj_bias.defined() ? w.down_proj_bias.data() : nullptr;
 
-  if (backend == "eager") run_eager(c);
-  else if (backend == "batched_mm") run_batched_mm(c);
-  else run_grouped_mm(c);
+  path(c);
 }
 
 }  // namespace moekit::cuda

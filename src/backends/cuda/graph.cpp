@@ -6,6 +6,15 @@
 #include "moekit/interface.h"
 
 namespace moekit {
+namespace {
+// "batched_mm, grouped_mm": the registered backends that can be captured.
+std::string capturable_backends() {
+  std::string out;
+  for (const auto& b : ExpertsInterface::global().backends())
+    if (b->graph_capturable()) out += (out.empty() ? "" : ", ") + std::string(b->name());
+  return out.empty() ? "none" : out;
+}
+}  // namespace
 
 std::string ExpertsGraphShape::to_string() const {
   std::ostringstream os;
@@ -57,8 +66,8 @@ ExpertsGraph::ExpertsGraph(const Experts& experts, const ExpertsGraphShape& shap
   auto backend = ExpertsInterface::global().get(g.backend);
   MOEKIT_CHECK_CODE(backend->graph_capturable(), not_supported, "experts implementation '", g.backend,
                     "' cannot be captured in a CUDA graph",
-                    g.backend == "eager" ? " (it copies the per-expert counts to the host)" : "",
-                    "; use batched_mm or grouped_mm");
+                    backend->needs_host_sync() ? " (it synchronises with the host)" : "", "; capturable: ",
+                    capturable_backends());
   MOEKIT_CHECK(shape.tokens >= 0 && shape.top_k >= 1, "ExpertsGraph: bad shape ", shape.to_string());
   MOEKIT_CHECK(shape.index_dtype == DType::i32 || shape.index_dtype == DType::i64,
                "ExpertsGraph: index_dtype must be i32 or i64, got ", dtype_name(shape.index_dtype));

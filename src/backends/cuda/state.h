@@ -5,6 +5,7 @@
 #include <memory>
 #include <mutex>
 
+#include "backends/backends.h"
 #include "backends/cuda/common.h"
 #include "backends/cuda/policy.h"
 #include "backends/cuda/kernels/kernels.h"
@@ -62,6 +63,10 @@ class CudaState final : public BackendState {
   void release(cudaStream_t stream);
   std::shared_ptr<CublasHandle> cublas(int device);
 
+  // Transposed experts ([E, in, out]) repacked once by prepare() into [E, out, in] (backends.h).
+  bool repacked = false;
+  Tensor w1, w2;
+
  private:
   std::map<cudaStream_t, std::unique_ptr<StreamWorkspace>> workspaces_;
   std::shared_ptr<CublasHandle> cublas_;
@@ -97,11 +102,6 @@ struct CallContext {
   int64_t w2_expert = 0, w2_n = 0, w2_k = 0;
   const void* b2 = nullptr;
 };
-
-// The backends (eager.cpp, batched_mm.cpp, grouped_mm.cpp). Each enqueues the whole forward.
-void run_eager(const CallContext& c);
-void run_batched_mm(const CallContext& c);
-void run_grouped_mm(const CallContext& c);
 
 // Whether batched_mm runs its per-pair GEMV kernels for this call (else the grouped kernels).
 bool batched_uses_gemv(const CallContext& c);

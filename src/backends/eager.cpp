@@ -1,0 +1,26 @@
+// eager: the reference loop. For each expert that got tokens: gather its tokens, two GEMMs, weighted
+// accumulate. On CUDA the host reads the per-expert counts back, so it is not capturable.
+#include "backends/backends.h"
+
+namespace moekit {
+namespace {
+
+class EagerBackend final : public CpuCudaBackend {
+ public:
+  std::string_view name() const override { return "eager"; }
+  std::string_view description() const override {
+    return "reference loop over the experts that got tokens (on CUDA the host reads the counts back)";
+  }
+  bool needs_host_sync() const override { return true; }
+  int default_rank() const override { return 1; }
+  void run(const Experts& experts, const ExpertsCall& call) const override {
+    if (experts.device().is_cpu()) cpu::eager(experts, call);
+    else cuda::run(name(), experts, call, &cuda::run_eager);
+  }
+};
+
+}  // namespace
+
+BackendPtr make_eager_backend() { return std::make_shared<EagerBackend>(); }
+
+}  // namespace moekit

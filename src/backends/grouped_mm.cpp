@@ -1,0 +1,28 @@
+// grouped_mm: pairs sorted by expert, one grouped GEMM per projection, the sort undone in the combine.
+// Memory-efficient and best for many tokens; capturable on CUDA. During GPU generation the decode steps
+// switch it to batched_mm (SPEC section 4).
+#include "backends/backends.h"
+
+namespace moekit {
+namespace {
+
+class GroupedMmBackend final : public CpuCudaBackend {
+ public:
+  std::string_view name() const override { return "grouped_mm"; }
+  std::string_view description() const override {
+    return "pairs sorted by expert, one grouped GEMM per projection";
+  }
+  bool graph_capturable() const override { return true; }
+  std::string_view decode_backend() const override { return "batched_mm"; }
+  int default_rank() const override { return 2; }
+  void run(const Experts& experts, const ExpertsCall& call) const override {
+    if (experts.device().is_cpu()) cpu::grouped_mm(experts, call);
+    else cuda::run(name(), experts, call, &cuda::run_grouped_mm);
+  }
+};
+
+}  // namespace
+
+BackendPtr make_grouped_mm_backend() { return std::make_shared<GroupedMmBackend>(); }
+
+}  // namespace moekit
