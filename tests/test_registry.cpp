@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdio>
+#include <sstream>
 
 #include "test_experts_problem.h"
 
@@ -229,4 +231,32 @@ TEST(Registry, DefaultIsGroupedMmOnTheCpu) {
   EXPECT_EQ(default_experts_implementation(Device::cpu()), "grouped_mm");
   // SPEC section 4: the decode steps of GPU generation switch grouped_mm to batched_mm.
   EXPECT_EQ(ExpertsInterface::global().get("grouped_mm")->decode_backend(), "batched_mm");
+}
+
+// `moekit backends` says exactly what runs on this build and device: "yes" only for a backend available
+// there, "capturable" only for one that runs on CUDA and can be captured, and the reason where it does not run.
+TEST(Registry, BackendsCommandPrintsWhatRunsHere) {
+  for (const Device dev : {Device::cpu(), Device::cuda(0)}) {
+    std::string out;
+    FILE* pipe = popen((std::string(MOEKIT_CLI) + " backends --device " + (dev.is_cpu() ? "cpu" : "cuda")).c_str(), "r");
+    ASSERT_NE(pipe, nullptr);
+    char buf[4096];
+    while (fgets(buf, sizeof buf, pipe)) out += buf;
+    EXPECT_EQ(pclose(pipe), 0) << out;
+    for (const auto& b : ExpertsInterface::global().backends()) {
+      if (!ExpertsInterface::global().is_builtin(b->name())) continue;
+      std::istringstream lines(out);
+      std::string line, found;
+      while (std::getline(lines, line))
+        if (line.rfind(std::string(b->name()) + " ", 0) == 0) found = line;
+      ASSERT_FALSE(found.empty()) << b->name() << " missing from:\n" << out;
+      std::istringstream cols(found);
+      std::string name, runs, graph;
+      cols >> name >> runs >> graph;
+      const Support s = b->available(dev);
+      EXPECT_EQ(runs, s.ok ? "yes" : "no") << found;
+      EXPECT_EQ(graph == "capturable", s.ok && dev.is_cuda() && b->graph_capturable()) << found;
+      if (!s.ok) EXPECT_NE(found.find(s.reason), std::string::npos) << found;
+    }
+  }
 }

@@ -59,4 +59,20 @@ class CpuCudaBackend : public ExpertsBackend {
   }
 };
 
+// Base of a backend that is registered (its name is known, and selecting it explains itself) but runs nothing
+// in this build: no devices, no dtypes, not capturable, the same reason on every device.
+class NotInThisBuildBackend : public ExpertsBackend {
+ public:
+  std::vector<DeviceType> devices() const override { return {}; }
+  std::vector<DType> weight_dtypes() const override { return {}; }
+  std::string_view requirements() const override { return reason(); }
+  Support available(Device) const override { return Support::no(std::string(reason())); }
+  Support supports(const Experts&, DType) const override { return Support::no(std::string(reason())); }
+  void run(const Experts&, const ExpertsCall&) const override { MOEKIT_FAIL(not_supported, reason()); }
+
+ protected:
+  // Why it does not run, what it needs, and what to use instead.
+  virtual std::string_view reason() const = 0;
+};
+
 }  // namespace moekit

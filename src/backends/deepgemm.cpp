@@ -1,27 +1,22 @@
 // deepgemm (SPEC section 2): DeepGEMM-style grouped GEMM on Hopper tensor cores over rows padded to 128 per
-// expert. Not in this build yet: it is registered so that the name is known and selecting it explains
-// itself; it runs nothing, on any device.
+// expert. Not in this build yet: registered so that the name is known and selecting it explains itself.
 #include "backends/backends.h"
 
 namespace moekit {
 namespace {
 
-constexpr const char* kNotYet =
-    "deepgemm is not in this build yet: it needs CUDA grouped-GEMM kernels for Hopper (compute capability 9.0) "
-    "that moekit does not have yet; use grouped_mm (or batched_mm for few tokens)";
-
-class DeepgemmBackend final : public ExpertsBackend {
+class DeepgemmBackend final : public NotInThisBuildBackend {
  public:
   std::string_view name() const override { return "deepgemm"; }
   std::string_view description() const override {
     return "not in this build yet (planned: rows padded to 128 per expert, one grouped GEMM on Hopper)";
   }
-  std::vector<DeviceType> devices() const override { return {}; }
-  std::vector<DType> weight_dtypes() const override { return {}; }
-  std::string_view requirements() const override { return kNotYet; }
-  Support available(Device) const override { return Support::no(kNotYet); }
-  Support supports(const Experts&, DType) const override { return Support::no(kNotYet); }
-  void run(const Experts&, const ExpertsCall&) const override { MOEKIT_FAIL(not_supported, kNotYet); }
+
+ protected:
+  std::string_view reason() const override {
+    return "deepgemm is not in this build yet: it needs CUDA grouped-GEMM kernels for Hopper (compute capability "
+           "9.0) that moekit does not have yet; use grouped_mm (or batched_mm for few tokens)";
+  }
 };
 
 }  // namespace

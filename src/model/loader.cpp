@@ -86,8 +86,8 @@ Tensor stack_rows(const std::vector<Tensor>& parts, const Shape& shape, DType dt
   return out.to(device);
 }
 
-// A checkpoint tensor [E, A, B] as [E, B, A] in the model dtype on the model's device (undefined when
-// missing or misshapen, as TensorReader::get).
+// A checkpoint tensor [E, A, B] as [E, B, A] (transpose_expert_weight) in the model dtype on the model's
+// device (undefined when missing or misshapen, as TensorReader::get).
 Tensor transposed_experts(TensorReader& r, const std::string& name, const Shape& stored) {
   Tensor t = r.host(name, stored);
   if (!t.defined()) return t;
@@ -164,8 +164,8 @@ ExpertsWeights load_experts(TensorReader& r, const Checkpoint& ck, const std::st
     }
     stored_transposed = spec.is_transposed;
     if (spec.is_transposed) {
-      // Stored [E, in, out] (gpt-oss): transposed once here into the [E, out, in] layout that every backend
-      // serves at full speed (the GPU GEMV and tensor-core kernels read rows of `in`); same values.
+      // Stored [E, in, out] (gpt-oss): transposed once here into [E, out, in], the layout the CUDA backends'
+      // prepare would otherwise repack into beside the stored copy; same values, one copy in memory.
       w.gate_up_proj = transposed_experts(r, gu_name, gu_shape);
       w.down_proj = transposed_experts(r, p + "down_proj", {E, I, H});
       spec.is_transposed = false;
