@@ -90,7 +90,7 @@ class Experts {
 
   const std::string& implementation() const { return implementation_; }
   // Switches backend at run time (no weight reload). Unknown names throw with the valid list;
-  // switching to or from deepgemm_megamoe (a load-time choice) throws.
+  // switching to or from a load-time-only backend (deepgemm_megamoe) throws.
   void set_implementation(const std::string& name);
 
   // out = experts(hidden_states, top_k_index, top_k_weights); T = 0 gives an empty [0, H] tensor.

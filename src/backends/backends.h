@@ -33,11 +33,19 @@ void prepare(const Experts& experts);
 // Checks the call, builds its CallContext over the module's CUDA state and runs `path` on it.
 void run(std::string_view backend, const Experts& experts, const ExpertsCall& call, KernelPath path);
 
-// The kernel paths (eager.cpp, batched_mm.cpp, grouped_mm.cpp). Each enqueues the whole forward.
+// The kernel paths (cuda/eager.cpp, batched_mm.cpp, grouped_mm.cpp). Each enqueues the whole forward.
 void run_eager(const CallContext& c);
 void run_batched_mm(const CallContext& c);
 void run_grouped_mm(const CallContext& c);
 }  // namespace cuda
+
+// A backend's CUDA kernel path, as passed to cuda::run: the function in CUDA builds, null without CUDA
+// (where cuda::run refuses before using it), so a new path needs no stub.
+#ifdef MOEKIT_WITH_CUDA
+#define MOEKIT_CUDA_PATH(fn) (&::moekit::cuda::fn)
+#else
+#define MOEKIT_CUDA_PATH(fn) (::moekit::cuda::KernelPath{nullptr})
+#endif
 
 // Base of the backends with a CPU and a CUDA implementation (eager, batched_mm, grouped_mm): availability,
 // support and preparation per device. A derived class adds its identity, its properties and run().

@@ -14,7 +14,7 @@ class BatchedMmBackend final : public CpuCudaBackend {
   bool graph_capturable() const override { return true; }
   void run(const Experts& experts, const ExpertsCall& call) const override {
     if (experts.device().is_cpu()) cpu::batched_mm(experts, call);
-    else cuda::run(name(), experts, call, &cuda::run_batched_mm);
+    else cuda::run(name(), experts, call, MOEKIT_CUDA_PATH(run_batched_mm));
   }
 };
 

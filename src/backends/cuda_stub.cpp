@@ -12,10 +12,6 @@ void prepare(const Experts&) {}
 void run(std::string_view backend, const Experts&, const ExpertsCall&, KernelPath) {
   MOEKIT_FAIL(not_supported, "experts implementation '", backend, "': ", kNoCuda);
 }
-// Never reached: run() above refuses first.
-void run_eager(const CallContext&) { MOEKIT_FAIL(not_supported, kNoCuda); }
-void run_batched_mm(const CallContext&) { MOEKIT_FAIL(not_supported, kNoCuda); }
-void run_grouped_mm(const CallContext&) { MOEKIT_FAIL(not_supported, kNoCuda); }
 
 }  // namespace moekit::cuda
 

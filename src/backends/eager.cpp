@@ -15,7 +15,7 @@ class EagerBackend final : public CpuCudaBackend {
   int default_rank() const override { return 1; }
   void run(const Experts& experts, const ExpertsCall& call) const override {
     if (experts.device().is_cpu()) cpu::eager(experts, call);
-    else cuda::run(name(), experts, call, &cuda::run_eager);
+    else cuda::run(name(), experts, call, MOEKIT_CUDA_PATH(run_eager));
   }
 };
 

@@ -17,7 +17,7 @@ class GroupedMmBackend final : public CpuCudaBackend {
   int default_rank() const override { return 2; }
   void run(const Experts& experts, const ExpertsCall& call) const override {
     if (experts.device().is_cpu()) cpu::grouped_mm(experts, call);
-    else cuda::run(name(), experts, call, &cuda::run_grouped_mm);
+    else cuda::run(name(), experts, call, MOEKIT_CUDA_PATH(run_grouped_mm));
   }
 };
 
