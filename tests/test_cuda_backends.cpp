@@ -271,13 +271,8 @@ TEST(CudaBackends, EveryKernelPathSmall) {
 TEST(CudaBackends, DeterministicRunToRun) {
   MOEKIT_SKIP_WITHOUT_CUDA();
   ProblemConfig c = cuda_case();
-  c.E = 60;
-  c.H = 128;
-  c.I = 64;
-  c.T = 1000;
-  c.K = 8;
-  c.used = 60;
   c.idt = DType::i32;
+  c.T = 1000, c.E = 60, c.K = 8, c.H = 128, c.I = 64, c.used = 60;
   const ExpertsProblem p = make_problem(c, 17);
   const Experts dev = p.experts.to(Device::cuda(0));
   for (const auto& b : cuda_backends()) {
@@ -292,10 +287,7 @@ TEST(CudaBackends, BadIdsAreReported) {
   MOEKIT_SKIP_WITHOUT_CUDA();
   for (DType it : {DType::i32, DType::i64}) {
     ProblemConfig c = cuda_case();
-    c.T = 16;
-    c.K = 2;
-    c.used = 8;
-    c.idt = it;
+    c.T = 16, c.K = 2, c.used = 8, c.idt = it;
     const ExpertsProblem p = make_problem(c, it == DType::i32 ? 19 : 20);
     const Experts dev = p.experts.to(Device::cuda(0));
     Tensor bad = Tensor::copy_of(p.top_k_index.view(), Device::cpu());

@@ -254,16 +254,8 @@ TEST(ExpertsApi, TransposeExpertWeight) {
 // The same experts with transposed ([E, in, out]) and plain ([E, out, in]) weights give the same result
 // on every backend of every device present (the CUDA backends repack the transposed ones in prepare).
 TEST(ExpertsApi, TransposedAndPlainWeightsAgree) {
-  ProblemConfig c;
-  c.T = 9;
-  c.E = 4;
-  c.K = 2;
-  c.H = 40;
-  c.I = 24;
-  c.has_bias = true;
-  c.transposed = true;
-  c.concatenated = false;
-  c.gate = GateKind::clamped_swiglu;
+  const ProblemConfig c{.T = 9, .E = 4, .K = 2, .H = 40, .I = 24, .has_bias = true, .transposed = true,
+                        .concatenated = false, .gate = GateKind::clamped_swiglu};
   const ExpertsProblem p = make_problem(c, 31);
   ExpertsSpec plain_spec = p.experts.spec();
   plain_spec.is_transposed = false;

@@ -156,16 +156,8 @@ inline ExpertsProblem make_problem(const ProblemConfig& c, uint64_t seed) {
 // The CUDA tests' default case: bf16 experts (E = 8, H = 64, I = 32), biases ~ N(0, 0.2), gpt-oss's clamp
 // limit; no tokens.
 inline ProblemConfig cuda_case() {
-  ProblemConfig c;
-  c.act = c.wdt = DType::bf16;
-  c.E = 8;
-  c.H = 64;
-  c.I = 32;
-  c.T = 0;
-  c.K = 1;
-  c.limit = 7.0f;
-  c.bias_std = 0.2;
-  return c;
+  return {.act = DType::bf16, .wdt = DType::bf16, .T = 0, .E = 8, .K = 1, .H = 64, .I = 32, .limit = 7.0f,
+          .bias_std = 0.2};
 }
 
 // ---- devices ----
