@@ -411,6 +411,8 @@ int main(int argc, char** argv) {
       check_case(211, 2, 7, 200, 96, t, false, true, true, true, 0, seed++);
       check_case(1000, 8, 64, 512, 384, t, true, true, false, true, 7, seed++);
       check_case(5, 2, 8, 64, 64, t, true, true, false, false, 0, seed++);
+      check_case(517, 2, 16, 264, 200, t, true, true, false, true, 3, seed++);  // n not a multiple of the tile
+      check_case(3000, 4, 8, 128, 64, t, true, true, false, false, 0, seed++);  // many whole 64-row blocks
     }
   }
   if (timing) {

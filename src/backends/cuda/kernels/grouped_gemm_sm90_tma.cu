@@ -7,9 +7,16 @@
 // rows) and two B boxes (2 x 128 x 64, 3-D map over the [E, N, K] weights) into a ring of shared-memory
 // stages guarded by mbarriers ("full": bytes landed, "empty": both consumers done). Warpgroups 1 and 2
 // (registers raised) each multiply 64 rows by the 256 columns with wgmma m64n256k16, release a stage as
-// soon as the MMAs that read it retire, and store their tile straight from registers (rows past the
-// expert's end masked), the gate fused as in the other kernels. The work list comes from the device
-// offsets (no host synchronisation; capturable in a CUDA graph).
+// soon as the MMAs that read it retire, and write their tile through a per-warpgroup shared-memory
+// staging buffer (rows past the expert's end masked), the gate fused:
+//   - f32 (second projection) and gated silu * up with concatenated halves and no bias (the common
+//     first projection): staged in 128-byte swizzled boxes and written by bulk tensor stores for 64-row
+//     blocks inside the expert (the copy engine writes while the warpgroup starts its next tile), masked
+//     16-byte stores for a block crossing the expert's end;
+//   - any other gate / activation / bias: f32 staged in four rounds, one compact loop applies it, 16-byte
+//     stores. (Unrolling the generic gate per fragment made the kernel ten times larger, with an indirect
+//     branch per value, and ran the projection at a third of the speed.)
+// The work list comes from the device offsets (no host synchronisation; capturable in a CUDA graph).
 //
 // B boxes per work item: gated with concatenated [gate | up] rows: gate rows c0.. and up rows I + c0..
 // (128 output columns); gated interleaved: rows 2 c0 .. 2 c0 + 255 (gate and up adjacent, 128 output
@@ -242,100 +249,160 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     } else {
-      // 16-bit outputs: four rounds through this warpgroup's staging buffer (64 rows x 64 f32, float2
-      // slots swizzled by row). Each round stages 64 virtual columns of the accumulators (plain moves),
-      // then one compact loop applies bias and gate / activation and writes whole 16-byte row pieces.
-      // (Unrolled per-fragment gate code and scattered 2-byte stores made the kernel several times
-      // larger and ran the projection at a third of the speed.)
-      unsigned char* stage = tma_smem + (base - smem_u32(tma_smem)) + kStages * kStageBytes + c * kOutBytes;
-      auto slot = [](int r, int l) { return r * 256 + ((((l >> 1) ^ ((r & 7) << 2))) << 3) + (l & 1) * 4; };
-      bool concat = false;
-      if constexpr (EPI == kEpiGated) concat = concat_gate;
-      const int out_per_round = EPI == kEpiActOnly ? 64 : 32, tl = tid % 128, r_out = tl >> 1;
-      const int cnt = out_per_round / 2, o0 = (tl & 1) * cnt;
-      T* out = static_cast<T*>(args.out);
-      const bool vec = (args.ldo & 7) == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0;
-      const int64_t row_g = t.m0 + c * 64 + r_out;
-      const bool fast_silu =
-          EPI == kEpiGated && !bias && args.gate.kind == kGateActMul && args.gate.activation == kActSilu;
-#pragma unroll
-      for (int round = 0; round < 4; ++round) {
+      bool direct = false;
+      if constexpr (EPI == kEpiGated)
+        direct = concat_gate && !bias && args.gate.kind == kGateActMul && args.gate.activation == kActSilu;
+      if (direct) {
+        // silu(gate) * up, concatenated halves, no bias: computed in registers (gate and up of a column sit
+        // in the same thread), staged as 16-bit pairs in two 64 x 64 boxes (128-byte swizzle) and written
+        // by bulk tensor stores for 64-row blocks inside the expert, masked 16-byte stores otherwise.
+        unsigned char* stage = tma_smem + (base - smem_u32(tma_smem)) + kStages * kStageBytes + c * kOutBytes;
+        const int tl = tid % 128;
+        if (tl == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // staging free again
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
+        using T2 = std::conditional_t<std::is_same_v<T, bf16>, __nv_bfloat162, __half2>;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = warp * 16 + (lane >> 2) + half * 8;
 #pragma unroll
-          for (int jj = 0; jj < 8; ++jj) {
-            const int l = jj * 8 + (lane & 3) * 2;
-            const int j_concat = jj < 4 ? 4 * round + jj : kBN / 16 + 4 * round + jj - 4, j_plain = 8 * round + jj;
-            float2 v;
-            if (concat) v = make_float2(acc[4 * j_concat + 2 * half], acc[4 * j_concat + 2 * half + 1]);
-            else v = make_float2(acc[4 * j_plain + 2 * half], acc[4 * j_plain + 2 * half + 1]);
-            *reinterpret_cast<float2*>(stage + slot(r, l)) = v;
+          for (int j = 0; j < kBN / 16; ++j) {
+            float y[2];
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+              const float g = acc[4 * j + 2 * half + q], u = acc[4 * (j + kBN / 16) + 2 * half + q];
+              y[q] = __fdividef(g, 1.0f + __expf(-g)) * u;  // 0 once exp(-g) > 2^126
+            }
+            T2 v;
+            v.x = from_f32<T>(y[0]);
+            v.y = from_f32<T>(y[1]);
+            const int off = (j >> 3) * 8192 + r * 128 + (((j & 7) ^ (r & 7)) << 4) + (lane & 3) * 4;
+            *reinterpret_cast<T2*>(stage + off) = v;
           }
         }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
-        const int64_t col0 = EPI == kEpiActOnly ? int64_t(t.n_tile) * kBN + 64 * round
-                                                 : int64_t(t.n_tile) * (kBN / 2) + 32 * round;
-        if (fast_silu && row_g < t.m_end) {
-          // silu(gate) * up without bias, unrolled for instruction-level parallelism
+        const int col0 = t.n_tile * (kBN / 2);
+        if (use_tma_store && t.m0 + c * 64 + 64 <= t.m_end) {
+          if (tl == 0) {
+            const uint32_t stage_u32 = smem_u32(stage);
 #pragma unroll
-          for (int g8 = 0; g8 < out_per_round / 2; g8 += 8) {
-            alignas(16) T y[8];
+            for (int b = 0; b < 2; ++b)
+              asm volatile(
+                  "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(&map_out),
+                  "r"(col0 + 64 * b), "r"(int(t.m0) + c * 64), "r"(stage_u32 + b * 8192)
+                  : "memory");
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+          }
+        } else {
+          T* out = static_cast<T*>(args.out);
+          const bool vec = (args.ldo & 7) == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-              const int o = o0 + g8 + e;
-              const float g = *reinterpret_cast<const float*>(stage + slot(r_out, concat ? o : 2 * o));
-              const float u = *reinterpret_cast<const float*>(stage + slot(r_out, concat ? 32 + o : 2 * o + 1));
-              y[e] = from_f32<T>(__fdividef(g, 1.0f + __expf(-g)) * u);  // 0 once exp(-g) > 2^126
-            }
-            const int64_t col = col0 + o0 + g8;
+          for (int i = 0; i < 8; ++i) {
+            const int idx = i * 128 + tl, r = idx >> 4, ch = idx & 15;
+            const int64_t row = t.m0 + c * 64 + r, col = col0 + ch * 8;
+            if (row >= t.m_end || col >= args.n) continue;
+            const unsigned char* src = stage + (ch >> 3) * 8192 + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
             if (vec && col + 8 <= args.n) {
-              *reinterpret_cast<uint4*>(out + row_g * args.ldo + col) = *reinterpret_cast<const uint4*>(y);
+              *reinterpret_cast<uint4*>(out + row * args.ldo + col) = *reinterpret_cast<const uint4*>(src);
             } else {
-#pragma unroll
-              for (int e = 0; e < 8; ++e)
-                if (col + e < args.n) out[row_g * args.ldo + col + e] = y[e];
+              for (int e = 0; e < 8 && col + e < args.n; ++e) out[row * args.ldo + col + e] = reinterpret_cast<const T*>(src)[e];
             }
           }
-        } else if (row_g < t.m_end) {
-#pragma unroll 1
-          for (int g8 = 0; g8 < cnt; g8 += 8) {
-            alignas(16) T y[8];
-#pragma unroll 1
-            for (int e = 0; e < 8; ++e) {
-              const int o = o0 + g8 + e;
-              const int64_t col = col0 + o;
-              float v;
-              if constexpr (EPI == kEpiGated) {
-                float g = *reinterpret_cast<const float*>(stage + slot(r_out, concat ? o : 2 * o));
-                float u = *reinterpret_cast<const float*>(stage + slot(r_out, concat ? 32 + o : 2 * o + 1));
-                if (bias && col < args.n) {
-                  g += to_f32(bias[gate_row(args.gate, col)]);
-                  u += to_f32(bias[up_row(args.gate, col, args.inter)]);
-                }
-                v = gate_value(args.gate, g, u);
-              } else {
-                v = *reinterpret_cast<const float*>(stage + slot(r_out, o));
-                if (bias && col < args.n) v += to_f32(bias[col]);
-                v = activate(args.gate.activation, v);
+        }
+      } else {
+        // 16-bit outputs: four rounds through this warpgroup's staging buffer (64 rows x 64 f32, float2
+        // slots swizzled by row). Each round stages 64 virtual columns of the accumulators (plain moves),
+        // then one compact loop applies bias and gate / activation and writes whole 16-byte row pieces.
+        // (Unrolled per-fragment gate code and scattered 2-byte stores made the kernel several times
+        // larger and ran the projection at a third of the speed.)
+        unsigned char* stage = tma_smem + (base - smem_u32(tma_smem)) + kStages * kStageBytes + c * kOutBytes;
+        auto slot = [](int r, int l) { return r * 256 + ((((l >> 1) ^ ((r & 7) << 2))) << 3) + (l & 1) * 4; };
+        bool concat = false;
+        if constexpr (EPI == kEpiGated) concat = concat_gate;
+        const int out_per_round = EPI == kEpiActOnly ? 64 : 32, tl = tid % 128, r_out = tl >> 1;
+        const int cnt = out_per_round / 2, o0 = (tl & 1) * cnt;
+        T* out = static_cast<T*>(args.out);
+        const bool vec = (args.ldo & 7) == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0;
+        const int64_t row_g = t.m0 + c * 64 + r_out;
+        const bool fast_silu =
+            EPI == kEpiGated && !bias && args.gate.kind == kGateActMul && args.gate.activation == kActSilu;
+  #pragma unroll
+        for (int round = 0; round < 4; ++round) {
+  #pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int r = warp * 16 + (lane >> 2) + half * 8;
+  #pragma unroll
+            for (int jj = 0; jj < 8; ++jj) {
+              const int l = jj * 8 + (lane & 3) * 2;
+              const int j_concat = jj < 4 ? 4 * round + jj : kBN / 16 + 4 * round + jj - 4, j_plain = 8 * round + jj;
+              float2 v;
+              if (concat) v = make_float2(acc[4 * j_concat + 2 * half], acc[4 * j_concat + 2 * half + 1]);
+              else v = make_float2(acc[4 * j_plain + 2 * half], acc[4 * j_plain + 2 * half + 1]);
+              *reinterpret_cast<float2*>(stage + slot(r, l)) = v;
+            }
+          }
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
+          const int64_t col0 = EPI == kEpiActOnly ? int64_t(t.n_tile) * kBN + 64 * round
+                                                   : int64_t(t.n_tile) * (kBN / 2) + 32 * round;
+          if (fast_silu && row_g < t.m_end) {
+            // silu(gate) * up without bias, unrolled for instruction-level parallelism
+  #pragma unroll
+            for (int g8 = 0; g8 < out_per_round / 2; g8 += 8) {
+              alignas(16) T y[8];
+  #pragma unroll
+              for (int e = 0; e < 8; ++e) {
+                const int o = o0 + g8 + e;
+                const float g = *reinterpret_cast<const float*>(stage + slot(r_out, concat ? o : 2 * o));
+                const float u = *reinterpret_cast<const float*>(stage + slot(r_out, concat ? 32 + o : 2 * o + 1));
+                y[e] = from_f32<T>(__fdividef(g, 1.0f + __expf(-g)) * u);  // 0 once exp(-g) > 2^126
               }
-              y[e] = from_f32<T>(v);
+              const int64_t col = col0 + o0 + g8;
+              if (vec && col + 8 <= args.n) {
+                *reinterpret_cast<uint4*>(out + row_g * args.ldo + col) = *reinterpret_cast<const uint4*>(y);
+              } else {
+  #pragma unroll
+                for (int e = 0; e < 8; ++e)
+                  if (col + e < args.n) out[row_g * args.ldo + col + e] = y[e];
+              }
             }
-            const int64_t col = col0 + o0 + g8;
-            if (vec && col + 8 <= args.n) {
-              *reinterpret_cast<uint4*>(out + row_g * args.ldo + col) = *reinterpret_cast<const uint4*>(y);
-            } else {
-              for (int e = 0; e < 8 && col + e < args.n; ++e) out[row_g * args.ldo + col + e] = y[e];
+          } else if (row_g < t.m_end) {
+  #pragma unroll 1
+            for (int g8 = 0; g8 < cnt; g8 += 8) {
+              alignas(16) T y[8];
+  #pragma unroll 1
+              for (int e = 0; e < 8; ++e) {
+                const int o = o0 + g8 + e;
+                const int64_t col = col0 + o;
+                float v;
+                if constexpr (EPI == kEpiGated) {
+                  float g = *reinterpret_cast<const float*>(stage + slot(r_out, concat ? o : 2 * o));
+                  float u = *reinterpret_cast<const float*>(stage + slot(r_out, concat ? 32 + o : 2 * o + 1));
+                  if (bias && col < args.n) {
+                    g += to_f32(bias[gate_row(args.gate, col)]);
+                    u += to_f32(bias[up_row(args.gate, col, args.inter)]);
+                  }
+                  v = gate_value(args.gate, g, u);
+                } else {
+                  v = *reinterpret_cast<const float*>(stage + slot(r_out, o));
+                  if (bias && col < args.n) v += to_f32(bias[col]);
+                  v = activate(args.gate.activation, v);
+                }
+                y[e] = from_f32<T>(v);
+              }
+              const int64_t col = col0 + o0 + g8;
+              if (vec && col + 8 <= args.n) {
+                *reinterpret_cast<uint4*>(out + row_g * args.ldo + col) = *reinterpret_cast<const uint4*>(y);
+              } else {
+                for (int e = 0; e < 8 && col + e < args.n; ++e) out[row_g * args.ldo + col + e] = y[e];
+              }
             }
           }
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
         }
-        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
       }
     }
   }
-  if constexpr (EPI == kEpiF32) {
-    if (tid % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-  }
+  if (tid % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // bulk stores read out
 #endif
 }
 
@@ -411,8 +478,16 @@ cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
       return cudaErrorInvalidValue;
   }
-  // f32 outputs: bulk tensor stores where the row stride and address allow (else masked stores)
+  // f32 and gated 16-bit outputs: bulk tensor stores where the row stride and address allow (else masked stores)
   bool tma_store = false;
+  if (EPI == kEpiGated && a.ldo % 8 == 0 && aligned16(a.out)) {  // 16-bit gated outputs: 64 x 64 boxes
+    const cuuint64_t dims[2] = {cuuint64_t(a.n), cuuint64_t(a.max_rows)};
+    const cuuint64_t strides[1] = {cuuint64_t(a.ldo) * 2};
+    const cuuint32_t box[2] = {64, 64}, estr[2] = {1, 1};
+    tma_store = encode(&map_out, dt, 2, a.out, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  }
   if (EPI == kEpiF32 && a.ldo % 4 == 0 && aligned16(a.out)) {
     const cuuint64_t dims[2] = {cuuint64_t(a.n), cuuint64_t(a.max_rows)};
     const cuuint64_t strides[1] = {cuuint64_t(a.ldo) * 4};
