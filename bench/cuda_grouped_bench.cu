@@ -25,13 +25,13 @@
 
 namespace k = moekit::cuda::kernels;
 
-#define CK(x)                                                                                \
-  do {                                                                                       \
-    cudaError_t e_ = (x);                                                                    \
-    if (e_ != cudaSuccess) {                                                                 \
+#define CK(x)                                                                                 \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                          \
-    }                                                                                        \
+      std::exit(1);                                                                           \
+    }                                                                                         \
   } while (0)
 
 __global__ void fill_kernel(uint16_t* p, int64_t n, uint64_t seed, float scale, int is_bf16) {
@@ -54,10 +54,12 @@ __global__ void fill_kernel(uint16_t* p, int64_t n, uint64_t seed, float scale, 
 template <class T>
 __global__ void rel_err_kernel(const T* out, const T* ref, int64_t rows, int64_t cols, int64_t ld, double* acc) {
   double d = 0, r = 0, nan = 0;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * cols; i += int64_t(gridDim.x) * blockDim.x) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * cols;
+       i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t row = i / cols, col = i % cols;
     const float a = float(out[row * ld + col]), b = float(ref[row * ld + col]);
-    if (!(a == a) || !(b == b) || std::isinf(a)) nan += 1;
+    if (!(a == a) || !(b == b) || std::isinf(a))
+      nan += 1;
     else {
       d += double(a - b) * (a - b);
       r += double(b) * b;
@@ -73,7 +75,9 @@ struct Dev {
   explicit Dev(size_t bytes) { CK(cudaMalloc(&p, std::max<size_t>(bytes, 256))); }
   ~Dev() { cudaFree(p); }
   template <class T>
-  T* as() const { return static_cast<T*>(p); }
+  T* as() const {
+    return static_cast<T*>(p);
+  }
 };
 
 void fill(void* p, int64_t n, uint64_t seed, float scale, bool bf) {
@@ -104,8 +108,15 @@ struct Routed {
   int64_t P;
   Dev idx, pe, pr, sp, hist, off, toff, err;
   Routed(const std::vector<int32_t>& h, int64_t T, int K, int E)
-      : P(T * K), idx(h.size() * 4), pe(P * 4), pr(P * 4), sp(P * 4), hist(k::route_blocks(P) * E * 4), off((E + 1) * 4),
-        toff((E + 1) * 4), err(8) {
+      : P(T * K),
+        idx(h.size() * 4),
+        pe(P * 4),
+        pr(P * 4),
+        sp(P * 4),
+        hist(k::route_blocks(P) * E * 4),
+        off((E + 1) * 4),
+        toff((E + 1) * 4),
+        err(8) {
     CK(cudaMemcpy(idx.p, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemset(err.p, 0xff, 8));
     k::RoutingBuffers b;
@@ -130,12 +141,14 @@ double rel_err(k::Elem t, const void* out, const void* ref, int64_t rows, int64_
   Dev acc(24);
   CK(cudaMemset(acc.p, 0, 24));
   if (t == k::Elem::f32)
-    rel_err_kernel<<<512, 256>>>(static_cast<const float*>(out), static_cast<const float*>(ref), rows, cols, ld, acc.as<double>());
-  else if (t == k::Elem::bf16)
-    rel_err_kernel<<<512, 256>>>(static_cast<const __nv_bfloat16*>(out), static_cast<const __nv_bfloat16*>(ref), rows, cols, ld,
+    rel_err_kernel<<<512, 256>>>(static_cast<const float*>(out), static_cast<const float*>(ref), rows, cols, ld,
                                  acc.as<double>());
+  else if (t == k::Elem::bf16)
+    rel_err_kernel<<<512, 256>>>(static_cast<const __nv_bfloat16*>(out), static_cast<const __nv_bfloat16*>(ref), rows,
+                                 cols, ld, acc.as<double>());
   else
-    rel_err_kernel<<<512, 256>>>(static_cast<const __half*>(out), static_cast<const __half*>(ref), rows, cols, ld, acc.as<double>());
+    rel_err_kernel<<<512, 256>>>(static_cast<const __half*>(out), static_cast<const __half*>(ref), rows, cols, ld,
+                                 acc.as<double>());
   CK(cudaGetLastError());
   double h[3];
   CK(cudaMemcpy(h, acc.p, 24, cudaMemcpyDeviceToHost));
@@ -332,7 +345,9 @@ void time_shape(const char* name, int64_t T, int K, int E, int64_t H, int64_t I,
   if (!pass) ++g_fail;
 
   const double f1 = 2.0 * P * H * N1, f2 = 2.0 * P * I * H;
-  const double t_gather = median_us([&] { return k::gather_rows(type, x.p, H, r.sp.as<int32_t>(), K, r.off.as<int32_t>() + E, P, xs.p, nullptr); }, reps);
+  const double t_gather = median_us(
+      [&] { return k::gather_rows(type, x.p, H, r.sp.as<int32_t>(), K, r.off.as<int32_t>() + E, P, xs.p, nullptr); },
+      reps);
   const double t_tma1 = median_us([&] { return k::grouped_gemm_tma(t1, nullptr); }, reps);
   // the same FLOPs through the other epilogues: interleaved gate / up, and no gate (2I columns, bf16 out)
   k::GroupedGemmArgs t1i = t1, t1a = t1;
@@ -381,10 +396,11 @@ void time_shape(const char* name, int64_t T, int K, int E, int64_t H, int64_t I,
   auto tf = [](double f, double us) { return f / us * 1e-6; };
   std::printf(
       "%-14s T=%-6ld %-7s check %s (%.1e %.1e) | gate/up: tma %7.0f us %4.0f TF/s  old %7.0f us %4.0f  cublas %7.0f us "
-      "%4.0f  gather %5.0f us  [tma interleaved %4.0f, act-only %4.0f, f32-out %4.0f TF/s] | down: tma %7.0f us %4.0f  old %7.0f us %4.0f  cublas %7.0f us %4.0f [bf16-out %4.0f]\n",
+      "%4.0f  gather %5.0f us  [tma interleaved %4.0f, act-only %4.0f, f32-out %4.0f TF/s] | down: tma %7.0f us %4.0f  "
+      "old %7.0f us %4.0f  cublas %7.0f us %4.0f [bf16-out %4.0f]\n",
       name, long(T), skewed ? "skewed" : "uniform", pass ? "ok" : "FAIL", e1, e2, t_tma1, tf(f1, t_tma1), t_old1,
-      tf(f1, t_old1), t_b1, tf(f1, t_b1), t_gather, tf(f1, t_tma1i), tf(f1, t_tma1a), tf(f1, t_x1), t_tma2, tf(f2, t_tma2), t_old2, tf(f2, t_old2), t_b2,
-      tf(f2, t_b2), tf(f2, t_x2));
+      tf(f1, t_old1), t_b1, tf(f1, t_b1), t_gather, tf(f1, t_tma1i), tf(f1, t_tma1a), tf(f1, t_x1), t_tma2,
+      tf(f2, t_tma2), t_old2, tf(f2, t_old2), t_b2, tf(f2, t_b2), tf(f2, t_x2));
   std::fflush(stdout);
 }
 
@@ -392,9 +408,12 @@ int main(int argc, char** argv) {
   bool check = false, timing = false;
   int reps = 30;
   for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "check")) check = true;
-    else if (!std::strcmp(argv[i], "time")) timing = true;
-    else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "check"))
+      check = true;
+    else if (!std::strcmp(argv[i], "time"))
+      timing = true;
+    else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc)
+      reps = std::atoi(argv[++i]);
   }
   if (!check && !timing) check = timing = true;
   int n = 0;

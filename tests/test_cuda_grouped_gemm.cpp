@@ -67,8 +67,11 @@ int run_case(const Case& c, std::mt19937_64& rng) {
 TEST(CudaGroupedGemm, TmaKernelAgainstReference) {
   MOEKIT_SKIP_WITHOUT_CUDA();
   std::mt19937_64 rng(91);
-  struct Shape3 { int64_t E, H, I, T, K; };
-  const Shape3 shapes[] = {{8, 256, 128, 700, 2}, {16, 264, 200, 900, 4}, {7, 328, 136, 613, 3}, {32, 256, 128, 1200, 4}};
+  struct Shape3 {
+    int64_t E, H, I, T, K;
+  };
+  const Shape3 shapes[] = {
+      {8, 256, 128, 700, 2}, {16, 264, 200, 900, 4}, {7, 328, 136, 613, 3}, {32, 256, 128, 1200, 4}};
   int n = 0;
   for (const Shape3& s : shapes)
     for (DType dt : {DType::bf16, DType::f16}) {

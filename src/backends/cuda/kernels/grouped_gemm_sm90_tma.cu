@@ -38,16 +38,16 @@ constexpr int kABytes = kBM * kBK * 2, kBBoxBytes = 128 * kBK * 2, kStageBytes =
 constexpr int kOutBytes = 64 * 128 * 2;  // staging of 16-bit outputs, per consumer warpgroup
 constexpr size_t kSmemBytes = size_t(kStages) * kStageBytes + 2 * kOutBytes + 2 * kStages * 8 + 1024;
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+[[maybe_unused]] __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
 }
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
+[[maybe_unused]] __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+[[maybe_unused]] __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+[[maybe_unused]] __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
       "{\n"
       ".reg .pred done;\n"
@@ -58,18 +58,19 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
+[[maybe_unused]] __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
+                                                             int c1) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
           dst),
       "l"(map), "r"(bar), "r"(c0), "r"(c1)
       : "memory");
 }
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1,
-                                            int c2) {
+[[maybe_unused]] __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
+                                                             int c1, int c2) {
   asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(
-          dst),
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::
+          "r"(dst),
       "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
@@ -79,7 +80,7 @@ struct Work {
   int expert, n_tile;
   int64_t m0, m_end;
 };
-__device__ __forceinline__ void work_item(const GroupedGemmArgs& args, int w, int n_tiles, Work& t) {
+[[maybe_unused]] __device__ __forceinline__ void work_item(const GroupedGemmArgs& args, int w, int n_tiles, Work& t) {
   const int e = tile_expert(args.tile_offsets, args.experts, w / n_tiles);
   const int first_tile = __ldg(args.tile_offsets + e);
   const int m_tiles = __ldg(args.tile_offsets + e + 1) - first_tile;
@@ -103,7 +104,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                             const GroupedGemmArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char tma_smem[];
-  const uint32_t base = (smem_u32(tma_smem) + 1023) & ~1023u;  // swizzled tiles: 1024-byte aligned
+  const uint32_t base = (smem_u32(tma_smem) + 1023) & ~1023u;          // swizzled tiles: 1024-byte aligned
   const uint32_t bars = base + kStages * kStageBytes + 2 * kOutBytes;  // full[s] at bars + 8 s, empty[s] after
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (kStages + s); };
@@ -237,8 +238,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int idx = i * 128 + tl, r = idx >> 4, ch = idx & 15, b = ch >> 3;
             const int64_t row = t.m0 + c * 64 + r, col = col0 + ch * 4;
             if (row >= t.m_end || col >= args.n) continue;
-            const float4 v =
-                *reinterpret_cast<const float4*>(stage + b * 8192 + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
+            const float4 v = *reinterpret_cast<const float4*>(stage + b * 8192 + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
             if (col + 4 <= args.n && (args.ldo & 3) == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0) {
               *reinterpret_cast<float4*>(out + row * args.ldo + col) = v;
             } else {
@@ -305,7 +305,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (vec && col + 8 <= args.n) {
               *reinterpret_cast<uint4*>(out + row * args.ldo + col) = *reinterpret_cast<const uint4*>(src);
             } else {
-              for (int e = 0; e < 8 && col + e < args.n; ++e) out[row * args.ldo + col + e] = reinterpret_cast<const T*>(src)[e];
+              for (int e = 0; e < 8 && col + e < args.n; ++e)
+                out[row * args.ldo + col + e] = reinterpret_cast<const T*>(src)[e];
             }
           }
         }
@@ -326,30 +327,32 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int64_t row_g = t.m0 + c * 64 + r_out;
         const bool fast_silu =
             EPI == kEpiGated && !bias && args.gate.kind == kGateActMul && args.gate.activation == kActSilu;
-  #pragma unroll
+#pragma unroll
         for (int round = 0; round < 4; ++round) {
-  #pragma unroll
+#pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int r = warp * 16 + (lane >> 2) + half * 8;
-  #pragma unroll
+#pragma unroll
             for (int jj = 0; jj < 8; ++jj) {
               const int l = jj * 8 + (lane & 3) * 2;
               const int j_concat = jj < 4 ? 4 * round + jj : kBN / 16 + 4 * round + jj - 4, j_plain = 8 * round + jj;
               float2 v;
-              if (concat) v = make_float2(acc[4 * j_concat + 2 * half], acc[4 * j_concat + 2 * half + 1]);
-              else v = make_float2(acc[4 * j_plain + 2 * half], acc[4 * j_plain + 2 * half + 1]);
+              if (concat)
+                v = make_float2(acc[4 * j_concat + 2 * half], acc[4 * j_concat + 2 * half + 1]);
+              else
+                v = make_float2(acc[4 * j_plain + 2 * half], acc[4 * j_plain + 2 * half + 1]);
               *reinterpret_cast<float2*>(stage + slot(r, l)) = v;
             }
           }
           asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
-          const int64_t col0 = EPI == kEpiActOnly ? int64_t(t.n_tile) * kBN + 64 * round
-                                                   : int64_t(t.n_tile) * (kBN / 2) + 32 * round;
+          const int64_t col0 =
+              EPI == kEpiActOnly ? int64_t(t.n_tile) * kBN + 64 * round : int64_t(t.n_tile) * (kBN / 2) + 32 * round;
           if (fast_silu && row_g < t.m_end) {
             // silu(gate) * up without bias, unrolled for instruction-level parallelism
-  #pragma unroll
+#pragma unroll
             for (int g8 = 0; g8 < out_per_round / 2; g8 += 8) {
               alignas(16) T y[8];
-  #pragma unroll
+#pragma unroll
               for (int e = 0; e < 8; ++e) {
                 const int o = o0 + g8 + e;
                 const float g = *reinterpret_cast<const float*>(stage + slot(r_out, concat ? o : 2 * o));
@@ -360,16 +363,16 @@ __global__ void __launch_bounds__(kThreads, 1)
               if (vec && col + 8 <= args.n) {
                 *reinterpret_cast<uint4*>(out + row_g * args.ldo + col) = *reinterpret_cast<const uint4*>(y);
               } else {
-  #pragma unroll
+#pragma unroll
                 for (int e = 0; e < 8; ++e)
                   if (col + e < args.n) out[row_g * args.ldo + col + e] = y[e];
               }
             }
           } else if (row_g < t.m_end) {
-  #pragma unroll 1
+#pragma unroll 1
             for (int g8 = 0; g8 < cnt; g8 += 8) {
               alignas(16) T y[8];
-  #pragma unroll 1
+#pragma unroll 1
               for (int e = 0; e < 8; ++e) {
                 const int o = o0 + g8 + e;
                 const int64_t col = col0 + o;
@@ -458,7 +461,8 @@ template <class T, int EPI>
 cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
   const auto encode = encode_fn();
   if (!encode) return cudaErrorNotSupported;
-  const CUtensorMapDataType dt = std::is_same_v<T, bf16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUtensorMapDataType dt =
+      std::is_same_v<T, bf16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   CUtensorMap map_a{}, map_b{}, map_out{};
   {
     const cuuint64_t dims[2] = {cuuint64_t(a.k), cuuint64_t(a.max_rows)};
@@ -509,9 +513,12 @@ cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
 template <class T>
 cudaError_t launch_tma_epi(const GroupedGemmArgs& a, cudaStream_t stream) {
   switch (a.epilogue) {
-    case kEpiGated: return launch_tma<T, kEpiGated>(a, stream);
-    case kEpiActOnly: return launch_tma<T, kEpiActOnly>(a, stream);
-    case kEpiF32: return launch_tma<T, kEpiF32>(a, stream);
+    case kEpiGated:
+      return launch_tma<T, kEpiGated>(a, stream);
+    case kEpiActOnly:
+      return launch_tma<T, kEpiActOnly>(a, stream);
+    case kEpiF32:
+      return launch_tma<T, kEpiF32>(a, stream);
   }
   return cudaErrorInvalidValue;
 }
