@@ -4,6 +4,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 
 #include "backends/cuda/common.h"
 #include "backends/cuda/policy.h"
@@ -102,6 +103,10 @@ struct CallContext {
 void run_eager(const CallContext& c);
 void run_batched_mm(const CallContext& c);
 void run_grouped_mm(const CallContext& c);
+// deepgemm (deepgemm.cpp): DeepGEMM's contiguous layout on the sm_90a TMA grouped kernel. Throws
+// not_supported where it does not serve; deepgemm_unsupported_reason says why ("" when it serves).
+void run_deepgemm(const CallContext& c);
+std::string deepgemm_unsupported_reason(const CallContext& c);
 
 // Whether batched_mm runs its per-pair GEMV kernels for this call (else the grouped kernels).
 bool batched_uses_gemv(const CallContext& c);

@@ -137,6 +137,16 @@ cudaError_t grouped_gemm_wgmma(const GroupedGemmArgs& a, int tile_m, bool wide, 
 cudaError_t grouped_gemm_mma(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);
 cudaError_t grouped_gemm_simt(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);
 
+// ---- DeepGEMM's contiguous layout (expert_layout.cu) ----
+
+// Rows padded per expert to the row tile: row_base[e] = tile_offsets[e] * tile_m (E + 1 entries);
+// xl[row_base[e] + j, :] = x[token of expert e's j-th sorted pair, :] and pair_row_l[p] = that row, for
+// the valid pairs (dropped pairs and the padding rows are left as they are). Launched for `pairs` rows.
+// xl holds at least grouped_max_tiles(pairs, experts, tile_m) * tile_m rows of `hidden` elements.
+cudaError_t contiguous_layout(Elem type, const void* x, int64_t hidden, int top_k, const RoutingBuffers& r,
+                              int experts, int64_t pairs, int tile_m, int32_t* row_base, void* xl,
+                              int32_t* pair_row_l, cudaStream_t stream);
+
 // ---- per-pair GEMV (gemv.cu): each (token, slot) pair reads its expert's weights in place ----
 
 struct PairGemvArgs {
