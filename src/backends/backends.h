@@ -3,6 +3,7 @@
 // backends that run on both devices. Each backend's file defines `BackendPtr make_<name>_backend()`; the
 // registry (registry.cpp) lists them; nothing else names a backend.
 #pragma once
+#include <string>
 #include <string_view>
 
 #include "moekit/interface.h"
@@ -23,10 +24,16 @@ namespace cuda {
 struct CallContext;  // backends/cuda/state.h
 using KernelPath = void (*)(const CallContext&);
 
-// Whether this build's CUDA kernels run on `device` (build, device present, compute capability).
-Support available(std::string_view backend, Device device);
-// Whether they run these experts (weights, activation dtype, gate, sizes).
-Support supports(std::string_view backend, const Experts& experts, DType act_dtype);
+// A backend's own condition on the device's compute capability `arch` (major * 10 + minor): "" when met.
+using ArchCheck = std::string (*)(int arch);
+// Whether this build's CUDA kernels run on `device` (build, device present, compute capability, and
+// `arch_check` where given).
+Support available(std::string_view backend, Device device, ArchCheck arch_check = nullptr);
+// A backend's own conditions on top of the common ones: "" when it serves these experts on a device of
+// compute capability `arch` (major * 10 + minor), else why not.
+using ExtraCheck = std::string (*)(const Experts& experts, DType act_dtype, int arch);
+// Whether they run these experts (weights, activation dtype, gate, sizes), and `extra` where given.
+Support supports(std::string_view backend, const Experts& experts, DType act_dtype, ExtraCheck extra = nullptr);
 // One-time work per module: transposed weights ([E, in, out]) repacked to [E, out, in], kept in the
 // module's CUDA state, so every kernel reads rows of `in`.
 void prepare(const Experts& experts);
@@ -37,14 +44,21 @@ void run(std::string_view backend, const Experts& experts, const ExpertsCall& ca
 void run_eager(const CallContext& c);
 void run_batched_mm(const CallContext& c);
 void run_grouped_mm(const CallContext& c);
+void run_deepgemm(const CallContext& c);
+// deepgemm's conditions: on the device (compute capability 9.0 with this build's sm_90a code), and on the
+// experts (bf16 / f16, sizes multiples of 8).
+std::string deepgemm_arch_reason(int arch);
+std::string deepgemm_unsupported_reason(const Experts& experts, DType act_dtype, int arch);
 }  // namespace cuda
 
-// A backend's CUDA kernel path, as passed to cuda::run: the function in CUDA builds, null without CUDA
-// (where cuda::run refuses before using it), so a new path needs no stub.
+// A backend's CUDA kernel path (as passed to cuda::run) or condition (cuda::available, cuda::supports): the
+// function in CUDA builds, null without CUDA (where those refuse before using it), so neither needs a stub.
 #ifdef MOEKIT_WITH_CUDA
 #define MOEKIT_CUDA_PATH(fn) (&::moekit::cuda::fn)
+#define MOEKIT_CUDA_CHECK(fn) (&::moekit::cuda::fn)
 #else
 #define MOEKIT_CUDA_PATH(fn) (::moekit::cuda::KernelPath{nullptr})
+#define MOEKIT_CUDA_CHECK(fn) nullptr
 #endif
 
 // Base of the backends with a CPU and a CUDA implementation (eager, batched_mm, grouped_mm): availability,

@@ -6,8 +6,8 @@ namespace moekit::cuda {
 static const char* kNoCuda =
     "moekit was built without CUDA (nvcc not found or MOEKIT_CUDA=OFF); rebuild with CUDA or use the CPU backends";
 
-Support available(std::string_view, Device) { return Support::no(kNoCuda); }
-Support supports(std::string_view, const Experts&, DType) { return Support::no(kNoCuda); }
+Support available(std::string_view, Device, ArchCheck) { return Support::no(kNoCuda); }
+Support supports(std::string_view, const Experts&, DType, ExtraCheck) { return Support::no(kNoCuda); }
 void prepare(const Experts&) {}
 void run(std::string_view backend, const Experts&, const ExpertsCall&, KernelPath) {
   MOEKIT_FAIL(not_supported, "experts implementation '", backend, "': ", kNoCuda);

@@ -29,7 +29,7 @@ kernels::Elem to_elem(DType t) {
 
 }  // namespace
 
-Support available(std::string_view backend, Device device) {
+Support available(std::string_view backend, Device device, ArchCheck arch_check) {
   if (!device.is_cuda()) return no(backend, "needs a CUDA device, got " + device.to_string());
   const int count = cuda_device_count();
   if (count == 0) return no(backend, "no CUDA device is present (or the driver cannot be loaded); use the CPU");
@@ -38,10 +38,15 @@ Support available(std::string_view backend, Device device) {
   const DeviceInfo& info = device_info(device.index);
   if (info.arch() < kMinArch)
     return no(backend, info.to_string() + " is older than compute capability 8.0, which this build's kernels need");
+  if (arch_check) {
+    DeviceGuard guard(device.index);
+    const std::string why = arch_check(info.arch());
+    if (!why.empty()) return no(backend, info.to_string() + ": " + why);
+  }
   return Support{true, info.to_string()};
 }
 
-Support supports(std::string_view backend, const Experts& experts, DType act_dtype) {
+Support supports(std::string_view backend, const Experts& experts, DType act_dtype, ExtraCheck extra) {
   const Support avail = available(backend, experts.device());
   if (!avail) return avail;
   const ExpertsSpec& s = experts.spec();
@@ -66,6 +71,10 @@ Support supports(std::string_view backend, const Experts& experts, DType act_dty
                            std::to_string(s.num_experts));
   if (s.hidden > (int64_t(1) << 30) || s.intermediate > (int64_t(1) << 30))
     return no(backend, "hidden and intermediate sizes must be below 2^30");
+  if (extra) {
+    const std::string why = extra(experts, act_dtype, device_info(experts.device().index).arch());
+    if (!why.empty()) return no(backend, why);
+  }
   return Support{true, avail.reason};
 }
 

@@ -2,14 +2,24 @@
 // projection over the sorted rows (offsets read on the device), then the weighted combine. No host
 // synchronisation and no allocation: capturable in a CUDA graph.
 //
-// Kernel choice per projection (transparent fallback): the tensor-core kernels for bf16/f16 weights in
-// [out, in] layout with sizes a multiple of 8 and aligned pointers (wgmma on sm_90a for row tiles of
-// 64 and 128, mma.sync otherwise); else the CUDA-core kernel, which takes any dtype, layout and size.
+// Kernel choice: on sm_90a, when the row tiles are 128 high (the large-T regime) and both projections
+// suit it, the warp-specialised TMA kernel (grouped_gemm_sm90_tma.cu), with the routed rows of the
+// hidden states first gathered into a contiguous [rows, H] buffer that the copy engine reads. Otherwise
+// per projection (transparent fallback): the tensor-core kernels for bf16/f16 weights in [out, in]
+// layout with sizes a multiple of 8 and aligned pointers (wgmma on sm_90a for row tiles of 64 and 128,
+// mma.sync otherwise); else the CUDA-core kernel, which takes any dtype, layout and size.
 #include <algorithm>
+#include <atomic>
 
 #include "backends/cuda/state.h"
 
 namespace moekit::cuda {
+
+namespace {
+std::atomic<bool> g_tma{true};
+}  // namespace
+bool grouped_tma_enabled() { return g_tma.load(); }
+bool set_grouped_tma_enabled(bool enabled) { return g_tma.exchange(enabled); }
 
 void run_grouped_mm(const CallContext& c) {
   namespace k = kernels;
@@ -18,6 +28,13 @@ void run_grouped_mm(const CallContext& c) {
   const int arch = grouped_wgmma_enabled() ? c.device->arch() : std::min(c.device->arch(), 89);
   const bool wide = grouped_wgmma_wide_enabled();
 
+  // The TMA kernel's size and layout conditions (grouped_gemm_tma_ok checks them again with the pointers).
+  const bool use_tma = grouped_tma_enabled() && tile_m == 128 && arch == 90 && c.w1_k == 1 && c.w2_k == 1 &&
+                       c.hidden % 8 == 0 && c.inter % 8 == 0 && c.w1_n % 8 == 0 && c.w2_n % 8 == 0 &&
+                       c.w1_expert % 8 == 0 && c.w2_expert % 8 == 0 &&
+                       (c.type == k::Elem::bf16 || c.type == k::Elem::f16);
+
+  void* xs = nullptr;  // [P, H] gathered rows (TMA path)
   auto carve = [&](Carver& w, k::RoutingBuffers& r, void*& act, float*& y) {
     r.pair_expert = w.take<int32_t>(P);
     r.pair_row = w.take<int32_t>(P);
@@ -27,6 +44,7 @@ void run_grouped_mm(const CallContext& c) {
     r.tile_offsets = w.take<int32_t>(E + 1);
     act = w.take_bytes(P * c.inter * k::elem_bytes(c.type));  // [P, I] sorted rows
     y = w.take<float>(P * c.hidden);                         // [P, H] sorted rows, f32
+    if (use_tma) xs = w.take_bytes(P * c.hidden * k::elem_bytes(c.type));
   };
   k::RoutingBuffers r;
   void* act = nullptr;
@@ -65,7 +83,6 @@ void run_grouped_mm(const CallContext& c) {
   g1.gate = c.gate;
   g1.out = act;
   g1.ldo = c.inter;
-  check_launch(k::grouped_gemm(g1, tile_m, arch, wide, c.stream), "grouped_gemm (first projection)");
 
   k::GroupedGemmArgs g2 = g1;
   g2.a = act;
@@ -83,7 +100,21 @@ void run_grouped_mm(const CallContext& c) {
   g2.epilogue = k::kEpiF32;
   g2.out = y;
   g2.ldo = c.hidden;
-  check_launch(k::grouped_gemm(g2, tile_m, arch, wide, c.stream), "grouped_gemm (second projection)");
+
+  k::GroupedGemmArgs t1 = g1;  // the first projection over the gathered rows
+  t1.a = xs;
+  t1.a_rows = nullptr;
+  t1.a_row_div = 1;
+  if (use_tma && k::grouped_gemm_tma_ok(t1, arch) && k::grouped_gemm_tma_ok(g2, arch)) {
+    check_launch(k::gather_rows(c.type, c.call.hidden_states.data, c.hidden, r.sorted_pair, int(c.top_k),
+                                r.offsets + E, P, xs, c.stream),
+                 "gather_rows");
+    check_launch(k::grouped_gemm_tma(t1, c.stream), "grouped_gemm_tma (first projection)");
+    check_launch(k::grouped_gemm_tma(g2, c.stream), "grouped_gemm_tma (second projection)");
+  } else {
+    check_launch(k::grouped_gemm(g1, tile_m, arch, wide, c.stream), "grouped_gemm (first projection)");
+    check_launch(k::grouped_gemm(g2, tile_m, arch, wide, c.stream), "grouped_gemm (second projection)");
+  }
 
   check_launch(k::combine(c.type, c.weight_type, y, r.pair_row, r.pair_expert, c.call.top_k_weights.data, c.b2,
                           c.tokens, int(c.top_k), c.hidden, int(E), c.call.out.data, c.stream),

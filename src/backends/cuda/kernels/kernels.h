@@ -126,10 +126,28 @@ bool grouped_gemm_wgmma_ok(const GroupedGemmArgs& a, int arch);
 // tiles of 128 rows), else the mma.sync kernel where it serves, else the SIMT kernel (any dtype,
 // layout, alignment).
 cudaError_t grouped_gemm(const GroupedGemmArgs& a, int tile_m, int arch, bool wide, cudaStream_t stream);
-// The three kernels, for tests and measurements.
+// The warp-specialised persistent sm_90a kernel (grouped_gemm_sm90_tma.cu): row tiles of 128 (route_sort
+// with tile_m 128), A as contiguous sorted rows (a_rows null) and K-major weights, both read by the copy
+// engine (TMA). Serves bf16/f16 with k, lda and the weight strides multiples of 8 and 16-byte aligned A
+// and B, on a device of compute capability 9.0 with this build's sm_90a code.
+bool grouped_gemm_tma_ok(const GroupedGemmArgs& a, int arch);
+// Whether this build carries the kernel's sm_90a code for the current device, of compute capability `arch`.
+bool grouped_gemm_tma_built_for(int arch);
+cudaError_t grouped_gemm_tma(const GroupedGemmArgs& a, cudaStream_t stream);
+// The three cp.async kernels, for tests and measurements.
 cudaError_t grouped_gemm_wgmma(const GroupedGemmArgs& a, int tile_m, bool wide, cudaStream_t stream);
 cudaError_t grouped_gemm_mma(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);
 cudaError_t grouped_gemm_simt(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);
+
+// ---- DeepGEMM's contiguous layout (expert_layout.cu) ----
+
+// Rows padded per expert to the row tile: row_base[e] = tile_offsets[e] * tile_m (E + 1 entries);
+// xl[row_base[e] + j, :] = x[token of expert e's j-th sorted pair, :] and pair_row_l[p] = that row, for
+// the valid pairs (dropped pairs and the padding rows are left as they are). Launched for `pairs` rows.
+// xl holds at least grouped_max_tiles(pairs, experts, tile_m) * tile_m rows of `hidden` elements.
+cudaError_t contiguous_layout(Elem type, const void* x, int64_t hidden, int top_k, const RoutingBuffers& r,
+                              int experts, int64_t pairs, int tile_m, int32_t* row_base, void* xl,
+                              int32_t* pair_row_l, cudaStream_t stream);
 
 // ---- per-pair GEMV (gemv.cu): each (token, slot) pair reads its expert's weights in place ----
 

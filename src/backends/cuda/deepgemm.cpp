@@ -1,0 +1,123 @@
+// deepgemm on CUDA: DeepGEMM's "contiguous" layout on the warp-specialised TMA grouped kernel
+// (grouped_gemm_sm90_tma.cu). Pairs sorted by expert on the device; each expert's rows copied to a
+// block starting at a multiple of the 128-row tile (padding rows never read back), so every row tile is
+// whole and leaves by bulk tensor stores; both projections over that layout; the weighted combine reads
+// each pair's padded row. No host synchronisation and no allocation: capturable in a CUDA graph, so
+// the "masked" layout (fixed rows per expert, for graphs) is not needed on this engine.
+//
+// Serves sm_90a devices with bf16/f16 experts in [out, in] layout, sizes multiples of 8; elsewhere it
+// throws not_supported saying why.
+#include "backends/backends.h"
+#include "backends/cuda/state.h"
+
+namespace moekit::cuda {
+
+std::string deepgemm_arch_reason(int arch) {
+  if (arch != 90)
+    return "deepgemm needs a Hopper GPU (compute capability 9.0), got " + std::to_string(arch / 10) + "." +
+           std::to_string(arch % 10) + "; use grouped_mm";
+  if (!kernels::grouped_gemm_tma_built_for(arch))
+    return "this build has no sm_90a code for deepgemm's kernel (build with CMAKE_CUDA_ARCHITECTURES 90a); use "
+           "grouped_mm";
+  return {};
+}
+
+std::string deepgemm_unsupported_reason(const Experts& experts, DType act_dtype, int arch) {
+  DeviceGuard guard(experts.device().index);
+  if (std::string why = deepgemm_arch_reason(arch); !why.empty()) return why;
+  if (act_dtype != DType::bf16 && act_dtype != DType::f16)
+    return std::string("deepgemm runs bf16 and f16 experts, got ") + dtype_name(act_dtype) + "; use grouped_mm";
+  const ExpertsSpec& s = experts.spec();
+  if (s.hidden % 8 || s.intermediate % 8)
+    return "deepgemm needs hidden and intermediate sizes that are multiples of 8, got " + std::to_string(s.hidden) +
+           " and " + std::to_string(s.intermediate) + "; use grouped_mm";
+  return {};
+}
+
+void run_deepgemm(const CallContext& c) {
+  namespace k = kernels;
+  const std::string why = deepgemm_unsupported_reason(c.experts, c.call.hidden_states.dtype, c.device->arch());
+  MOEKIT_CHECK_CODE(why.empty() && c.w1_k == 1 && c.w2_k == 1, not_supported, "experts implementation 'deepgemm': ",
+                    why.empty() ? "weights must be in [out, in] layout" : why);
+  constexpr int kTile = 128;
+  const int64_t P = c.pairs, E = c.experts_count;
+  const int64_t rows = k::grouped_max_tiles(P, int(E), kTile) * kTile;  // padded rows, upper bound
+  const int64_t row_bytes = k::elem_bytes(c.type);
+
+  k::RoutingBuffers r;
+  int32_t *row_base = nullptr, *pair_row_l = nullptr;
+  void *xl = nullptr, *act = nullptr;
+  float* y = nullptr;
+  auto carve = [&](Carver& w) {
+    r.pair_expert = w.take<int32_t>(P);
+    r.pair_row = w.take<int32_t>(P);
+    r.sorted_pair = w.take<int32_t>(P);
+    r.block_hist = w.take<int32_t>(k::route_blocks(P) * E);
+    r.offsets = w.take<int32_t>(E + 1);
+    r.tile_offsets = w.take<int32_t>(E + 1);
+    row_base = w.take<int32_t>(E + 1);
+    pair_row_l = w.take<int32_t>(P);
+    xl = w.take_bytes(rows * c.hidden * row_bytes);  // [rows, H] padded per expert
+    act = w.take_bytes(rows * c.inter * row_bytes);  // [rows, I]
+    y = w.take<float>(rows * c.hidden);              // [rows, H] f32
+  };
+  Carver measure;
+  carve(measure);
+  c.ws->reserve(measure.size());
+  Carver w(c.ws->arena());
+  carve(w);
+  r.error = c.ws->error();
+
+  check_launch(k::route_sort(c.call.top_k_index.data, c.index_type, c.tokens, int(c.top_k), int(E), kTile, r, c.stream),
+               "route_sort");
+  check_launch(k::contiguous_layout(c.type, c.call.hidden_states.data, c.hidden, int(c.top_k), r, int(E), P, kTile,
+                                    row_base, xl, pair_row_l, c.stream),
+               "contiguous_layout");
+
+  k::GroupedGemmArgs g1;
+  g1.type = c.type;
+  g1.a = xl;
+  g1.lda = c.hidden;
+  g1.b = c.w1;
+  g1.b_expert_stride = c.w1_expert;
+  g1.b_stride_n = c.w1_n;
+  g1.b_stride_k = c.w1_k;
+  g1.bias = c.b1;
+  g1.bias_expert_stride = c.n1;
+  g1.offsets = row_base;  // every expert's block ends where the next one starts: whole tiles
+  g1.tile_offsets = r.tile_offsets;
+  g1.experts = int(E);
+  g1.max_rows = rows;
+  g1.n = c.inter;
+  g1.k = c.hidden;
+  g1.inter = c.inter;
+  g1.epilogue = c.first_epilogue;
+  g1.gate = c.gate;
+  g1.out = act;
+  g1.ldo = c.inter;
+
+  k::GroupedGemmArgs g2 = g1;
+  g2.a = act;
+  g2.lda = c.inter;
+  g2.b = c.w2;
+  g2.b_expert_stride = c.w2_expert;
+  g2.b_stride_n = c.w2_n;
+  g2.b_stride_k = c.w2_k;
+  g2.bias = nullptr;  // added by combine
+  g2.bias_expert_stride = 0;
+  g2.n = c.hidden;
+  g2.k = c.inter;
+  g2.epilogue = k::kEpiF32;
+  g2.out = y;
+  g2.ldo = c.hidden;
+  MOEKIT_CHECK_CODE(k::grouped_gemm_tma_ok(g1, c.device->arch()) && k::grouped_gemm_tma_ok(g2, c.device->arch()),
+                    not_supported, "deepgemm: this build has no sm_90a code for the TMA grouped kernel");
+  check_launch(k::grouped_gemm_tma(g1, c.stream), "grouped_gemm_tma (first projection)");
+  check_launch(k::grouped_gemm_tma(g2, c.stream), "grouped_gemm_tma (second projection)");
+
+  check_launch(k::combine(c.type, c.weight_type, y, pair_row_l, r.pair_expert, c.call.top_k_weights.data, c.b2,
+                          c.tokens, int(c.top_k), c.hidden, int(E), c.call.out.data, c.stream),
+               "combine");
+}
+
+}  // namespace moekit::cuda

@@ -1,0 +1,546 @@
+// Grouped projection over contiguous sorted rows on Hopper (sm_90a): warp-specialised and persistent.
+//
+// One block per multiprocessor walks work items (expert, n tile, m tile) of 128 rows x 256 virtual
+// columns, the m tile fastest within an expert so that the blocks in flight share one expert's weights
+// (and its rows) in L2. Warpgroup 0 is the producer (registers lowered with setmaxnreg): one thread
+// issues bulk tensor copies (TMA, 128-byte swizzle) of the A tile (128 x 64, 2-D map over the sorted
+// rows) and two B boxes (2 x 128 x 64, 3-D map over the [E, N, K] weights) into a ring of shared-memory
+// stages guarded by mbarriers ("full": bytes landed, "empty": both consumers done). Warpgroups 1 and 2
+// (registers raised) each multiply 64 rows by the 256 columns with wgmma m64n256k16, release a stage as
+// soon as the MMAs that read it retire, and write their tile through a per-warpgroup shared-memory
+// staging buffer (rows past the expert's end masked), the gate fused:
+//   - f32 (second projection) and gated silu * up with concatenated halves and no bias (the common
+//     first projection): staged in 128-byte swizzled boxes and written by bulk tensor stores for 64-row
+//     blocks inside the expert (the copy engine writes while the warpgroup starts its next tile), masked
+//     16-byte stores for a block crossing the expert's end;
+//   - any other gate / activation / bias: f32 staged in four rounds, one compact loop applies it, 16-byte
+//     stores. (Unrolling the generic gate per fragment made the kernel ten times larger, with an indirect
+//     branch per value, and ran the projection at a third of the speed.)
+// The work list comes from the device offsets (no host synchronisation; capturable in a CUDA graph).
+//
+// B boxes per work item: gated with concatenated [gate | up] rows: gate rows c0.. and up rows I + c0..
+// (128 output columns); gated interleaved: rows 2 c0 .. 2 c0 + 255 (gate and up adjacent, 128 output
+// columns); otherwise rows n0 .. n0 + 255. Boxes past the weight rows are zero-filled by the copy engine.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <atomic>
+#include <mutex>
+
+#include "backends/cuda/kernels/grouped_gemm_sm90.cuh"
+
+namespace moekit::cuda::kernels {
+namespace {
+using namespace sm90;
+
+constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4, kThreads = 384;
+constexpr int kABytes = kBM * kBK * 2, kBBoxBytes = 128 * kBK * 2, kStageBytes = kABytes + 2 * kBBoxBytes;
+constexpr int kOutBytes = 64 * 128 * 2;  // staging of 16-bit outputs, per consumer warpgroup
+constexpr size_t kSmemBytes = size_t(kStages) * kStageBytes + 2 * kOutBytes + 2 * kStages * 8 + 1024;
+
+[[maybe_unused]] __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+[[maybe_unused]] __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+[[maybe_unused]] __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+[[maybe_unused]] __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+[[maybe_unused]] __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
+                                                             int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
+          dst),
+      "l"(map), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+[[maybe_unused]] __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
+                                                             int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::
+          "r"(dst),
+      "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// Work item w of n_tiles column tiles: its expert, row tile and column tile. False past the end.
+struct Work {
+  int expert, n_tile;
+  int64_t m0, m_end;
+};
+[[maybe_unused]] __device__ __forceinline__ void work_item(const GroupedGemmArgs& args, int w, int n_tiles, Work& t) {
+  const int e = tile_expert(args.tile_offsets, args.experts, w / n_tiles);
+  const int first_tile = __ldg(args.tile_offsets + e);
+  const int m_tiles = __ldg(args.tile_offsets + e + 1) - first_tile;
+  const int local = w - first_tile * n_tiles;
+  t.expert = e;
+  t.n_tile = local / m_tiles;
+  t.m0 = __ldg(args.offsets + e) + int64_t(local % m_tiles) * kBM;
+  t.m_end = __ldg(args.offsets + e + 1);
+}
+
+template <int EPI>
+__device__ __forceinline__ int n_tiles_of(const GroupedGemmArgs& args) {
+  const int64_t cols = EPI == kEpiGated ? kBN / 2 : kBN;
+  return int((args.n + cols - 1) / cols);
+}
+
+template <class T, int EPI>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                            const __grid_constant__ CUtensorMap map_out, const bool use_tma_store,
+                            const GroupedGemmArgs args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) unsigned char tma_smem[];
+  const uint32_t base = (smem_u32(tma_smem) + 1023) & ~1023u;          // swizzled tiles: 1024-byte aligned
+  const uint32_t bars = base + kStages * kStageBytes + 2 * kOutBytes;  // full[s] at bars + 8 s, empty[s] after
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (kStages + s); };
+  const int tid = threadIdx.x, wg = tid / 128;
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full(s), 1);
+      mbar_init(empty(s), 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  const int n_tiles = n_tiles_of<EPI>(args);
+  const int total = __ldg(args.tile_offsets + args.experts) * n_tiles;
+  const int ktiles = int((args.k + kBK - 1) / kBK);
+  const bool concat_gate = EPI == kEpiGated && args.gate.concatenated;
+
+  if (wg == 0) {  // producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (tid != 0) return;
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_a) : "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_b) : "memory");
+    int s = 0;
+    uint32_t phase = 0;
+    for (int w = blockIdx.x; w < total; w += gridDim.x) {
+      Work t;
+      work_item(args, w, n_tiles, t);
+      const int row0 = concat_gate ? t.n_tile * (kBN / 2) : t.n_tile * kBN;
+      const int row1 = concat_gate ? int(args.inter) + row0 : row0 + 128;
+      for (int kt = 0; kt < ktiles; ++kt) {
+        mbar_wait(empty(s), phase ^ 1);
+        const uint32_t st = base + s * kStageBytes;
+        mbar_expect_tx(full(s), kStageBytes);
+        tma_load_2d(st, &map_a, full(s), kt * kBK, int(t.m0));
+        tma_load_3d(st + kABytes, &map_b, full(s), kt * kBK, row0, t.expert);
+        tma_load_3d(st + kABytes + kBBoxBytes, &map_b, full(s), kt * kBK, row1, t.expert);
+        if (++s == kStages) {
+          s = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  // consumers: warpgroup c = wg - 1 takes rows 64 c .. 64 c + 63 of each tile
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int c = wg - 1, lane = tid % 32, warp = (tid % 128) / 32;
+  int s = 0;
+  uint32_t phase = 0;
+  float acc[kBN / 2];
+  for (int w = blockIdx.x; w < total; w += gridDim.x) {
+    Work t;
+    work_item(args, w, n_tiles, t);
+    const bool has_rows = t.m0 + c * 64 < t.m_end;
+#pragma unroll
+    for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
+    int prev = -1;
+    for (int kt = 0; kt < ktiles; ++kt) {
+      mbar_wait(full(s), phase);
+      // Unconditional (a warpgroup past the expert's rows multiplies rows it will not store): wgmma
+      // under a branch is serialised by the compiler.
+      const uint32_t st = base + s * kStageBytes;
+      const uint64_t desc_a = smem_desc(st + c * 64 * kBK * 2);
+      const uint64_t desc_b = smem_desc(st + kABytes);
+      fence_operands(acc);
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) wgmma_m64n256k16<T>(acc, desc_a + 2 * kk, desc_b + 2 * kk);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // the previous stage's MMAs retired
+      fence_operands(acc);
+      if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
+      prev = s;
+      if (++s == kStages) {
+        s = 0;
+        phase ^= 1;
+      }
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    fence_operands(acc);
+    if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
+    if (!has_rows) continue;
+
+    // Accumulator 4j + q: row 16 warp + lane / 4 (+8 for q >= 2), virtual column 8j + 2 (lane % 4) (+1 for odd q).
+    const T* bias =
+        args.bias ? static_cast<const T*>(args.bias) + int64_t(t.expert) * args.bias_expert_stride : nullptr;
+    if constexpr (EPI == kEpiF32) {
+      // f32 outputs: four rounds of 64 columns through this warpgroup's staging buffer (two 64 x 32 boxes,
+      // 128-byte swizzle). A block of 64 rows inside the expert leaves by bulk tensor stores (the copy
+      // engine writes while the warpgroup goes on to its next tile); a block crossing the expert's end
+      // leaves by masked 16-byte stores.
+      unsigned char* stage = tma_smem + (base - smem_u32(tma_smem)) + kStages * kStageBytes + c * kOutBytes;
+      const uint32_t stage_u32 = smem_u32(stage);
+      const bool whole = use_tma_store && t.m0 + c * 64 + 64 <= t.m_end;
+      const int tl = tid % 128;
+      float* out = static_cast<float*>(args.out);
+#pragma unroll
+      for (int round = 0; round < 4; ++round) {
+        if (tl == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // staging free again
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = warp * 16 + (lane >> 2) + half * 8;
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+            const int l = jj * 8 + (lane & 3) * 2, b = l >> 5, lb = l & 31;
+            const int off = b * 8192 + r * 128 + ((((lb >> 2) ^ (r & 7))) << 4) + (lb & 3) * 4;
+            *reinterpret_cast<float2*>(stage + off) =
+                make_float2(acc[4 * (8 * round + jj) + 2 * half], acc[4 * (8 * round + jj) + 2 * half + 1]);
+          }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
+        const int col0 = t.n_tile * kBN + 64 * round;
+        if (whole) {
+          if (tl == 0) {
+#pragma unroll
+            for (int b = 0; b < 2; ++b)
+              asm volatile(
+                  "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(&map_out),
+                  "r"(col0 + 32 * b), "r"(int(t.m0) + c * 64), "r"(stage_u32 + b * 8192)
+                  : "memory");
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const int idx = i * 128 + tl, r = idx >> 4, ch = idx & 15, b = ch >> 3;
+            const int64_t row = t.m0 + c * 64 + r, col = col0 + ch * 4;
+            if (row >= t.m_end || col >= args.n) continue;
+            const float4 v = *reinterpret_cast<const float4*>(stage + b * 8192 + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
+            if (col + 4 <= args.n && (args.ldo & 3) == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0) {
+              *reinterpret_cast<float4*>(out + row * args.ldo + col) = v;
+            } else {
+              const float e4[4] = {v.x, v.y, v.z, v.w};
+              for (int e = 0; e < 4 && col + e < args.n; ++e) out[row * args.ldo + col + e] = e4[e];
+            }
+          }
+        }
+      }
+    } else {
+      bool direct = false;
+      if constexpr (EPI == kEpiGated)
+        direct = concat_gate && !bias && args.gate.kind == kGateActMul && args.gate.activation == kActSilu;
+      if (direct) {
+        // silu(gate) * up, concatenated halves, no bias: computed in registers (gate and up of a column sit
+        // in the same thread), staged as 16-bit pairs in two 64 x 64 boxes (128-byte swizzle) and written
+        // by bulk tensor stores for 64-row blocks inside the expert, masked 16-byte stores otherwise.
+        unsigned char* stage = tma_smem + (base - smem_u32(tma_smem)) + kStages * kStageBytes + c * kOutBytes;
+        const int tl = tid % 128;
+        if (tl == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // staging free again
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
+        using T2 = std::conditional_t<std::is_same_v<T, bf16>, __nv_bfloat162, __half2>;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = warp * 16 + (lane >> 2) + half * 8;
+#pragma unroll
+          for (int j = 0; j < kBN / 16; ++j) {
+            float y[2];
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+              const float g = acc[4 * j + 2 * half + q], u = acc[4 * (j + kBN / 16) + 2 * half + q];
+              y[q] = __fdividef(g, 1.0f + __expf(-g)) * u;  // 0 once exp(-g) > 2^126
+            }
+            T2 v;
+            v.x = from_f32<T>(y[0]);
+            v.y = from_f32<T>(y[1]);
+            const int off = (j >> 3) * 8192 + r * 128 + (((j & 7) ^ (r & 7)) << 4) + (lane & 3) * 4;
+            *reinterpret_cast<T2*>(stage + off) = v;
+          }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
+        const int col0 = t.n_tile * (kBN / 2);
+        if (use_tma_store && t.m0 + c * 64 + 64 <= t.m_end) {
+          if (tl == 0) {
+            const uint32_t stage_u32 = smem_u32(stage);
+#pragma unroll
+            for (int b = 0; b < 2; ++b)
+              asm volatile(
+                  "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(&map_out),
+                  "r"(col0 + 64 * b), "r"(int(t.m0) + c * 64), "r"(stage_u32 + b * 8192)
+                  : "memory");
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+          }
+        } else {
+          T* out = static_cast<T*>(args.out);
+          const bool vec = (args.ldo & 7) == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const int idx = i * 128 + tl, r = idx >> 4, ch = idx & 15;
+            const int64_t row = t.m0 + c * 64 + r, col = col0 + ch * 8;
+            if (row >= t.m_end || col >= args.n) continue;
+            const unsigned char* src = stage + (ch >> 3) * 8192 + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
+            if (vec && col + 8 <= args.n) {
+              *reinterpret_cast<uint4*>(out + row * args.ldo + col) = *reinterpret_cast<const uint4*>(src);
+            } else {
+              for (int e = 0; e < 8 && col + e < args.n; ++e)
+                out[row * args.ldo + col + e] = reinterpret_cast<const T*>(src)[e];
+            }
+          }
+        }
+      } else {
+        // 16-bit outputs: four rounds through this warpgroup's staging buffer (64 rows x 64 f32, float2
+        // slots swizzled by row). Each round stages 64 virtual columns of the accumulators (plain moves),
+        // then one compact loop applies bias and gate / activation and writes whole 16-byte row pieces.
+        // (Unrolled per-fragment gate code and scattered 2-byte stores made the kernel several times
+        // larger and ran the projection at a third of the speed.)
+        unsigned char* stage = tma_smem + (base - smem_u32(tma_smem)) + kStages * kStageBytes + c * kOutBytes;
+        auto slot = [](int r, int l) { return r * 256 + ((((l >> 1) ^ ((r & 7) << 2))) << 3) + (l & 1) * 4; };
+        bool concat = false;
+        if constexpr (EPI == kEpiGated) concat = concat_gate;
+        const int out_per_round = EPI == kEpiActOnly ? 64 : 32, tl = tid % 128, r_out = tl >> 1;
+        const int cnt = out_per_round / 2, o0 = (tl & 1) * cnt;
+        T* out = static_cast<T*>(args.out);
+        const bool vec = (args.ldo & 7) == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0;
+        const int64_t row_g = t.m0 + c * 64 + r_out;
+        const bool fast_silu =
+            EPI == kEpiGated && !bias && args.gate.kind == kGateActMul && args.gate.activation == kActSilu;
+#pragma unroll
+        for (int round = 0; round < 4; ++round) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int r = warp * 16 + (lane >> 2) + half * 8;
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) {
+              const int l = jj * 8 + (lane & 3) * 2;
+              const int j_concat = jj < 4 ? 4 * round + jj : kBN / 16 + 4 * round + jj - 4, j_plain = 8 * round + jj;
+              float2 v;
+              if (concat)
+                v = make_float2(acc[4 * j_concat + 2 * half], acc[4 * j_concat + 2 * half + 1]);
+              else
+                v = make_float2(acc[4 * j_plain + 2 * half], acc[4 * j_plain + 2 * half + 1]);
+              *reinterpret_cast<float2*>(stage + slot(r, l)) = v;
+            }
+          }
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
+          const int64_t col0 =
+              EPI == kEpiActOnly ? int64_t(t.n_tile) * kBN + 64 * round : int64_t(t.n_tile) * (kBN / 2) + 32 * round;
+          if (fast_silu && row_g < t.m_end) {
+            // silu(gate) * up without bias, unrolled for instruction-level parallelism
+#pragma unroll
+            for (int g8 = 0; g8 < out_per_round / 2; g8 += 8) {
+              alignas(16) T y[8];
+#pragma unroll
+              for (int e = 0; e < 8; ++e) {
+                const int o = o0 + g8 + e;
+                const float g = *reinterpret_cast<const float*>(stage + slot(r_out, concat ? o : 2 * o));
+                const float u = *reinterpret_cast<const float*>(stage + slot(r_out, concat ? 32 + o : 2 * o + 1));
+                y[e] = from_f32<T>(__fdividef(g, 1.0f + __expf(-g)) * u);  // 0 once exp(-g) > 2^126
+              }
+              const int64_t col = col0 + o0 + g8;
+              if (vec && col + 8 <= args.n) {
+                *reinterpret_cast<uint4*>(out + row_g * args.ldo + col) = *reinterpret_cast<const uint4*>(y);
+              } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                  if (col + e < args.n) out[row_g * args.ldo + col + e] = y[e];
+              }
+            }
+          } else if (row_g < t.m_end) {
+#pragma unroll 1
+            for (int g8 = 0; g8 < cnt; g8 += 8) {
+              alignas(16) T y[8];
+#pragma unroll 1
+              for (int e = 0; e < 8; ++e) {
+                const int o = o0 + g8 + e;
+                const int64_t col = col0 + o;
+                float v;
+                if constexpr (EPI == kEpiGated) {
+                  float g = *reinterpret_cast<const float*>(stage + slot(r_out, concat ? o : 2 * o));
+                  float u = *reinterpret_cast<const float*>(stage + slot(r_out, concat ? 32 + o : 2 * o + 1));
+                  if (bias && col < args.n) {
+                    g += to_f32(bias[gate_row(args.gate, col)]);
+                    u += to_f32(bias[up_row(args.gate, col, args.inter)]);
+                  }
+                  v = gate_value(args.gate, g, u);
+                } else {
+                  v = *reinterpret_cast<const float*>(stage + slot(r_out, o));
+                  if (bias && col < args.n) v += to_f32(bias[col]);
+                  v = activate(args.gate.activation, v);
+                }
+                y[e] = from_f32<T>(v);
+              }
+              const int64_t col = col0 + o0 + g8;
+              if (vec && col + 8 <= args.n) {
+                *reinterpret_cast<uint4*>(out + row_g * args.ldo + col) = *reinterpret_cast<const uint4*>(y);
+              } else {
+                for (int e = 0; e < 8 && col + e < args.n; ++e) out[row_g * args.ldo + col + e] = y[e];
+              }
+            }
+          }
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
+        }
+      }
+    }
+  }
+  if (tid % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // bulk stores read out
+#endif
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    (void)cudaGetLastError();
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// The multiprocessors of the current device (cached per device).
+int sm_count() {
+  static std::atomic<int> known[64];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 132;
+  int v = known[device].load();
+  if (v == 0) {
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || v <= 0) v = 132;
+    known[device].store(v);
+  }
+  return v;
+}
+
+bool tma_compiled_for(int arch) {
+  if (arch != 90) return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
+  static std::atomic<int> known[64];  // 0 unknown, 1 yes, 2 no
+  int v = known[device].load();
+  if (v == 0) {
+    cudaFuncAttributes attr{};
+    const bool ok = cudaFuncGetAttributes(&attr, grouped_gemm_tma_kernel<bf16, kEpiF32>) == cudaSuccess &&
+                    attr.binaryVersion == 90 && attr.ptxVersion >= 90 && encode_fn() != nullptr;
+    (void)cudaGetLastError();
+    v = ok ? 1 : 2;
+    known[device].store(v);
+  }
+  return v == 1;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// Weight rows per expert that the B boxes may address.
+int64_t weight_rows(const GroupedGemmArgs& a) { return a.epilogue == kEpiGated ? 2 * a.inter : a.n; }
+
+template <class T, int EPI>
+cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
+  const auto encode = encode_fn();
+  if (!encode) return cudaErrorNotSupported;
+  const CUtensorMapDataType dt =
+      std::is_same_v<T, bf16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  CUtensorMap map_a{}, map_b{}, map_out{};
+  {
+    const cuuint64_t dims[2] = {cuuint64_t(a.k), cuuint64_t(a.max_rows)};
+    const cuuint64_t strides[1] = {cuuint64_t(a.lda) * 2};
+    const cuuint32_t box[2] = {kBK, kBM}, estr[2] = {1, 1};
+    if (encode(&map_a, dt, 2, const_cast<void*>(a.a), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return cudaErrorInvalidValue;
+  }
+  {
+    const cuuint64_t dims[3] = {cuuint64_t(a.k), cuuint64_t(weight_rows(a)), cuuint64_t(a.experts)};
+    const cuuint64_t strides[2] = {cuuint64_t(a.b_stride_n) * 2, cuuint64_t(a.b_expert_stride) * 2};
+    const cuuint32_t box[3] = {kBK, 128, 1}, estr[3] = {1, 1, 1};
+    if (encode(&map_b, dt, 3, const_cast<void*>(a.b), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return cudaErrorInvalidValue;
+  }
+  // f32 and gated 16-bit outputs: bulk tensor stores where the row stride and address allow (else masked stores)
+  bool tma_store = false;
+  if (EPI == kEpiGated && a.ldo % 8 == 0 && aligned16(a.out)) {  // 16-bit gated outputs: 64 x 64 boxes
+    const cuuint64_t dims[2] = {cuuint64_t(a.n), cuuint64_t(a.max_rows)};
+    const cuuint64_t strides[1] = {cuuint64_t(a.ldo) * 2};
+    const cuuint32_t box[2] = {64, 64}, estr[2] = {1, 1};
+    tma_store = encode(&map_out, dt, 2, a.out, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  }
+  if (EPI == kEpiF32 && a.ldo % 4 == 0 && aligned16(a.out)) {
+    const cuuint64_t dims[2] = {cuuint64_t(a.n), cuuint64_t(a.max_rows)};
+    const cuuint64_t strides[1] = {cuuint64_t(a.ldo) * 4};
+    const cuuint32_t box[2] = {32, 64}, estr[2] = {1, 1};
+    tma_store = encode(&map_out, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, a.out, dims, strides, box, estr,
+                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  }
+  auto kernel = grouped_gemm_tma_kernel<T, EPI>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
+  if (err != cudaSuccess) return err;
+  const int64_t cols = EPI == kEpiGated ? kBN / 2 : kBN;
+  const int64_t work = grouped_max_tiles(a.max_rows, a.experts, kBM) * ((a.n + cols - 1) / cols);
+  const int grid = int(std::min<int64_t>(work, sm_count()));
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(map_a, map_b, map_out, tma_store, a);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t launch_tma_epi(const GroupedGemmArgs& a, cudaStream_t stream) {
+  switch (a.epilogue) {
+    case kEpiGated:
+      return launch_tma<T, kEpiGated>(a, stream);
+    case kEpiActOnly:
+      return launch_tma<T, kEpiActOnly>(a, stream);
+    case kEpiF32:
+      return launch_tma<T, kEpiF32>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+bool grouped_gemm_tma_ok(const GroupedGemmArgs& a, int arch) {
+  if (a.type != Elem::bf16 && a.type != Elem::f16) return false;
+  if (a.a_rows != nullptr || a.b_stride_k != 1) return false;
+  if (a.k % 8 || a.lda % 8 || a.b_stride_n % 8 || a.b_expert_stride % 8 || a.k > a.b_stride_n) return false;
+  if (!aligned16(a.a) || !aligned16(a.b)) return false;
+  if (a.experts <= 0 || a.max_rows >= (int64_t(1) << 31) || weight_rows(a) >= (int64_t(1) << 31)) return false;
+  return tma_compiled_for(arch);
+}
+
+bool grouped_gemm_tma_built_for(int arch) { return tma_compiled_for(arch); }
+
+cudaError_t grouped_gemm_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
+  if (a.max_rows == 0 || a.n == 0) return cudaSuccess;
+  if (a.type == Elem::bf16) return launch_tma_epi<bf16>(a, stream);
+  if (a.type == Elem::f16) return launch_tma_epi<f16>(a, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace moekit::cuda::kernels
