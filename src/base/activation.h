@@ -6,11 +6,8 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define MOEKIT_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define MOEKIT_HOST_DEVICE inline
-#endif
+#include "base/host_device.h"
+
 
 namespace moekit {
 enum class Activation : uint8_t;  // include/moekit/experts.h; kernels see only the codes below
@@ -29,41 +26,41 @@ inline int code_of(Activation a) {
   return i < sizeof(kCodes) / sizeof(kCodes[0]) ? kCodes[i] : kIdentity;
 }
 
-MOEKIT_HOST_DEVICE float exp_of(float x) { return expf(x); }
-MOEKIT_HOST_DEVICE double exp_of(double x) { return exp(x); }
-MOEKIT_HOST_DEVICE float erf_of(float x) { return erff(x); }
-MOEKIT_HOST_DEVICE double erf_of(double x) { return erf(x); }
-MOEKIT_HOST_DEVICE float tanh_of(float x) { return tanhf(x); }
-MOEKIT_HOST_DEVICE double tanh_of(double x) { return tanh(x); }
+MOEKIT_HOST_DEVICE_INLINE float exp_of(float x) { return expf(x); }
+MOEKIT_HOST_DEVICE_INLINE double exp_of(double x) { return exp(x); }
+MOEKIT_HOST_DEVICE_INLINE float erf_of(float x) { return erff(x); }
+MOEKIT_HOST_DEVICE_INLINE double erf_of(double x) { return erf(x); }
+MOEKIT_HOST_DEVICE_INLINE float tanh_of(float x) { return tanhf(x); }
+MOEKIT_HOST_DEVICE_INLINE double tanh_of(double x) { return tanh(x); }
 
 template <class T>
-MOEKIT_HOST_DEVICE T sigmoid(T x) {
+MOEKIT_HOST_DEVICE_INLINE T sigmoid(T x) {
   return T(1) / (T(1) + exp_of(-x));
 }
 template <class T>
-MOEKIT_HOST_DEVICE T silu(T x) {
+MOEKIT_HOST_DEVICE_INLINE T silu(T x) {
   return x / (T(1) + exp_of(-x));
 }
 template <class T>
-MOEKIT_HOST_DEVICE T gelu(T x) {  // erf form: 0.5 x (1 + erf(x / sqrt 2))
+MOEKIT_HOST_DEVICE_INLINE T gelu(T x) {  // erf form: 0.5 x (1 + erf(x / sqrt 2))
   return T(0.5) * x * (T(1) + erf_of(x * T(0.70710678118654752440)));
 }
 template <class T>
-MOEKIT_HOST_DEVICE T gelu_tanh(T x) {
+MOEKIT_HOST_DEVICE_INLINE T gelu_tanh(T x) {
   return T(0.5) * x * (T(1) + tanh_of(T(0.7978845608028654) * (x + T(0.044715) * x * x * x)));  // sqrt(2 / pi)
 }
 template <class T>
-MOEKIT_HOST_DEVICE T relu(T x) {
+MOEKIT_HOST_DEVICE_INLINE T relu(T x) {
   return x > T(0) ? x : T(0);
 }
 template <class T>
-MOEKIT_HOST_DEVICE T relu2(T x) {
+MOEKIT_HOST_DEVICE_INLINE T relu2(T x) {
   return x > T(0) ? x * x : T(0);
 }
 
 // The activation of code `a` (kSilu ...); identity for an unknown code.
 template <class T>
-MOEKIT_HOST_DEVICE T apply(int a, T x) {
+MOEKIT_HOST_DEVICE_INLINE T apply(int a, T x) {
   switch (a) {
     case kSilu: return silu(x);
     case kGelu: return gelu(x);
@@ -78,7 +75,7 @@ MOEKIT_HOST_DEVICE T apply(int a, T x) {
 // gpt-oss: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit); a NaN gate
 // propagates, as in torch.clamp.
 template <class T>
-MOEKIT_HOST_DEVICE T clamped_swiglu(T gate, T up, T limit, T alpha) {
+MOEKIT_HOST_DEVICE_INLINE T clamped_swiglu(T gate, T up, T limit, T alpha) {
   gate = gate < limit ? gate : limit;
   up = up < -limit ? -limit : (up > limit ? limit : up);
   return (up + T(1)) * gate * (T(1) / (T(1) + exp_of(-alpha * gate)));
