@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "base/cuda_check.h"
+#include "base/cuda_device.h"
 #include "base/cuda_elem.cuh"
 #include "bench/random.h"
 #include "moekit/error.h"
@@ -18,20 +18,14 @@
 namespace moekit::bench::cuda {
 namespace {
 
+using ::moekit::cuda::DeviceBuffer;
+
 template <class T>
 __global__ void fill_normal_kernel(T* data, int64_t n, float std, uint64_t seed) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
     data[i] = ::moekit::cuda::from_f32<T>(std * normal_at(seed, uint64_t(i)));
 }
-
-struct DeviceBuffer {
-  void* p = nullptr;
-  explicit DeviceBuffer(size_t bytes) { MOEKIT_CUDA_CALL(cudaMalloc(&p, bytes)); }
-  ~DeviceBuffer() { cudaFree(p); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
 
 double median_of(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -83,20 +77,20 @@ void fill_normal(void* data, DType dtype, int64_t n, double std, uint64_t seed, 
 double gemm_bf16_tflops(int device, int n) {
   MOEKIT_CUDA_CALL(cudaSetDevice(device));
   const size_t elems = size_t(n) * size_t(n);
-  DeviceBuffer a(elems * 2), b(elems * 2), c(elems * 2);
+  DeviceBuffer a(elems * 2, device), b(elems * 2, device), c(elems * 2, device);
   Stream stream = create_stream(device);
   std::shared_ptr<void> stream_guard(stream, [](void* s) { destroy_stream(s); });
   // Random operands: a product of zeros runs faster than real data.
-  fill_normal(a.p, DType::bf16, int64_t(elems), 1.0, 11, stream);
-  fill_normal(b.p, DType::bf16, int64_t(elems), 1.0, 12, stream);
-  cublasHandle_t handle = nullptr;
-  MOEKIT_CUBLAS_CALL(cublasCreate(&handle));
-  std::shared_ptr<void> handle_guard(handle, [](void* h) { cublasDestroy(static_cast<cublasHandle_t>(h)); });
+  fill_normal(a.data(), DType::bf16, int64_t(elems), 1.0, 11, stream);
+  fill_normal(b.data(), DType::bf16, int64_t(elems), 1.0, 12, stream);
+  const ::moekit::cuda::CublasHandle cublas(device);
+  cublasHandle_t handle = cublas.get();
   MOEKIT_CUBLAS_CALL(cublasSetStream(handle, static_cast<cudaStream_t>(stream)));
   const float alpha = 1.0f, beta = 0.0f;
   auto gemm = [&] {
-    MOEKIT_CUBLAS_CALL(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.p, CUDA_R_16BF, n, b.p,
-                                 CUDA_R_16BF, n, &beta, c.p, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    MOEKIT_CUBLAS_CALL(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.data(), CUDA_R_16BF, n,
+                                    b.data(), CUDA_R_16BF, n, &beta, c.data(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
   };
   const double us = median_call_us(stream, gemm, 3, 10);
   return 2.0 * double(n) * n * n / (us * 1e-6) / 1e12;
@@ -104,12 +98,13 @@ double gemm_bf16_tflops(int device, int n) {
 
 double copy_gbps(int device, size_t bytes) {
   MOEKIT_CUDA_CALL(cudaSetDevice(device));
-  DeviceBuffer src(bytes), dst(bytes);
+  DeviceBuffer src(bytes, device), dst(bytes, device);
   Stream stream = create_stream(device);
   std::shared_ptr<void> stream_guard(stream, [](void* s) { destroy_stream(s); });
-  fill_normal(src.p, DType::f32, int64_t(bytes / 4), 1.0, 13, stream);
+  fill_normal(src.data(), DType::f32, int64_t(bytes / 4), 1.0, 13, stream);
   auto copy = [&] {
-    MOEKIT_CUDA_CALL(cudaMemcpyAsync(dst.p, src.p, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
+    MOEKIT_CUDA_CALL(
+        cudaMemcpyAsync(dst.data(), src.data(), bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
   };
   const double us = median_call_us(stream, copy, 2, 10);
   return 2.0 * double(bytes) / (us * 1e-6) / 1e9;
