@@ -141,6 +141,26 @@ std::shared_ptr<CublasHandle> shared_cublas_handle(int device) {
   return h;
 }
 
+RecordedGraph record_graph(cudaStream_t stream, const std::function<void()>& body) {
+  MOEKIT_CUDA_CALL(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  RecordedGraph g;
+  try {
+    body();
+  } catch (...) {
+    (void)cudaStreamEndCapture(stream, &g.graph);
+    if (g.graph) (void)cudaGraphDestroy(g.graph);
+    (void)cudaGetLastError();
+    throw;
+  }
+  MOEKIT_CUDA_CALL(cudaStreamEndCapture(stream, &g.graph));
+  const cudaError_t err = cudaGraphInstantiate(&g.exec, g.graph, 0);
+  if (err != cudaSuccess) {
+    (void)cudaGraphDestroy(g.graph);
+    MOEKIT_CUDA_CALL(err);
+  }
+  return g;
+}
+
 void* StreamScratch::get(int device, cudaStream_t stream, size_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   DeviceBuffer& b = buffers_[{device, stream}];

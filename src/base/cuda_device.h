@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -94,6 +95,15 @@ class CublasHandle {
 };
 // The device's handle, created on first use and destroyed when its last user lets go.
 std::shared_ptr<CublasHandle> shared_cublas_handle(int device);
+
+// A CUDA graph recorded from a stream, and its executable.
+struct RecordedGraph {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+};
+// Records what `body` enqueues on `stream` (thread-local capture mode) and instantiates it; the caller owns both
+// handles. When `body` throws, the capture is ended and discarded and the exception rethrown.
+RecordedGraph record_graph(cudaStream_t stream, const std::function<void()>& body);
 
 // Grow-only device scratch per (device, stream), for work whose size is known only at the call. Growing
 // waits for the stream (earlier work may still read the old buffer) and is refused while the stream is being

@@ -356,24 +356,8 @@ class CudaOps final : public DeviceOps {
                       "graph capture needs a stream of its own (StreamScope), not the legacy default stream");
     int dev = 0;
     MOEKIT_CUDA_CALL(cudaGetDevice(&dev));
-    MOEKIT_CUDA_CALL(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    cudaGraph_t graph = nullptr;
-    try {
-      body();
-    } catch (...) {
-      (void)cudaStreamEndCapture(s, &graph);
-      if (graph) (void)cudaGraphDestroy(graph);
-      (void)cudaGetLastError();
-      throw;
-    }
-    MOEKIT_CUDA_CALL(cudaStreamEndCapture(s, &graph));
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
-    if (err != cudaSuccess) {
-      (void)cudaGraphDestroy(graph);
-      MOEKIT_CUDA_CALL(err);
-    }
-    return std::make_unique<CudaGraph>(graph, exec, s, dev);
+    const cuda::RecordedGraph g = cuda::record_graph(s, body);
+    return std::make_unique<CudaGraph>(g.graph, g.exec, s, dev);
   }
 
  private:
