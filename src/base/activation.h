@@ -8,7 +8,6 @@
 
 #include "base/host_device.h"
 
-
 namespace moekit {
 enum class Activation : uint8_t;  // include/moekit/experts.h; kernels see only the codes below
 }
