@@ -11,8 +11,8 @@
 #include <cstdlib>
 #include <new>
 
-#include "backends/cpu/convert.h"
-#include "backends/cpu/gemm.h"
+#include "base/convert.h"
+#include "base/gemm.h"
 #include "backends/reference.h"
 #include "routing/routing.h"
 #include "test_experts_problem.h"

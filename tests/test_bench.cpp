@@ -11,7 +11,7 @@
 
 #include "backends/reference.h"
 #include "bench/bench.h"
-#include "bench/cpu_gemm.h"
+#include "base/gemm.h"
 #include "bench/report.h"
 #include "test_util.h"
 
@@ -98,7 +98,8 @@ TEST(BenchCeilings, BlockedGemmMatchesNaive) {
     std::vector<float> a(size_t(M * K)), b(size_t(K * N)), c(size_t(M * N), NAN);
     for (auto& v : a) v = d(rng);
     for (auto& v : b) v = d(rng);
-    gemm_f32(M, N, K, a.data(), b.data(), c.data());
+    const cpu::WeightMatrix w{b.data(), cpu::WType::f32, N, K, /*transposed=*/true};  // b [K, N]
+    cpu::gemm(cpu::gemm_kernels(), a.data(), K, M, w, c.data(), N);
     double num = 0, den = 0;
     for (int64_t i = 0; i < M; ++i)
       for (int64_t j = 0; j < N; ++j) {

@@ -5,7 +5,7 @@
 
 #include <filesystem>
 
-#include "io/experts_case.h"
+#include "experts_case.h"
 #include "test_experts_problem.h"
 #ifdef MOEKIT_WITH_CUDA
 #include "backends/cuda/policy.h"

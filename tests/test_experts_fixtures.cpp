@@ -9,7 +9,7 @@
 #include <sstream>
 
 #include "backends/reference.h"
-#include "io/experts_case.h"
+#include "experts_case.h"
 #include "moekit/safetensors.h"
 #include "test_util.h"
 

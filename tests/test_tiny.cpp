@@ -11,7 +11,7 @@
 #include <set>
 
 #include "io/checkpoint.h"
-#include "model/tiny.h"
+#include "tiny/tiny.h"
 #include "test_util.h"
 
 using namespace moekit;

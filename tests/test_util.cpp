@@ -1,5 +1,5 @@
 #include "test_util.h"
-#include "io/experts_case.h"
+#include "experts_case.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,27 +1,17 @@
-// Internal: activations and gate functions of SPEC section 1, on one row, in float or double.
+// Internal: the gate functions of SPEC section 1 on one row, in float or double, over the activations of
+// base/activation.h.
 #pragma once
 #include <cmath>
 #include <vector>
 
+#include "base/activation.h"
 #include "moekit/experts.h"
 
 namespace moekit {
 
 template <class T>
 inline T activate(Activation a, T x) {
-  switch (a) {
-    case Activation::silu: return x / (T(1) + std::exp(-x));
-    case Activation::gelu: return T(0.5) * x * (T(1) + std::erf(x / std::sqrt(T(2))));
-    case Activation::gelu_tanh: {
-      const T k = T(0.7978845608028654);  // sqrt(2 / pi)
-      return T(0.5) * x * (T(1) + std::tanh(k * (x + T(0.044715) * x * x * x)));
-    }
-    case Activation::relu: return x > T(0) ? x : T(0);
-    case Activation::relu2: return x > T(0) ? x * x : T(0);
-    case Activation::sigmoid: return T(1) / (T(1) + std::exp(-x));
-    case Activation::identity: return x;
-  }
-  return x;
+  return act::apply(act::code_of(a), x);
 }
 
 // gate_up: 2I values (concatenated [g | u] or interleaved g0,u0,...) when has_gate, else I values.
@@ -42,12 +32,7 @@ inline void apply_gate_row(const ExpertsSpec& s, const T* gate_up, T* out) {
       return;
     case GateKind::clamped_swiglu: {
       const T limit = T(s.limit), alpha = T(s.alpha);
-      for (int64_t i = 0; i < I; ++i) {
-        T gv = g[i * gstride], uv = u[i * gstride];
-        gv = gv < limit ? gv : limit;  // min(gate, limit), NaN propagates as in torch.clamp
-        uv = uv < -limit ? -limit : (uv > limit ? limit : uv);
-        out[i] = (uv + T(1)) * gv * (T(1) / (T(1) + std::exp(-alpha * gv)));
-      }
+      for (int64_t i = 0; i < I; ++i) out[i] = act::clamped_swiglu(g[i * gstride], u[i * gstride], limit, alpha);
       return;
     }
     case GateKind::custom: {

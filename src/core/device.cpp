@@ -5,11 +5,7 @@
 
 #ifdef MOEKIT_WITH_CUDA
 #include <cuda_runtime.h>
-#define MOEKIT_CUDA_OK(expr)                                                                   \
-  do {                                                                                         \
-    cudaError_t err_ = (expr);                                                                 \
-    MOEKIT_CHECK_CODE(err_ == cudaSuccess, runtime, #expr, " failed: ", cudaGetErrorString(err_)); \
-  } while (0)
+#include "base/cuda_check.h"
 #endif
 
 namespace moekit {
@@ -33,9 +29,9 @@ void* device_malloc(size_t bytes, Device device) {
 #ifdef MOEKIT_WITH_CUDA
   MOEKIT_CHECK(device.index < cuda_device_count(), "device ", device.to_string(), " not present (",
                cuda_device_count(), " CUDA devices)");
-  MOEKIT_CUDA_OK(cudaSetDevice(device.index));
+  MOEKIT_CUDA_CALL(cudaSetDevice(device.index));
   void* p = nullptr;
-  MOEKIT_CUDA_OK(cudaMalloc(&p, bytes));
+  MOEKIT_CUDA_CALL(cudaMalloc(&p, bytes));
   return p;
 #else
   (void)bytes;
@@ -64,8 +60,8 @@ void memcpy_any(void* dst, Device dd, const void* src, Device sd, size_t bytes, 
                               : sd.is_cpu() ? cudaMemcpyHostToDevice
                                             : cudaMemcpyDeviceToDevice;
   auto stream = static_cast<cudaStream_t>(s);
-  MOEKIT_CUDA_OK(cudaMemcpyAsync(dst, src, bytes, kind, stream));
-  MOEKIT_CUDA_OK(cudaStreamSynchronize(stream));
+  MOEKIT_CUDA_CALL(cudaMemcpyAsync(dst, src, bytes, kind, stream));
+  MOEKIT_CUDA_CALL(cudaStreamSynchronize(stream));
 #else
   (void)s;
   MOEKIT_FAIL(not_supported, "cannot copy between ", sd.to_string(), " and ", dd.to_string(),
@@ -76,7 +72,7 @@ void memcpy_any(void* dst, Device dd, const void* src, Device sd, size_t bytes, 
 void stream_synchronize(Stream s, Device device) {
   if (device.is_cpu()) return;
 #ifdef MOEKIT_WITH_CUDA
-  MOEKIT_CUDA_OK(cudaStreamSynchronize(static_cast<cudaStream_t>(s)));
+  MOEKIT_CUDA_CALL(cudaStreamSynchronize(static_cast<cudaStream_t>(s)));
 #else
   (void)s;
 #endif
@@ -87,9 +83,9 @@ Stream stream_create(Device device) {
 #ifdef MOEKIT_WITH_CUDA
   MOEKIT_CHECK(device.index < cuda_device_count(), "device ", device.to_string(), " not present (",
                cuda_device_count(), " CUDA devices)");
-  MOEKIT_CUDA_OK(cudaSetDevice(device.index));
+  MOEKIT_CUDA_CALL(cudaSetDevice(device.index));
   cudaStream_t s = nullptr;
-  MOEKIT_CUDA_OK(cudaStreamCreate(&s));  // blocking: ordered with the legacy default stream
+  MOEKIT_CUDA_CALL(cudaStreamCreate(&s));  // blocking: ordered with the legacy default stream
   return s;
 #else
   MOEKIT_FAIL(not_supported, "cannot create a stream on ", device.to_string(), ": moekit was built without CUDA");

@@ -7,8 +7,9 @@
 #include <limits>
 #include <numeric>
 
-#include "backends/gate.h"
-#include "model/linear_cpu.h"
+#include "base/activation.h"
+#include "base/convert.h"
+#include "base/gemm.h"
 #include "model/ops.h"
 #include "moekit/error.h"
 
@@ -35,28 +36,6 @@ char* row_ptr_mut(const TensorView& v, int64_t r, int64_t ld) {
   return static_cast<char*>(v.data) + size_t(r * ld) * esize(v.dtype);
 }
 
-inline void load_f32(const void* src, DType t, float* dst, int64_t n) {
-  if (t == DType::f32)
-    std::memcpy(dst, src, size_t(n) * 4);
-  else if (t == DType::bf16) {
-    const uint16_t* s = static_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
-  } else
-    convert(src, t, dst, DType::f32, n);
-}
-inline void store_f32(const float* src, void* dst, DType t, int64_t n) {
-  if (t == DType::f32)
-    std::memcpy(dst, src, size_t(n) * 4);
-  else
-    convert(src, DType::f32, dst, t, n);
-}
-// The value an f32 takes once stored in t.
-inline float round_as(DType t, float v) {
-  if (t == DType::bf16) return bf16_to_f32(f32_to_bf16(v));
-  if (t == DType::f16) return f16_to_f32(f32_to_f16(v));
-  return v;
-}
-
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0;
 #pragma omp simd reduction(+ : s)
@@ -73,7 +52,7 @@ const float* rows_f32(const TensorView& v, int64_t ld, std::vector<float>& buf, 
   }
   buf.resize(size_t(M * K));
 #pragma omp parallel for schedule(static) if (M * K > kParallelElements)
-  for (int64_t m = 0; m < M; ++m) load_f32(row_ptr(v, m, ld), v.dtype, buf.data() + m * K, K);
+  for (int64_t m = 0; m < M; ++m) cpu::load_f32(row_ptr(v, m, ld), v.dtype, 0, K, buf.data() + m * K);
   out_ld = K;
   return buf.data();
 }
@@ -100,8 +79,8 @@ class CpuOps final : public DeviceOps {
       if (table.dtype == out.dtype)
         std::memcpy(dst, src, size_t(H) * esize(out.dtype));
       else {
-        load_f32(src, table.dtype, row.data(), H);
-        store_f32(row.data(), dst, out.dtype, H);
+        cpu::load_f32(src, table.dtype, 0, H, row.data());
+        cpu::store_f32(row.data(), dst, out.dtype, 0, H);
       }
     }
   }
@@ -115,17 +94,23 @@ class CpuOps final : public DeviceOps {
     std::vector<float> bias_f;
     if (bias.data) {
       bias_f.resize(size_t(N));
-      load_f32(bias.data, bias.dtype, bias_f.data(), N);
+      cpu::load_f32(bias.data, bias.dtype, 0, N, bias_f.data());
     }
     std::vector<float> xbuf;
     int64_t lx = 0;
     const float* xf = rows_f32(x, ldx, xbuf, lx);
     std::vector<float> ybuf;
     float* yf = y.dtype == DType::f32 ? static_cast<float*>(y.data) : (ybuf.resize(size_t(M * N)), ybuf.data());
-    linear_cpu(xf, lx, M, K, w.data, w.dtype, N, bias_f.empty() ? nullptr : bias_f.data(), yf);
+    const cpu::WeightMatrix wm{w.data, cpu::weight_type(w.dtype), N, K, false};
+    cpu::gemm(cpu::gemm_kernels(), xf, lx, M, wm, yf, N);
+    if (!bias_f.empty()) {
+#pragma omp parallel for schedule(static) if (M * N > kParallelElements)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < N; ++j) yf[m * N + j] += bias_f[size_t(j)];
+    }
     if (y.dtype != DType::f32) {
 #pragma omp parallel for schedule(static) if (M * N > kParallelElements)
-      for (int64_t m = 0; m < M; ++m) store_f32(yf + m * N, row_ptr_mut(y, m, N), y.dtype, N);
+      for (int64_t m = 0; m < M; ++m) cpu::store_f32(yf + m * N, row_ptr_mut(y, m, N), y.dtype, 0, N);
     }
   }
 
@@ -136,23 +121,23 @@ class CpuOps final : public DeviceOps {
     check_float(y, "rmsnorm output");
     const auto [M, D, ldx, ldy] = check_rmsnorm(x, w, y);
     std::vector<float> wf(static_cast<size_t>(D));
-    load_f32(w.data, w.dtype, wf.data(), D);
+    cpu::load_f32(w.data, w.dtype, 0, D, wf.data());
     const DType in_t = x.dtype;
 #pragma omp parallel if (M * D > kParallelElements)
     {
       std::vector<float> row(static_cast<size_t>(D));
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < M; ++m) {
-        load_f32(row_ptr(x, m, ldx), x.dtype, row.data(), D);
+        cpu::load_f32(row_ptr(x, m, ldx), x.dtype, 0, D, row.data());
         double ss = 0;
         for (int64_t i = 0; i < D; ++i) ss += double(row[size_t(i)]) * row[size_t(i)];
         const float variance = float(ss / double(D));
         const float r = 1.0f / std::sqrt(variance + eps);
         for (int64_t i = 0; i < D; ++i) {
           const float h = row[size_t(i)] * r;
-          row[size_t(i)] = weight_before_cast ? wf[size_t(i)] * h : wf[size_t(i)] * round_as(in_t, h);
+          row[size_t(i)] = weight_before_cast ? wf[size_t(i)] * h : wf[size_t(i)] * cpu::round_to(h, in_t);
         }
-        store_f32(row.data(), row_ptr_mut(y, m, ldy), y.dtype, D);
+        cpu::store_f32(row.data(), row_ptr_mut(y, m, ldy), y.dtype, 0, D);
       }
     }
   }
@@ -184,19 +169,19 @@ class CpuOps final : public DeviceOps {
         for (int64_t i = 0; i < half; ++i) {
           const float f = pos * rope.inv_freq[size_t(i)];
           // transformers casts cos/sin to the activation dtype before using them.
-          c[size_t(i)] = round_as(t, std::cos(f) * rope.attention_scaling);
-          s[size_t(i)] = round_as(t, std::sin(f) * rope.attention_scaling);
+          c[size_t(i)] = cpu::round_to(std::cos(f) * rope.attention_scaling, t);
+          s[size_t(i)] = cpu::round_to(std::sin(f) * rope.attention_scaling, t);
         }
         for (int64_t h = 0; h < NH; ++h) {
           char* p = static_cast<char*>(x.data) + size_t(ti * s0 + h * s1 + offset) * esize(t);
-          load_f32(p, t, v.data(), rd);
+          cpu::load_f32(p, t, 0, rd, v.data());
           for (int64_t i = 0; i < half; ++i) {
             const float x1 = rope.interleaved ? v[size_t(2 * i)] : v[size_t(i)];
             const float x2 = rope.interleaved ? v[size_t(2 * i + 1)] : v[size_t(i + half)];
             o[size_t(i)] = x1 * c[size_t(i)] - x2 * s[size_t(i)];
             o[size_t(i + half)] = x2 * c[size_t(i)] + x1 * s[size_t(i)];
           }
-          store_f32(o.data(), p, t, rd);
+          cpu::store_f32(o.data(), p, t, 0, rd);
         }
       }
     }
@@ -213,7 +198,7 @@ class CpuOps final : public DeviceOps {
     std::vector<float> sink_f;
     if (sinks.data) {
       sink_f.resize(size_t(Hq));
-      load_f32(sinks.data, sinks.dtype, sink_f.data(), Hq);
+      cpu::load_f32(sinks.data, sinks.dtype, 0, Hq, sink_f.data());
     }
     std::vector<float> qbuf, kbuf, vbuf;
     int64_t ld = 0;
@@ -261,7 +246,7 @@ class CpuOps final : public DeviceOps {
         }
       }
     }
-    if (out.dtype != DType::f32) store_f32(of, out.data, out.dtype, T * Hq * Dv);
+    if (out.dtype != DType::f32) cpu::store_f32(of, out.data, out.dtype, 0, T * Hq * Dv);
   }
 
   void act_mul(const TensorView& gu, Activation act, const TensorView& out) const override {
@@ -272,14 +257,15 @@ class CpuOps final : public DeviceOps {
     MOEKIT_CHECK(
         gu.shape[1] % 2 == 0 && out.dim() == 2 && out.shape[0] == M && out.shape[1] == I && out.is_contiguous(),
         "act_mul: input ", gu.to_string(), " and output ", out.to_string(), " do not match");
+    const int act_code = act::code_of(act);
 #pragma omp parallel if (M * I > kParallelElements)
     {
       std::vector<float> row(static_cast<size_t>(2 * I)), o(static_cast<size_t>(I));
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < M; ++m) {
-        load_f32(row_ptr(gu, m, ld), gu.dtype, row.data(), 2 * I);
-        for (int64_t i = 0; i < I; ++i) o[size_t(i)] = activate(act, row[size_t(i)]) * row[size_t(I + i)];
-        store_f32(o.data(), row_ptr_mut(out, m, I), out.dtype, I);
+        cpu::load_f32(row_ptr(gu, m, ld), gu.dtype, 0, 2 * I, row.data());
+        for (int64_t i = 0; i < I; ++i) o[size_t(i)] = act::apply(act_code, row[size_t(i)]) * row[size_t(I + i)];
+        cpu::store_f32(o.data(), row_ptr_mut(out, m, I), out.dtype, 0, I);
       }
     }
   }
@@ -306,10 +292,10 @@ class CpuOps final : public DeviceOps {
 #pragma omp for schedule(static)
       for (int64_t c = 0; c < (n + kChunk - 1) / kChunk; ++c) {
         const int64_t i0 = c * kChunk, len = std::min(kChunk, n - i0);
-        load_f32(static_cast<const char*>(a.data) + size_t(i0) * esize(a.dtype), a.dtype, fa.data(), len);
-        load_f32(static_cast<const char*>(b.data) + size_t(i0) * esize(b.dtype), b.dtype, fb.data(), len);
+        cpu::load_f32(static_cast<const char*>(a.data) + size_t(i0) * esize(a.dtype), a.dtype, 0, len, fa.data());
+        cpu::load_f32(static_cast<const char*>(b.data) + size_t(i0) * esize(b.dtype), b.dtype, 0, len, fb.data());
         for (int64_t i = 0; i < len; ++i) fa[size_t(i)] += fb[size_t(i)];
-        store_f32(fa.data(), static_cast<char*>(out.data) + size_t(i0) * esize(out.dtype), out.dtype, len);
+        cpu::store_f32(fa.data(), static_cast<char*>(out.data) + size_t(i0) * esize(out.dtype), out.dtype, 0, len);
       }
     }
   }
@@ -323,18 +309,18 @@ class CpuOps final : public DeviceOps {
                  "gated add: x ", x.to_string(), ", gate ", gate.to_string(), ", out ", out.to_string());
     const int64_t M = x.shape[0], H = x.shape[1];
     std::vector<float> g(static_cast<size_t>(M));
-    load_f32(gate.data, gate.dtype, g.data(), M);
+    cpu::load_f32(gate.data, gate.dtype, 0, M, g.data());
 #pragma omp parallel if (M * H > kParallelElements)
     {
       std::vector<float> xr(static_cast<size_t>(H)), orow(static_cast<size_t>(H));
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < M; ++m) {
         // transformers rounds sigmoid(gate) and the product to the activation dtype.
-        const float s = round_as(x.dtype, 1.0f / (1.0f + std::exp(-g[size_t(m)])));
-        load_f32(row_ptr(x, m, H), x.dtype, xr.data(), H);
-        load_f32(row_ptr(out, m, H), out.dtype, orow.data(), H);
-        for (int64_t i = 0; i < H; ++i) orow[size_t(i)] += round_as(x.dtype, s * xr[size_t(i)]);
-        store_f32(orow.data(), row_ptr_mut(out, m, H), out.dtype, H);
+        const float s = cpu::round_to(act::sigmoid(g[size_t(m)]), x.dtype);
+        cpu::load_f32(row_ptr(x, m, H), x.dtype, 0, H, xr.data());
+        cpu::load_f32(row_ptr(out, m, H), out.dtype, 0, H, orow.data());
+        for (int64_t i = 0; i < H; ++i) orow[size_t(i)] += cpu::round_to(s * xr[size_t(i)], x.dtype);
+        cpu::store_f32(orow.data(), row_ptr_mut(out, m, H), out.dtype, 0, H);
       }
     }
   }
@@ -344,9 +330,9 @@ class CpuOps final : public DeviceOps {
     MOEKIT_CHECK(x.is_contiguous(), "clamp input must be contiguous, got ", x.to_string());
     const int64_t n = x.numel();
     std::vector<float> f(static_cast<size_t>(n));
-    load_f32(x.data, x.dtype, f.data(), n);
+    cpu::load_f32(x.data, x.dtype, 0, n, f.data());
     for (auto& v : f) v = std::min(std::max(v, -limit), limit);
-    store_f32(f.data(), x.data, x.dtype, n);
+    cpu::store_f32(f.data(), x.data, x.dtype, 0, n);
   }
 
   void route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
@@ -379,16 +365,16 @@ class CpuOps final : public DeviceOps {
     std::vector<float> row(static_cast<size_t>(H * (nope + dv))), kr(static_cast<size_t>(rope));
     std::vector<float> ko(static_cast<size_t>(H * dk)), vo(static_cast<size_t>(H * dv));
     for (int64_t t = 0; t < T; ++t) {
-      load_f32(row_ptr(kvb, t, H * (nope + dv)), kvb.dtype, row.data(), H * (nope + dv));
-      load_f32(row_ptr(k_rot, t, ldr), k_rot.dtype, kr.data(), rope);
+      cpu::load_f32(row_ptr(kvb, t, H * (nope + dv)), kvb.dtype, 0, H * (nope + dv), row.data());
+      cpu::load_f32(row_ptr(k_rot, t, ldr), k_rot.dtype, 0, rope, kr.data());
       for (int64_t h = 0; h < H; ++h) {
         const float* src = row.data() + h * (nope + dv);
         std::copy(src, src + nope, ko.data() + h * dk);
         std::copy(kr.begin(), kr.end(), ko.data() + h * dk + nope);
         std::copy(src + nope, src + nope + dv, vo.data() + h * dv);
       }
-      store_f32(ko.data(), row_ptr_mut(k, t, H * dk), k.dtype, H * dk);
-      store_f32(vo.data(), row_ptr_mut(v, t, H * dv), v.dtype, H * dv);
+      cpu::store_f32(ko.data(), row_ptr_mut(k, t, H * dk), k.dtype, 0, H * dk);
+      cpu::store_f32(vo.data(), row_ptr_mut(v, t, H * dv), v.dtype, 0, H * dv);
     }
   }
 
@@ -459,7 +445,7 @@ void CpuOps::route(const TensorView& logits, const TensorView& correction_bias, 
         case RouterKind::grouped_sigmoid: {
           const int64_t G = spec.n_group, per = E / G;
           for (int64_t e = 0; e < E; ++e) {
-            p[size_t(e)] = 1.0f / (1.0f + std::exp(-l[e]));
+            p[size_t(e)] = act::sigmoid(l[e]);
             choice[size_t(e)] = p[size_t(e)] + (bias ? bias[e] : 0.0f);
           }
           // A group's score: the sum of its two best choice scores.

@@ -1,8 +1,8 @@
 // moekit backends [--device cpu|cuda]: what runs on this build and this device, and why not.
 #include <fmt/core.h>
 
-#include "backends/cpu/gemm.h"
 #include "commands.h"
+#include "inspect.h"
 #include "moekit/interface.h"
 
 namespace moekit::cli {
@@ -23,13 +23,7 @@ void add_backends_command(CLI::App& app) {
       if (b->load_time_only()) notes += "; load-time choice";
       fmt::print("{:<18} {:<5} {:<11} {}\n", b->name(), s.ok ? "yes" : "no", graph, notes);
     }
-    if (dev.is_cpu()) {
-      std::string have;
-      for (const cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512})
-        if (cpu::isa_supported(isa)) have += std::string(have.empty() ? "" : ", ") + cpu::isa_name(isa);
-      fmt::print("\nCPU GEMM kernels: {} (this CPU runs {}; MOEKIT_CPU_ISA=scalar|avx2|avx512 picks one)\n",
-                 cpu::isa_name(cpu::gemm_kernels().isa), have);
-    }
+    if (dev.is_cpu()) fmt::print("\nCPU GEMM kernels: {}\n", tools::cpu_gemm_summary());
   });
 }
 }  // namespace moekit::cli

@@ -3,8 +3,8 @@
 #include <fmt/core.h>
 
 #include "commands.h"
-#include "io/checkpoint.h"
-#include "model/tiny.h"
+#include "inspect.h"
+#include "tiny/tiny.h"
 
 namespace moekit::cli {
 void add_tiny_command(CLI::App& app) {
@@ -34,12 +34,9 @@ void add_tiny_command(CLI::App& app) {
     if (o->arch.empty() || o->out.empty()) throw CLI::RequiredError("--arch and --out");
     write_tiny_checkpoint(o->arch, o->out,
                           TinyOptions{.seed = o->seed, .dtype = parse_dtype(o->dtype), .shards = o->shards});
-    const Checkpoint ck = Checkpoint::open(o->out);
-    uint64_t bytes = 0;
-    for (const auto& f : ck.files())
-      for (const auto& e : f.entries()) bytes += e.nbytes();
+    const tools::CheckpointTotals t = tools::checkpoint_totals(o->out);
     fmt::print("wrote {}: {} ({}), {} tensors, {} bytes in {} file{}, seed {}\n", o->out, o->arch, o->dtype,
-               ck.names().size(), bytes, ck.files().size(), ck.files().size() == 1 ? "" : "s", o->seed);
+               t.tensors, t.bytes, t.files, t.files == 1 ? "" : "s", o->seed);
   });
 }
 }  // namespace moekit::cli

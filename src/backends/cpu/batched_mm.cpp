@@ -5,7 +5,7 @@
 
 #include "backends/backends.h"
 #include "backends/cpu/common.h"
-#include "backends/cpu/parallel.h"
+#include "base/parallel.h"
 
 namespace moekit::cpu {
 namespace {

@@ -4,61 +4,11 @@
 #include <cmath>
 
 #include "backends/backends.h"
-#include "backends/cpu/convert.h"
-#include "backends/cpu/parallel.h"
+#include "base/convert.h"
+#include "base/parallel.h"
 #include "backends/gate.h"
 
 namespace moekit::cpu {
-
-// ---- conversions ----
-
-void load_f32(const void* src, DType t, int64_t off, int64_t n, float* dst) {
-  switch (t) {
-    case DType::f32:
-      std::memcpy(dst, static_cast<const float*>(src) + off, size_t(n) * 4);
-      return;
-    case DType::bf16: {
-      const uint16_t* s = static_cast<const uint16_t*>(src) + off;
-      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
-      return;
-    }
-    case DType::f16: {
-      const uint16_t* s = static_cast<const uint16_t*>(src) + off;
-      for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(s[i]);
-      return;
-    }
-    default:
-      for (int64_t i = 0; i < n; ++i) dst[i] = float(load_as_f64(src, t, off + i));
-  }
-}
-
-void store_f32(const float* src, void* dst, DType t, int64_t off, int64_t n) {
-  switch (t) {
-    case DType::f32:
-      std::memcpy(static_cast<float*>(dst) + off, src, size_t(n) * 4);
-      return;
-    case DType::bf16: {
-      uint16_t* d = static_cast<uint16_t*>(dst) + off;
-      for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
-      return;
-    }
-    case DType::f16: {
-      uint16_t* d = static_cast<uint16_t*>(dst) + off;
-      for (int64_t i = 0; i < n; ++i) d[i] = float_to_half(src[i]);
-      return;
-    }
-    default:
-      MOEKIT_FAIL(internal, "store_f32: unsupported dtype ", dtype_name(t));
-  }
-}
-
-void round_row(float* x, int64_t n, DType t) {
-  if (t == DType::bf16) {
-    for (int64_t i = 0; i < n; ++i) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
-  } else if (t == DType::f16) {
-    for (int64_t i = 0; i < n; ++i) x[i] = half_to_float(float_to_half(x[i]));
-  }
-}
 
 namespace {
 // x[0, n) += bias[e, n0 : n0 + n]
@@ -85,18 +35,6 @@ void add_bias(float* x, const Tensor& bias, int64_t e, int64_t n0, int64_t n) {
   }
 }
 
-WType wtype_of(DType t) {
-  switch (t) {
-    case DType::f32:
-      return WType::f32;
-    case DType::bf16:
-      return WType::bf16;
-    case DType::f16:
-      return WType::f16;
-    default:
-      MOEKIT_FAIL(not_supported, "CPU backends take f32, bf16 or f16 weights, got ", dtype_name(t));
-  }
-}
 }  // namespace
 
 // ---- plan ----
@@ -112,7 +50,7 @@ Plan make_plan(const Experts& experts, const ExpertsCall& call) {
   p.N1 = s.has_gate ? 2 * s.intermediate : s.intermediate;
   p.w1 = w.first().data();
   p.w2 = w.down_proj.data();
-  p.wtype = wtype_of(w.first().dtype());
+  p.wtype = weight_type(w.first().dtype());
   p.welem = dtype_nbytes(w.first().dtype(), 1);
   MOEKIT_CHECK(w.first().device().is_cpu() && w.down_proj.device().is_cpu(), "CPU backends need CPU weights, got ",
                w.first().device().to_string());

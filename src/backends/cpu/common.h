@@ -14,7 +14,7 @@
 #include <functional>
 #include <memory>
 
-#include "backends/cpu/gemm.h"
+#include "base/gemm.h"
 #include "moekit/experts.h"
 #include "routing/routing.h"
 

@@ -2,7 +2,7 @@
 // projection. Each GEMM is split over column tiles; the weighted sum over slots runs at the end (common.h).
 #include "backends/backends.h"
 #include "backends/cpu/common.h"
-#include "backends/cpu/parallel.h"
+#include "base/parallel.h"
 
 namespace moekit::cpu {
 namespace {

@@ -1,5 +1,5 @@
-// Device helpers shared by the kernels: element conversions, activations and gates (same formulas as
-// src/backends/gate.h), dtype dispatch.
+// Device helpers shared by the kernels: element conversions, activations and gates (the formulas of
+// src/base/activation.h), dtype dispatch.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -8,41 +8,21 @@
 #include <cstdint>
 
 #include "backends/cuda/kernels/kernels.h"
+#include "base/activation.h"
+#include "base/cuda_elem.cuh"
 
 namespace moekit::cuda::kernels {
 
-using bf16 = __nv_bfloat16;
-using f16 = __half;
+static_assert(kActSilu == act::kSilu && kActGelu == act::kGelu && kActGeluTanh == act::kGeluTanh &&
+                  kActRelu == act::kRelu && kActRelu2 == act::kRelu2 && kActSigmoid == act::kSigmoid &&
+                  kActIdentity == act::kIdentity,
+              "the kernels' activation codes are base/activation.h's");
 
-template <class T> __device__ __forceinline__ float to_f32(T v);
-template <> __device__ __forceinline__ float to_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_f32<bf16>(bf16 v) { return __bfloat162float(v); }
-template <> __device__ __forceinline__ float to_f32<f16>(f16 v) { return __half2float(v); }
-
-template <class T> __device__ __forceinline__ T from_f32(float v);
-template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ bf16 from_f32<bf16>(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ f16 from_f32<f16>(float v) { return __float2half_rn(v); }
-
-__device__ __forceinline__ float activate(int act, float x) {
-  switch (act) {
-    case kActSilu: return x / (1.0f + expf(-x));
-    case kActGelu: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
-    case kActGeluTanh: return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-    case kActRelu: return x > 0.0f ? x : 0.0f;
-    case kActRelu2: return x > 0.0f ? x * x : 0.0f;
-    case kActSigmoid: return 1.0f / (1.0f + expf(-x));
-    default: return x;  // kActIdentity
-  }
-}
+__device__ __forceinline__ float activate(int a, float x) { return act::apply(a, x); }
 
 // gate and up already include their biases.
 __device__ __forceinline__ float gate_value(const GateParams& g, float gate, float up) {
-  if (g.kind == kGateClampedSwiglu) {
-    gate = gate < g.limit ? gate : g.limit;
-    up = up < -g.limit ? -g.limit : (up > g.limit ? g.limit : up);
-    return (up + 1.0f) * gate * (1.0f / (1.0f + expf(-g.alpha * gate)));
-  }
+  if (g.kind == kGateClampedSwiglu) return act::clamped_swiglu(gate, up, g.limit, g.alpha);
   return activate(g.activation, gate) * up;
 }
 

@@ -1,6 +1,6 @@
-// Internal: OpenMP loops over independent tasks for the CPU backends. Each task writes its own outputs, so
-// results do not depend on the number of threads. An exception thrown by a task (e.g. a user gate function) is
-// carried out of the parallel region and rethrown on the calling thread. Loops whose total cost (about one unit
+// Internal: OpenMP loops over independent tasks for the CPU code (backends, model ops, GEMM). Each task writes
+// its own outputs, so results do not depend on the number of threads. An exception thrown by a task (e.g. a user
+// gate function) is carried out of the parallel region and rethrown on the calling thread. Loops whose total cost (about one unit
 // per multiply-add or element touched) is below kMinParallelCost run on the calling thread: waking the team
 // costs more than it saves there, and much more when the cores are shared.
 #pragma once

@@ -2,7 +2,7 @@
 // (hidden 64, 2 layers, vocab 160, 4 heads of 16, 2 KV heads).
 #include <map>
 
-#include "model/tiny.h"
+#include "tiny/tiny.h"
 
 namespace moekit {
 

@@ -1,6 +1,6 @@
 // Tiny random checkpoints: tensor names and shapes of each architecture, as transformers and published
 // checkpoints store them, filled from a seeded generator.
-#include "model/tiny.h"
+#include "tiny/tiny.h"
 
 #include <algorithm>
 #include <filesystem>

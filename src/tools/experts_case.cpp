@@ -1,4 +1,6 @@
-#include "io/experts_case.h"
+#include "experts_case.h"
+
+#include "backends/reference.h"
 
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -69,5 +71,11 @@ void poison_tensor(Tensor& t) {
   h.fill_(std::numeric_limits<double>::quiet_NaN());
   t.copy_from(h.to(t.dtype()));
 }
+
+std::vector<double> reference_output(const ExpertsCase& c) {
+  return reference_forward(c.experts, c.hidden_states, c.top_k_index, c.top_k_weights);
+}
+
+double relative_error(const TensorView& a, const std::vector<double>& ref) { return relative_l2(a, ref); }
 
 }  // namespace moekit

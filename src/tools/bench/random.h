@@ -3,11 +3,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define MOEKIT_HOST_DEVICE __host__ __device__
-#else
-#define MOEKIT_HOST_DEVICE
-#endif
+#include "base/host_device.h"
 
 namespace moekit::bench {
 

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "backends/cpu/gemm.h"
+#include "base/gemm.h"
 
 namespace moekit::cpu {
 namespace avx512_kernels {
@@ -43,7 +43,7 @@ struct V {
 constexpr int kKnMR = 12, kKnNV = 2, kDirectMaxM = 4, kDirectAcc = 24;
 constexpr int64_t kKC = 256, kMC = 240, kTileN = 128;
 
-#include "backends/cpu/gemm_kernels.h"
+#include "base/gemm_kernels.h"
 
 }  // namespace avx512_kernels
 

@@ -1,4 +1,4 @@
-// Internal: Experts case files (weights, inputs, expected outputs, `meta` JSON), as in tests/fixtures/experts.
+// Experts case files (weights, inputs, expected outputs, `meta` JSON), as in tests/fixtures/experts.
 #pragma once
 #include <map>
 #include <string>
@@ -19,6 +19,10 @@ struct ExpertsCase {
 };
 
 ExpertsCase load_experts_case(const std::string& path);
+// The f64 reference output [T, H] of the case's inputs (weights as stored).
+std::vector<double> reference_output(const ExpertsCase& c);
+// ||a - ref|| / ||ref|| as the tests measure it; +inf when `a` has a NaN or Inf.
+double relative_error(const TensorView& a, const std::vector<double>& ref);
 // Fills a floating tensor (CPU or CUDA) with NaN so unwritten outputs show.
 void poison_tensor(Tensor& t);
 

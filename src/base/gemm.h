@@ -1,11 +1,16 @@
-// Internal: the CPU GEMM of the experts backends. C[M, N] (f32) = A[M, K] (f32) x W^T, with one expert's
-// weight W stored [N, K] (out, in) or [K, N] (transposed), in f32, bf16 or f16, converted on the fly.
+// Internal: the one CPU GEMM, used by the experts backends, the model's linear layers and the benchmark's CPU
+// ceiling. C[M, N] (f32) = A[M, K] (f32) x W^T, with W (one expert's weight, or a layer's) stored [N, K]
+// (out, in) or [K, N] (transposed), in f32, bf16 or f16, converted on the fly.
 //
 // Micro-kernels exist per instruction set (gemm_scalar.cpp, gemm_avx2.cpp, gemm_avx512.cpp) and are picked at
 // run time. The ISA files include only this header: it must stay free of inline functions and templates, so
 // that no code compiled with AVX flags can be shared with (and picked by the linker for) portable code.
 #pragma once
 #include <cstdint>
+
+namespace moekit {
+enum class DType : uint8_t;  // moekit/dtype.h (not included: it has inline functions)
+}
 
 namespace moekit::cpu {
 
@@ -19,6 +24,9 @@ struct WeightMatrix {
   int64_t n, k;
   bool transposed;
 };
+
+// The weight type of a dtype; throws not_supported for any but f32, bf16 and f16.
+WType weight_type(DType t);
 
 struct GemmKernels {
   Isa isa;

@@ -1,5 +1,5 @@
 // Run-time choice of the GEMM kernels, and the column-tiled parallel GEMM.
-#include "backends/cpu/gemm.h"
+#include "base/gemm.h"
 
 #include <omp.h>
 
@@ -9,7 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "backends/cpu/parallel.h"
+#include "base/parallel.h"
+#include "moekit/dtype.h"
 #include "moekit/error.h"
 
 namespace moekit::cpu {
@@ -116,6 +117,19 @@ void set_isa_override(Isa isa) {
   MOEKIT_CHECK_CODE(cpu_has(isa), not_supported, "set_isa_override: this CPU cannot run ", isa_name(isa),
                     " kernels; best available is ", isa_name(best_isa()));
   g_override.store(int(isa), std::memory_order_relaxed);
+}
+
+WType weight_type(DType t) {
+  switch (t) {
+    case DType::f32:
+      return WType::f32;
+    case DType::bf16:
+      return WType::bf16;
+    case DType::f16:
+      return WType::f16;
+    default:
+      MOEKIT_FAIL(not_supported, "the CPU GEMM takes f32, bf16 or f16 weights, got ", dtype_name(t));
+  }
 }
 
 void clear_isa_override() { g_override.store(kNoOverride, std::memory_order_relaxed); }

@@ -10,46 +10,22 @@
 #include <algorithm>
 #include <vector>
 
+#include "base/cuda_device.h"
+#include "base/cuda_elem.cuh"
 #include "bench/random.h"
 #include "moekit/error.h"
-
-#define BENCH_CUDA_OK(expr)                                                                          \
-  do {                                                                                               \
-    const cudaError_t err_ = (expr);                                                                 \
-    MOEKIT_CHECK_CODE(err_ == cudaSuccess, runtime, #expr, " failed: ", cudaGetErrorString(err_));   \
-  } while (0)
-#define BENCH_CUBLAS_OK(expr)                                                                        \
-  do {                                                                                               \
-    const cublasStatus_t st_ = (expr);                                                               \
-    MOEKIT_CHECK_CODE(st_ == CUBLAS_STATUS_SUCCESS, runtime, #expr, " failed: cuBLAS status ", int(st_)); \
-  } while (0)
 
 namespace moekit::bench::cuda {
 namespace {
 
-template <class T>
-__device__ T from_float(float v);
-template <>
-__device__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+using ::moekit::cuda::DeviceBuffer;
 
 template <class T>
 __global__ void fill_normal_kernel(T* data, int64_t n, float std, uint64_t seed) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    data[i] = from_float<T>(std * normal_at(seed, uint64_t(i)));
+    data[i] = ::moekit::cuda::from_f32<T>(std * normal_at(seed, uint64_t(i)));
 }
-
-struct DeviceBuffer {
-  void* p = nullptr;
-  explicit DeviceBuffer(size_t bytes) { BENCH_CUDA_OK(cudaMalloc(&p, bytes)); }
-  ~DeviceBuffer() { cudaFree(p); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
 
 double median_of(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -70,15 +46,15 @@ double median_call_us(Stream stream, const std::function<void()>& enqueue, int w
 
 CardInfo card_info(int device) {
   cudaDeviceProp prop{};
-  BENCH_CUDA_OK(cudaGetDeviceProperties(&prop, device));
-  BENCH_CUDA_OK(cudaSetDevice(device));
+  MOEKIT_CUDA_CALL(cudaGetDeviceProperties(&prop, device));
+  MOEKIT_CUDA_CALL(cudaSetDevice(device));
   CardInfo c;
   c.name = prop.name;
   c.l2_bytes = prop.l2CacheSize;
   c.sm_count = prop.multiProcessorCount;
   c.cc_major = prop.major;
   c.cc_minor = prop.minor;
-  BENCH_CUDA_OK(cudaMemGetInfo(&c.free_bytes, &c.total_bytes));
+  MOEKIT_CUDA_CALL(cudaMemGetInfo(&c.free_bytes, &c.total_bytes));
   return c;
 }
 
@@ -95,52 +71,53 @@ void fill_normal(void* data, DType dtype, int64_t n, double std, uint64_t seed, 
     case DType::f16: fill_normal_kernel<<<blocks, threads, 0, s>>>(static_cast<__half*>(data), n, float(std), seed); break;
     default: MOEKIT_FAIL(invalid_argument, "fill_normal: dtype ", dtype_name(dtype), " is not f32, bf16 or f16");
   }
-  BENCH_CUDA_OK(cudaGetLastError());
+  MOEKIT_CUDA_CALL(cudaGetLastError());
 }
 
 double gemm_bf16_tflops(int device, int n) {
-  BENCH_CUDA_OK(cudaSetDevice(device));
+  MOEKIT_CUDA_CALL(cudaSetDevice(device));
   const size_t elems = size_t(n) * size_t(n);
-  DeviceBuffer a(elems * 2), b(elems * 2), c(elems * 2);
+  DeviceBuffer a(elems * 2, device), b(elems * 2, device), c(elems * 2, device);
   Stream stream = create_stream(device);
   std::shared_ptr<void> stream_guard(stream, [](void* s) { destroy_stream(s); });
   // Random operands: a product of zeros runs faster than real data.
-  fill_normal(a.p, DType::bf16, int64_t(elems), 1.0, 11, stream);
-  fill_normal(b.p, DType::bf16, int64_t(elems), 1.0, 12, stream);
-  cublasHandle_t handle = nullptr;
-  BENCH_CUBLAS_OK(cublasCreate(&handle));
-  std::shared_ptr<void> handle_guard(handle, [](void* h) { cublasDestroy(static_cast<cublasHandle_t>(h)); });
-  BENCH_CUBLAS_OK(cublasSetStream(handle, static_cast<cudaStream_t>(stream)));
+  fill_normal(a.data(), DType::bf16, int64_t(elems), 1.0, 11, stream);
+  fill_normal(b.data(), DType::bf16, int64_t(elems), 1.0, 12, stream);
+  const ::moekit::cuda::CublasHandle cublas(device);
+  cublasHandle_t handle = cublas.get();
+  MOEKIT_CUBLAS_CALL(cublasSetStream(handle, static_cast<cudaStream_t>(stream)));
   const float alpha = 1.0f, beta = 0.0f;
   auto gemm = [&] {
-    BENCH_CUBLAS_OK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.p, CUDA_R_16BF, n, b.p,
-                                 CUDA_R_16BF, n, &beta, c.p, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    MOEKIT_CUBLAS_CALL(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.data(), CUDA_R_16BF, n,
+                                    b.data(), CUDA_R_16BF, n, &beta, c.data(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
   };
   const double us = median_call_us(stream, gemm, 3, 10);
   return 2.0 * double(n) * n * n / (us * 1e-6) / 1e12;
 }
 
 double copy_gbps(int device, size_t bytes) {
-  BENCH_CUDA_OK(cudaSetDevice(device));
-  DeviceBuffer src(bytes), dst(bytes);
+  MOEKIT_CUDA_CALL(cudaSetDevice(device));
+  DeviceBuffer src(bytes, device), dst(bytes, device);
   Stream stream = create_stream(device);
   std::shared_ptr<void> stream_guard(stream, [](void* s) { destroy_stream(s); });
-  fill_normal(src.p, DType::f32, int64_t(bytes / 4), 1.0, 13, stream);
+  fill_normal(src.data(), DType::f32, int64_t(bytes / 4), 1.0, 13, stream);
   auto copy = [&] {
-    BENCH_CUDA_OK(cudaMemcpyAsync(dst.p, src.p, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
+    MOEKIT_CUDA_CALL(
+        cudaMemcpyAsync(dst.data(), src.data(), bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
   };
   const double us = median_call_us(stream, copy, 2, 10);
   return 2.0 * double(bytes) / (us * 1e-6) / 1e9;
 }
 
 void memset_bytes(void* data, int value, size_t bytes, Stream stream) {
-  BENCH_CUDA_OK(cudaMemsetAsync(data, value, bytes, static_cast<cudaStream_t>(stream)));
+  MOEKIT_CUDA_CALL(cudaMemsetAsync(data, value, bytes, static_cast<cudaStream_t>(stream)));
 }
 
 Stream create_stream(int device) {
-  BENCH_CUDA_OK(cudaSetDevice(device));
+  MOEKIT_CUDA_CALL(cudaSetDevice(device));
   cudaStream_t s = nullptr;
-  BENCH_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  MOEKIT_CUDA_CALL(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   return s;
 }
 
@@ -149,26 +126,26 @@ void destroy_stream(Stream stream) {
 }
 
 void synchronize(Stream stream) {
-  BENCH_CUDA_OK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
-  BENCH_CUDA_OK(cudaGetLastError());
+  MOEKIT_CUDA_CALL(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+  MOEKIT_CUDA_CALL(cudaGetLastError());
 }
 
 double time_call_us(Stream stream, const std::function<void()>& enqueue) {
   auto s = static_cast<cudaStream_t>(stream);
   cudaEvent_t start = nullptr, stop = nullptr;
-  BENCH_CUDA_OK(cudaEventCreate(&start));
-  BENCH_CUDA_OK(cudaEventCreate(&stop));
+  MOEKIT_CUDA_CALL(cudaEventCreate(&start));
+  MOEKIT_CUDA_CALL(cudaEventCreate(&stop));
   std::shared_ptr<void> guard(nullptr, [&](void*) {
     cudaEventDestroy(start);
     cudaEventDestroy(stop);
   });
-  BENCH_CUDA_OK(cudaEventRecord(start, s));
+  MOEKIT_CUDA_CALL(cudaEventRecord(start, s));
   enqueue();
-  BENCH_CUDA_OK(cudaEventRecord(stop, s));
-  BENCH_CUDA_OK(cudaEventSynchronize(stop));
-  BENCH_CUDA_OK(cudaGetLastError());
+  MOEKIT_CUDA_CALL(cudaEventRecord(stop, s));
+  MOEKIT_CUDA_CALL(cudaEventSynchronize(stop));
+  MOEKIT_CUDA_CALL(cudaGetLastError());
   float ms = 0;
-  BENCH_CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
+  MOEKIT_CUDA_CALL(cudaEventElapsedTime(&ms, start, stop));
   return double(ms) * 1e3;
 }
 

@@ -11,8 +11,8 @@
 
 #include <fmt/core.h>
 
+#include "base/gemm.h"
 #include "bench/bench.h"
-#include "bench/cpu_gemm.h"
 #include "bench/random.h"
 #include "moekit/interface.h"
 #ifdef MOEKIT_WITH_CUDA
@@ -57,7 +57,8 @@ int64_t cpu_cache_bytes() {
   return best > 0 ? best : 32ll << 20;
 }
 
-// Best GFLOP/s of the blocked f32 GEMM at a size that runs at least ~0.2 s in all.
+// Best GFLOP/s of the library's CPU GEMM (base/gemm.h: c[n, n] = a[n, n] b[n, n], b read as a transposed
+// f32 weight) at a size that runs at least ~0.2 s in all.
 double cpu_blocked_gemm_gflops() {
   double best = 0;
   for (int64_t n = 256; n <= 2048; n *= 2) {
@@ -66,7 +67,8 @@ double cpu_blocked_gemm_gflops() {
     double spent = 0;
     for (int rep = 0; rep < 3; ++rep) {
       const auto t0 = Clock::now();
-      gemm_f32(n, n, n, a.data(), b.data(), c.data());
+      const cpu::WeightMatrix w{b.data(), cpu::WType::f32, n, n, /*transposed=*/true};  // b [k, n]
+      cpu::gemm(cpu::gemm_kernels(), a.data(), n, n, w, c.data(), n);
       const double s = seconds_since(t0);
       spent += s;
       best = std::max(best, 2.0 * double(n) * n * n / s / 1e9);

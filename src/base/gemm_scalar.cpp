@@ -1,8 +1,8 @@
 // GEMM micro-kernels in portable C++ (compiled with the default flags; the compiler vectorises the lane loops).
 #include <cstdint>
 
-#include "backends/cpu/convert.h"
-#include "backends/cpu/gemm.h"
+#include "base/convert.h"
+#include "base/gemm.h"
 
 namespace moekit::cpu {
 namespace scalar_kernels {
@@ -62,7 +62,7 @@ struct V {
 constexpr int kKnMR = 4, kKnNV = 1, kDirectMaxM = 4, kDirectAcc = 4;
 constexpr int64_t kKC = 256, kMC = 240, kTileN = 128;
 
-#include "backends/cpu/gemm_kernels.h"
+#include "base/gemm_kernels.h"
 
 }  // namespace scalar_kernels
 

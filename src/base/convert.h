@@ -1,4 +1,5 @@
-// Internal: fast exact f16 <-> f32 conversions and row helpers for the CPU backends (portable code only).
+// Internal: exact f16 <-> f32 conversions, rounding to a storage dtype and f32 row conversions, shared by the
+// CPU backends and the model runtime's CPU ops (portable code only).
 #pragma once
 #include <cstdint>
 #include <cstring>

@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "backends/cpu/gemm.h"
+#include "base/gemm.h"
 
 namespace moekit::cpu {
 namespace avx2_kernels {
@@ -37,7 +37,7 @@ struct V {
 constexpr int kKnMR = 6, kKnNV = 2, kDirectMaxM = 4, kDirectAcc = 12;
 constexpr int64_t kKC = 256, kMC = 240, kTileN = 128;
 
-#include "backends/cpu/gemm_kernels.h"
+#include "base/gemm_kernels.h"
 
 }  // namespace avx2_kernels
 

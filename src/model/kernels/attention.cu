@@ -1,0 +1,176 @@
+// Attention kernels of the model: rotary embedding in place, and causal attention as an online softmax
+// over tiles of keys, split over blocks for decode (flash-decoding) and merged by a second kernel.
+#include "model/kernels/layer_device.cuh"
+
+namespace moekit::model::kernels {
+namespace {
+
+using cuda::from_f32;
+using cuda::to_f32;
+
+constexpr int kAttnThreadsPerKey = kAttnThreads / kAttnTile;
+static_assert(kAttnThreads % kAttnTile == 0 && kAttnThreadsPerKey == 2, "two threads score each key of a tile");
+
+// One block per (token, head): loads the rotated dims, then writes them (in place).
+__global__ void rope_kernel(void* x, int t, int64_t s0, int64_t s1, int64_t NH, int64_t offset, int64_t pos_value,
+                            const int64_t* pos_device, RopeArgs a) {
+  extern __shared__ float v[];  // [2 * half]
+  const int64_t row = blockIdx.x / NH, head = blockIdx.x % NH;
+  const int64_t base = row * s0 + head * s1 + offset;
+  const int rd = 2 * a.half;
+  for (int i = threadIdx.x; i < rd; i += blockDim.x) v[i] = ld(x, t, base + i);
+  __syncthreads();
+  const float pos = float(position(pos_value, pos_device) + row);
+  for (int i = threadIdx.x; i < a.half; i += blockDim.x) {
+    const float f = pos * a.inv_freq[i];
+    // transformers casts cos / sin to the activation dtype before using them.
+    const float c = round_as(t, cosf(f) * a.scaling), s = round_as(t, sinf(f) * a.scaling);
+    const float x1 = a.interleaved ? v[2 * i] : v[i];
+    const float x2 = a.interleaved ? v[2 * i + 1] : v[i + a.half];
+    st(x, t, base + i, x1 * c - x2 * s);
+    st(x, t, base + i + a.half, x2 * c + x1 * s);
+  }
+}
+
+// One block per (query, head, split of the keys): an online softmax over tiles of kAttnTile keys. Two threads
+// score each key of a tile (all the tile's key loads are in flight at once), then every thread rescales and
+// accumulates its own value dims. Without `part` (one split) the block writes the normalised output, the
+// sink included; with it, the split's running max, sum and unnormalised values go to
+// part[(query * Hq + head) * splits + split] ([m, l, acc[Dv]]) for attention_combine_kernel.
+template <class T>
+__global__ void __launch_bounds__(kAttnThreads)
+    attention_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
+                     int Hq, int Hkv, int Dk, int Dv, int64_t pos_value, const int64_t* pos_device, float scale,
+                     int64_t window, const void* sinks, int sink_t, int64_t chunk, float* __restrict__ part) {
+  extern __shared__ float sm[];
+  float* qs = sm;        // [Dk]
+  float* p = sm + Dk;    // [kAttnTile]
+  const int bh = blockIdx.x, t = bh / Hq, h = bh % Hq, g = h / (Hq / Hkv);
+  const int split = blockIdx.y, splits = gridDim.y;
+  const int tid = threadIdx.x;
+  const int64_t pos = position(pos_value, pos_device) + t;
+  int64_t lo = window > 0 ? max(int64_t(0), pos - window + 1) : 0;
+  int64_t hi = pos;  // last key, inclusive
+  lo = max(lo, split * chunk);
+  hi = min(hi, (split + 1) * chunk - 1);
+  for (int d = tid; d < Dk; d += blockDim.x) qs[d] = to_f32(q[(int64_t(t) * Hq + h) * Dk + d]);
+  float m = -INFINITY, l = 0.0f;
+  if (sinks && !part) {  // the sink's logit: probability mass, no value
+    m = ld(sinks, sink_t, h);
+    l = 1.0f;
+  }
+  float acc[kAttnMaxDv / kAttnThreads] = {0.0f, 0.0f, 0.0f, 0.0f};
+  __syncthreads();
+  const int key = tid / kAttnThreadsPerKey, sub = tid % kAttnThreadsPerKey;
+  const int per = (Dk + kAttnThreadsPerKey - 1) / kAttnThreadsPerKey;
+  const int d0 = sub * per, d1 = min(Dk, d0 + per);
+  for (int64_t j0 = lo; j0 <= hi; j0 += kAttnTile) {
+    const int n = int(min(int64_t(kAttnTile), hi + 1 - j0));
+    float sc = 0.0f;
+    if (key < n) {
+      const T* kr = k + ((j0 + key) * Hkv + g) * int64_t(Dk);
+#pragma unroll 8
+      for (int d = d0; d < d1; ++d) sc += qs[d] * to_f32(kr[d]);
+    }
+    sc += __shfl_xor_sync(0xffffffffu, sc, 1);  // the two halves of the key's dot product
+    if (key < n && sub == 0) p[key] = sc * scale;
+    __syncthreads();
+    float tmax = -INFINITY;
+    for (int jj = 0; jj < n; ++jj) tmax = fmaxf(tmax, p[jj]);
+    const float mnew = fmaxf(m, tmax);
+    const float corr = m == -INFINITY ? 0.0f : expf(m - mnew);
+    __syncthreads();  // every thread has read the scores
+    if (tid < n) p[tid] = expf(p[tid] - mnew);
+    __syncthreads();
+    float sum = 0.0f;
+    for (int jj = 0; jj < n; ++jj) sum += p[jj];
+    l = l * corr + sum;
+#pragma unroll
+    for (int i = 0; i < kAttnMaxDv / kAttnThreads; ++i) {
+      const int d = tid + i * kAttnThreads;
+      if (d >= Dv) break;
+      const T* vc = v + (j0 * Hkv + g) * int64_t(Dv) + d;
+      float a = acc[i] * corr;
+#pragma unroll 8
+      for (int jj = 0; jj < n; ++jj) a += p[jj] * to_f32(vc[int64_t(jj) * Hkv * Dv]);
+      acc[i] = a;
+    }
+    m = mnew;
+    __syncthreads();  // before the next tile's scores overwrite p
+  }
+  if (part) {
+    float* o = part + (int64_t(bh) * splits + split) * (Dv + 2);
+    if (tid == 0) {
+      o[0] = m;
+      o[1] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < kAttnMaxDv / kAttnThreads; ++i) {
+      const int d = tid + i * kAttnThreads;
+      if (d < Dv) o[2 + d] = acc[i];
+    }
+    return;
+  }
+  const float inv = 1.0f / l;
+#pragma unroll
+  for (int i = 0; i < kAttnMaxDv / kAttnThreads; ++i) {
+    const int d = tid + i * kAttnThreads;
+    if (d < Dv) out[(int64_t(t) * Hq + h) * Dv + d] = from_f32<T>(acc[i] * inv);
+  }
+}
+
+// Merges the splits of attention_kernel: one block per (query, head).
+template <class T>
+__global__ void attention_combine_kernel(const float* __restrict__ part, int splits, int Hq, int Dv, const void* sinks,
+                                         int sink_t, T* __restrict__ out) {
+  const int bh = blockIdx.x;
+  const float* pp = part + int64_t(bh) * splits * (Dv + 2);
+  float M = sinks ? ld(sinks, sink_t, bh % Hq) : -INFINITY;
+  for (int s = 0; s < splits; ++s) M = fmaxf(M, pp[int64_t(s) * (Dv + 2)]);
+  float L = sinks ? expf(ld(sinks, sink_t, bh % Hq) - M) : 0.0f;
+  for (int s = 0; s < splits; ++s) {
+    const float ms = pp[int64_t(s) * (Dv + 2)];
+    if (ms != -INFINITY) L += pp[int64_t(s) * (Dv + 2) + 1] * expf(ms - M);
+  }
+  const float inv = 1.0f / L;
+  for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
+    float a = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const float ms = pp[int64_t(s) * (Dv + 2)];
+      if (ms != -INFINITY) a += pp[int64_t(s) * (Dv + 2) + 2 + d] * expf(ms - M);
+    }
+    out[int64_t(bh) * Dv + d] = from_f32<T>(a * inv);
+  }
+}
+
+}  // namespace
+
+cudaError_t rope(void* x, int t, int64_t s0, int64_t s1, int64_t T, int64_t NH, int64_t offset, int64_t pos_value,
+                 const int64_t* pos_device, const RopeArgs& a, cudaStream_t s) {
+  const int threads = a.half >= 64 ? 64 : 32;
+  rope_kernel<<<unsigned(T * NH), threads, size_t(2 * a.half) * sizeof(float), s>>>(x, t, s0, s1, NH, offset,
+                                                                                    pos_value, pos_device, a);
+  return cudaGetLastError();
+}
+
+cudaError_t attention(const AttentionArgs& a, cudaStream_t s) {
+  const int64_t bh = a.T * a.Hq;
+  const size_t smem = size_t(a.Dk + kAttnTile) * sizeof(float);
+  const dim3 grid{unsigned(bh), unsigned(a.splits)};
+  auto run = [&](auto tag) {
+    using E = decltype(tag);
+    attention_kernel<E><<<grid, kAttnThreads, smem, s>>>(
+        static_cast<const E*>(a.q), static_cast<const E*>(a.k), static_cast<const E*>(a.v), static_cast<E*>(a.out),
+        a.Hq, a.Hkv, a.Dk, a.Dv, a.pos_value, a.pos_device, a.scale, a.window, a.sinks, a.sink_t, a.chunk, a.part);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess || !a.part) return err;
+    attention_combine_kernel<E><<<unsigned(bh), 128, 0, s>>>(a.part, int(a.splits), a.Hq, a.Dv, a.sinks, a.sink_t,
+                                                             static_cast<E*>(a.out));
+    return cudaGetLastError();
+  };
+  if (a.t == kF32) return run(float());
+  if (a.t == kBF16) return run(bf16());
+  return run(f16());
+}
+
+}  // namespace moekit::model::kernels

@@ -1,0 +1,98 @@
+// Internal: the CUDA kernels of the model's layer ops (ops_cuda.cu), behind raw pointers. Each function takes
+// device pointers, element-type codes, sizes and a stream, enqueues its kernel(s) and returns the launch status;
+// nothing here knows tensors, checks shapes or allocates. Operands of a call may have different element types
+// (codes below); accumulation is in f32 with one rounding to the output type.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace moekit::model::kernels {
+
+constexpr int kF32 = 0, kBF16 = 1, kF16 = 2;  // element types (f32, bf16, f16)
+
+// Positions (KV-cache rows) come as (value, device): read on the device when `device` is set, else `value`,
+// so that one recorded graph serves every decode step.
+
+// out[i, :] = table[ids[i], :] for i < n (rows of ids outside [0, V) read as zeros); table [V, H].
+cudaError_t embedding(const int64_t* ids, int64_t n, int64_t V, int64_t H, const void* table, int tt, void* out, int ot,
+                      cudaStream_t s);
+
+// y [M, N] = bias [N] on every row.
+cudaError_t fill_bias(const void* bias, int bt, void* y, int yt, int64_t M, int64_t N, cudaStream_t s);
+// y [M, K] (contiguous) = x [M, K] (row stride ldx), converted.
+cudaError_t convert_rows(const void* x, int xt, int64_t ldx, void* y, int yt, int64_t M, int64_t K, cudaStream_t s);
+
+// y = rmsnorm(x) * w over rows of D (see DeviceOps::rmsnorm for weight_before_cast).
+cudaError_t rmsnorm(const void* x, int xt, int64_t ldx, const void* w, int wt, void* y, int yt, int64_t ldy, int64_t M,
+                    int64_t D, float eps, bool weight_before_cast, cudaStream_t s);
+// h = round(h + a) in place, then y = rmsnorm(h) * w; all [M, D] contiguous.
+cudaError_t add_rmsnorm(void* h, int ht, const void* a, int at, const void* w, int wt, void* y, int yt, int64_t M,
+                        int64_t D, float eps, bool weight_before_cast, cudaStream_t s);
+
+// y [M, N] = x [M, K] w [N, K]^T + bias (null: none) for M <= kSmallM rows, operands of any element types.
+constexpr int kSmallM = 8;
+cudaError_t small_m_linear(const void* x, int xt, int64_t ldx, const void* w, int wt, const void* bias, int bt, void* y,
+                           int yt, int M, int64_t N, int64_t K, cudaStream_t s);
+
+constexpr int kMaxRopeHalf = 256;
+struct RopeArgs {
+  float inv_freq[kMaxRopeHalf];
+  int half = 0;
+  int interleaved = 0;
+  float scaling = 1.0f;
+};
+// Rotates dims [offset, offset + 2 * half) of x [T, NH, S] (strides s0, s1, 1) in place, at positions pos + t.
+cudaError_t rope(void* x, int t, int64_t s0, int64_t s1, int64_t T, int64_t NH, int64_t offset, int64_t pos_value,
+                 const int64_t* pos_device, const RopeArgs& a, cudaStream_t s);
+
+constexpr int kAttnThreads = 128, kAttnTile = 64, kAttnMaxDv = 4 * kAttnThreads;
+struct AttentionArgs {
+  const void* q;  // [T, Hq, Dk]
+  const void* k;  // [S, Hkv, Dk] cache rows
+  const void* v;  // [S, Hkv, Dv]
+  void* out;      // [T, Hq, Dv]
+  int t;          // element type of q, k, v and out
+  int Hq, Hkv, Dk, Dv;
+  int64_t T;
+  int64_t pos_value;
+  const int64_t* pos_device;
+  float scale;
+  int64_t window;     // > 0: sliding window of that many keys
+  const void* sinks;  // [Hq] or null
+  int sink_t;
+  int64_t splits, chunk;  // the keys in `splits` chunks of `chunk` (multiple of kAttnTile)
+  float* part;            // splits > 1: [T * Hq * splits, Dv + 2] f32 scratch
+};
+// Causal attention of the T queries at positions pos .. pos + T - 1 (flash-decoding when splits > 1).
+cudaError_t attention(const AttentionArgs& a, cudaStream_t s);
+
+// Rows [row0, row0 + bytes / row_bytes) of dst = src (bytes in all), row0 read as a position.
+cudaError_t write_rows(const void* src, void* dst, int64_t bytes, int64_t row_bytes, int64_t row0_value,
+                       const int64_t* row0_device, cudaStream_t s);
+// MLA: cache rows row0 + t of k [., H, nope + rope] = [kvb k_nope | k_rot[t]] and of v [., H, dv] = kvb v, from
+// kvb [T, H, nope + dv] and k_rot [T, rope] (row stride ld_rot).
+cudaError_t mla_expand(const void* kvb, const void* k_rot, int64_t ld_rot, int in_t, void* k, void* v, int out_t,
+                       int64_t T, int64_t H, int64_t nope, int64_t rope, int64_t dv, int64_t row0_value,
+                       const int64_t* row0_device, cudaStream_t s);
+
+// out [M, I] = act(gu[:, :I]) * gu[:, I:] (gu row stride ld_gu); act: a base/activation.h code.
+cudaError_t act_mul(const void* gu, int gt, int64_t ld_gu, void* out, int ot, int64_t M, int64_t I, int act,
+                    cudaStream_t s);
+// out = a + b, n elements.
+cudaError_t add(const void* a, int at, const void* b, int bt, void* out, int ot, int64_t n, cudaStream_t s);
+// out[m, :] += round(sigmoid(gate[m])) * x[m, :], products rounded to x's type; [M, H].
+cudaError_t add_sigmoid_gated(const void* x, int xt, const void* gate, int gt, void* out, int ot, int64_t M, int64_t H,
+                              cudaStream_t s);
+// x = clamp(x, -limit, limit), n elements in place.
+cudaError_t clamp(void* x, int t, int64_t n, float limit, cudaStream_t s);
+
+// Routers: index / weights [T, K] from f32 logits [T, E] (bias: grouped_sigmoid's correction, or null).
+constexpr int kRouteMaxPerLane = 32;  // E <= 1024
+constexpr int kRouteMaxK = 32;
+constexpr int kRouteMaxGroups = 32;
+constexpr int kRouteSoftmaxTopk = 0, kRouteTopkSoftmax = 1, kRouteGroupedSigmoid = 2;
+cudaError_t route(const float* logits, const float* bias, int64_t T, int E, int K, int kind, bool norm, float scale,
+                  int n_group, int topk_group, int32_t* index, float* weights, cudaStream_t s);
+
+}  // namespace moekit::model::kernels
