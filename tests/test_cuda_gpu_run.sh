@@ -43,6 +43,7 @@ ldd "$BIN/test_cuda_backends" "$BIN/moekit" | grep "not found" | tee -a "$SUMMAR
 "$BIN/moekit" backends --device cuda 2>&1 | tee -a "$SUMMARY" || "$BIN/moekit" backends 2>&1 | tee -a "$SUMMARY"
 run test_cuda_backends 150 "$BIN/test_cuda_backends"
 run test_cuda_graph 60 "$BIN/test_cuda_graph"
+run test_cuda_grouped_gemm 200 "$BIN/test_cuda_grouped_gemm"
 run test_cuda_model 300 "$BIN/test_cuda_model"
 # The model runtime from the CLI: greedy tokens of a fixture model (transformers' are in its
 # reference.safetensors), the experts map per phase, decode graphs.
@@ -65,21 +66,28 @@ if command -v compute-sanitizer > /dev/null; then
   FILTER='CudaBackends.SweepFlags:CudaBackends.BadIdsAreReported:CudaBackends.EveryKernelPathSmall:CudaBackends.DeterministicRunToRun:CudaBackends.MatchTheFixtures'
   run memcheck_backends 90 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/test_cuda_backends" --gtest_filter="$FILTER"
   run memcheck_graph 45 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/test_cuda_graph"
+  MODELS='qwen3_moe:Models/CudaFixtureModel.*/gpt_oss:Models/CudaFixtureModel.*/deepseek_v3'
+  [ "$MODE" = full ] || MODELS='qwen3_moe'
   run memcheck_model 240 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/test_cuda_model" \
-    --gtest_filter='CudaModelOps.*:Models/CudaFixtureModel.*/qwen3_moe:Models/CudaFixtureModel.*/gpt_oss:Models/CudaFixtureModel.*/deepseek_v3'
+    --gtest_filter="CudaModelOps.*:Models/CudaFixtureModel.*/$MODELS"
+  # The warp-specialised TMA grouped kernel (and deepgemm on it), on the small cases.
+  run memcheck_grouped 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/test_cuda_grouped_gemm" \
+    --gtest_filter='CudaGroupedGemm.TmaKernelActOnlyAndOneExpert'
+  run racecheck_grouped 120 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/test_cuda_grouped_gemm" \
+    --gtest_filter='CudaGroupedGemm.TmaKernelActOnlyAndOneExpert'
   run racecheck_model 120 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/test_cuda_model" \
     --gtest_filter='CudaModelOps.Attention*:CudaModelOps.Rope*:CudaModelOps.Rmsnorm*:CudaModelOps.Router*'
   run racecheck_backends 60 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/test_cuda_backends" \
     --gtest_filter='CudaBackends.EveryKernelPathSmall'
   run synccheck_backends 30 compute-sanitizer --tool synccheck --error-exitcode 9 "$BIN/test_cuda_backends" \
     --gtest_filter='CudaBackends.EveryKernelPathSmall'
-  for t in memcheck_backends memcheck_graph memcheck_model racecheck_backends racecheck_model synccheck_backends; do
+  for t in memcheck_backends memcheck_graph memcheck_model memcheck_grouped racecheck_grouped racecheck_backends racecheck_model synccheck_backends; do
     say "  $t: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$t.log" | tail -1)"
   done
 else
   say "compute-sanitizer: not found"
 fi
-for n in test_cuda_backends test_cuda_graph test_cuda_model test_backends; do
+for n in test_cuda_backends test_cuda_graph test_cuda_grouped_gemm test_cuda_model test_backends; do
   [ -f "$OUT/$n.log" ] && grep -E '^\[  FAILED  \]|Failure|rel L2' "$OUT/$n.log" | head -20 >> "$SUMMARY"
 done
 cp "$SUMMARY" "$DEST/summary.txt"

@@ -250,8 +250,11 @@ class ShapeRunner {
       if (auto it = last.find(c.graph); it != last.end()) {
         const double predicted = it->second.second * 1e-6 * std::max(1.0, double(T) / double(it->second.first));
         if (predicted * (1 + opt_.min_iters) > opt_.max_seconds) {
-          skip(c, T, fmt::format("too slow: about {:.2g} s per call predicted from T={} (--max-seconds {})", predicted,
-                                 it->second.first, opt_.max_seconds));
+          skip(c, T, it->second.second >= 1e29
+                         ? fmt::format("too slow: T={} was already too slow or failed (--max-seconds {})",
+                                       it->second.first, opt_.max_seconds)
+                         : fmt::format("too slow: about {:.2g} s per call predicted from T={} (--max-seconds {})",
+                                       predicted, it->second.first, opt_.max_seconds));
           return;
         }
       }
@@ -328,6 +331,14 @@ class ShapeRunner {
 #else
     MOEKIT_CHECK_CODE(!c.graph, not_supported, "CUDA graphs need a CUDA build");
 #endif
+    if (per_call * double(1 + opt_.min_iters) > opt_.max_seconds) {
+      // The first call also ran the backend's one-time work (prepare: weight repacks, workspaces): time a
+      // second one before calling the case too slow.
+      const auto t1 = Clock::now();
+      call(1 % n_sets);
+      timer_.synchronize();
+      per_call = seconds_since(t1);
+    }
     MOEKIT_CHECK_CODE(per_call * double(1 + opt_.min_iters) <= opt_.max_seconds, not_supported,
                       fmt::format("too slow: one call took {:.2f} s (--max-seconds {})", per_call, opt_.max_seconds));
 
