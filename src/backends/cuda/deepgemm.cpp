@@ -49,12 +49,7 @@ void run_deepgemm(const CallContext& c) {
   void *xl = nullptr, *act = nullptr;
   float* y = nullptr;
   auto carve = [&](Carver& w) {
-    r.pair_expert = w.take<int32_t>(P);
-    r.pair_row = w.take<int32_t>(P);
-    r.sorted_pair = w.take<int32_t>(P);
-    r.block_hist = w.take<int32_t>(k::route_blocks(P) * E);
-    r.offsets = w.take<int32_t>(E + 1);
-    r.tile_offsets = w.take<int32_t>(E + 1);
+    take_routing(w, r, P, E);
     row_base = w.take<int32_t>(E + 1);
     pair_row_l = w.take<int32_t>(P);
     xl = w.take_bytes(rows * c.hidden * row_bytes);  // [rows, H] padded per expert
@@ -74,42 +69,9 @@ void run_deepgemm(const CallContext& c) {
                                     row_base, xl, pair_row_l, c.stream),
                "contiguous_layout");
 
-  k::GroupedGemmArgs g1;
-  g1.type = c.type;
-  g1.a = xl;
-  g1.lda = c.hidden;
-  g1.b = c.w1;
-  g1.b_expert_stride = c.w1_expert;
-  g1.b_stride_n = c.w1_n;
-  g1.b_stride_k = c.w1_k;
-  g1.bias = c.b1;
-  g1.bias_expert_stride = c.n1;
-  g1.offsets = row_base;  // every expert's block ends where the next one starts: whole tiles
-  g1.tile_offsets = r.tile_offsets;
-  g1.experts = int(E);
-  g1.max_rows = rows;
-  g1.n = c.inter;
-  g1.k = c.hidden;
-  g1.inter = c.inter;
-  g1.epilogue = c.first_epilogue;
-  g1.gate = c.gate;
-  g1.out = act;
-  g1.ldo = c.inter;
-
-  k::GroupedGemmArgs g2 = g1;
-  g2.a = act;
-  g2.lda = c.inter;
-  g2.b = c.w2;
-  g2.b_expert_stride = c.w2_expert;
-  g2.b_stride_n = c.w2_n;
-  g2.b_stride_k = c.w2_k;
-  g2.bias = nullptr;  // added by combine
-  g2.bias_expert_stride = 0;
-  g2.n = c.hidden;
-  g2.k = c.inter;
-  g2.epilogue = k::kEpiF32;
-  g2.out = y;
-  g2.ldo = c.hidden;
+  // Every expert's block ends where the next one starts: whole tiles, so row_base serves as the offsets.
+  const Projections pr = grouped_projections(c, xl, nullptr, 1, row_base, r.tile_offsets, rows, act, y);
+  const k::GroupedGemmArgs &g1 = pr.first, &g2 = pr.second;
   MOEKIT_CHECK_CODE(k::grouped_gemm_tma_ok(g1, c.device->arch()) && k::grouped_gemm_tma_ok(g2, c.device->arch()),
                     not_supported, "deepgemm: this build has no sm_90a code for the TMA grouped kernel");
   check_launch(k::grouped_gemm_tma(g1, c.stream), "grouped_gemm_tma (first projection)");

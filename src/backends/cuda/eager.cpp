@@ -42,12 +42,7 @@ void run_eager(const CallContext& c) {
   const int eb = k::elem_bytes(c.type);
 
   auto carve = [&](Carver& w, k::RoutingBuffers& r, void*& xs, float*& h1, void*& act, float*& y) {
-    r.pair_expert = w.take<int32_t>(P);
-    r.pair_row = w.take<int32_t>(P);
-    r.sorted_pair = w.take<int32_t>(P);
-    r.block_hist = w.take<int32_t>(k::route_blocks(P) * E);
-    r.offsets = w.take<int32_t>(E + 1);
-    r.tile_offsets = w.take<int32_t>(E + 1);
+    take_routing(w, r, P, E);
     xs = w.take_bytes(P * H * eb);  // [P, H] gathered rows
     h1 = w.take<float>(P * N1);     // [P, N1] first projection, f32
     act = w.take_bytes(P * I * eb);  // [P, I]

@@ -21,6 +21,54 @@ std::atomic<bool> g_tma{true};
 bool grouped_tma_enabled() { return g_tma.load(); }
 bool set_grouped_tma_enabled(bool enabled) { return g_tma.exchange(enabled); }
 
+Projections grouped_projections(const CallContext& c, const void* a, const int32_t* a_rows, int a_row_div,
+                                const int32_t* offsets, const int32_t* tile_offsets, int64_t max_rows, void* act,
+                                float* y) {
+  Projections p;
+  kernels::GroupedGemmArgs& g1 = p.first;
+  g1.type = c.type;
+  g1.a = a;
+  g1.lda = c.hidden;
+  g1.a_rows = a_rows;
+  g1.a_row_div = a_row_div;
+  g1.b = c.w1;
+  g1.b_expert_stride = c.w1_expert;
+  g1.b_stride_n = c.w1_n;
+  g1.b_stride_k = c.w1_k;
+  g1.bias = c.b1;
+  g1.bias_expert_stride = c.n1;
+  g1.offsets = offsets;
+  g1.tile_offsets = tile_offsets;
+  g1.experts = c.experts_count;
+  g1.max_rows = max_rows;
+  g1.n = c.inter;
+  g1.k = c.hidden;
+  g1.inter = c.inter;
+  g1.epilogue = c.first_epilogue;
+  g1.gate = c.gate;
+  g1.out = act;
+  g1.ldo = c.inter;
+
+  kernels::GroupedGemmArgs& g2 = p.second;
+  g2 = g1;
+  g2.a = act;
+  g2.lda = c.inter;
+  g2.a_rows = nullptr;
+  g2.a_row_div = 1;
+  g2.b = c.w2;
+  g2.b_expert_stride = c.w2_expert;
+  g2.b_stride_n = c.w2_n;
+  g2.b_stride_k = c.w2_k;
+  g2.bias = nullptr;  // added by combine
+  g2.bias_expert_stride = 0;
+  g2.n = c.hidden;
+  g2.k = c.inter;
+  g2.epilogue = kernels::kEpiF32;
+  g2.out = y;
+  g2.ldo = c.hidden;
+  return p;
+}
+
 void run_grouped_mm(const CallContext& c) {
   namespace k = kernels;
   const int64_t P = c.pairs, E = c.experts_count;
@@ -36,12 +84,7 @@ void run_grouped_mm(const CallContext& c) {
 
   void* xs = nullptr;  // [P, H] gathered rows (TMA path)
   auto carve = [&](Carver& w, k::RoutingBuffers& r, void*& act, float*& y) {
-    r.pair_expert = w.take<int32_t>(P);
-    r.pair_row = w.take<int32_t>(P);
-    r.sorted_pair = w.take<int32_t>(P);
-    r.block_hist = w.take<int32_t>(k::route_blocks(P) * E);
-    r.offsets = w.take<int32_t>(E + 1);
-    r.tile_offsets = w.take<int32_t>(E + 1);
+    take_routing(w, r, P, E);
     act = w.take_bytes(P * c.inter * k::elem_bytes(c.type));  // [P, I] sorted rows
     y = w.take<float>(P * c.hidden);                         // [P, H] sorted rows, f32
     if (use_tma) xs = w.take_bytes(P * c.hidden * k::elem_bytes(c.type));
@@ -60,46 +103,9 @@ void run_grouped_mm(const CallContext& c) {
                              c.stream),
                "route_sort");
 
-  k::GroupedGemmArgs g1;
-  g1.type = c.type;
-  g1.a = c.call.hidden_states.data;
-  g1.lda = c.hidden;
-  g1.a_rows = r.sorted_pair;
-  g1.a_row_div = int(c.top_k);
-  g1.b = c.w1;
-  g1.b_expert_stride = c.w1_expert;
-  g1.b_stride_n = c.w1_n;
-  g1.b_stride_k = c.w1_k;
-  g1.bias = c.b1;
-  g1.bias_expert_stride = c.n1;
-  g1.offsets = r.offsets;
-  g1.tile_offsets = r.tile_offsets;
-  g1.experts = int(E);
-  g1.max_rows = P;
-  g1.n = c.inter;
-  g1.k = c.hidden;
-  g1.inter = c.inter;
-  g1.epilogue = c.first_epilogue;
-  g1.gate = c.gate;
-  g1.out = act;
-  g1.ldo = c.inter;
-
-  k::GroupedGemmArgs g2 = g1;
-  g2.a = act;
-  g2.lda = c.inter;
-  g2.a_rows = nullptr;
-  g2.a_row_div = 1;
-  g2.b = c.w2;
-  g2.b_expert_stride = c.w2_expert;
-  g2.b_stride_n = c.w2_n;
-  g2.b_stride_k = c.w2_k;
-  g2.bias = nullptr;  // added by combine
-  g2.bias_expert_stride = 0;
-  g2.n = c.hidden;
-  g2.k = c.inter;
-  g2.epilogue = k::kEpiF32;
-  g2.out = y;
-  g2.ldo = c.hidden;
+  const Projections pr = grouped_projections(c, c.call.hidden_states.data, r.sorted_pair, int(c.top_k), r.offsets,
+                                             r.tile_offsets, P, act, y);
+  const k::GroupedGemmArgs &g1 = pr.first, &g2 = pr.second;
 
   k::GroupedGemmArgs t1 = g1;  // the first projection over the gathered rows
   t1.a = xs;

@@ -54,6 +54,17 @@ class Carver {
   size_t offset_ = 0;
 };
 
+// The routing buffers of a call of P pairs over E experts (route_sort's outputs and scratch), carved from `w`;
+// the error word is the workspace's and is set by the caller.
+inline void take_routing(Carver& w, kernels::RoutingBuffers& r, int64_t P, int64_t E) {
+  r.pair_expert = w.take<int32_t>(P);
+  r.pair_row = w.take<int32_t>(P);
+  r.sorted_pair = w.take<int32_t>(P);
+  r.block_hist = w.take<int32_t>(kernels::route_blocks(P) * E);
+  r.offsets = w.take<int32_t>(E + 1);
+  r.tile_offsets = w.take<int32_t>(E + 1);
+}
+
 class CudaState final : public BackendState {
  public:
   std::mutex mutex;  // held for a whole call: one enqueueing thread per module at a time
@@ -102,6 +113,17 @@ struct CallContext {
   int64_t w2_expert = 0, w2_n = 0, w2_k = 0;
   const void* b2 = nullptr;
 };
+
+// The two grouped projections of a forward over rows grouped by expert (grouped_mm.cpp): the first reads
+// `a` (row a_rows[r] / a_row_div, or row r when a_rows is null) and writes the gated activations `act`
+// [max_rows, I] in the activations' dtype; the second reads `act` and writes `y` [max_rows, H] in f32 (its
+// bias is added by combine). `offsets` / `tile_offsets` [E + 1] on the device, as route_sort leaves them.
+struct Projections {
+  kernels::GroupedGemmArgs first, second;
+};
+Projections grouped_projections(const CallContext& c, const void* a, const int32_t* a_rows, int a_row_div,
+                                const int32_t* offsets, const int32_t* tile_offsets, int64_t max_rows, void* act,
+                                float* y);
 
 // Whether batched_mm runs its per-pair GEMV kernels for this call (else the grouped kernels).
 bool batched_uses_gemv(const CallContext& c);
