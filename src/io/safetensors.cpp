@@ -14,11 +14,14 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "io/input.h"
+
 namespace moekit {
 namespace {
 
 constexpr uint64_t kMaxHeader = 100ull * 1000 * 1000;  // 100 MB, as the reference implementation
 constexpr uint64_t kMaxDim = uint64_t(1) << 62;        // keeps every shape product inside int64
+constexpr size_t kMaxHeaderArray = 4096;               // dimensions of one shape, at most
 
 struct DTypeName {
   DType dtype;
@@ -84,8 +87,9 @@ DType parse_safetensors_dtype(const std::string& name) {
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
   SafetensorsFile f;
   f.path_ = path;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  MOEKIT_CHECK_CODE(fd >= 0, io, path, ": cannot open (", std::strerror(errno), ")");
+  require_regular_file(path);  // a FIFO would block open(); a directory is not "no such file"
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  MOEKIT_CHECK_CODE(fd >= 0, io, printable(path), ": cannot open (", std::strerror(errno), ")");
   struct stat st {};
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
@@ -114,26 +118,24 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
                     size, " bytes): truncated?");
   f.header_size_ = hlen;
 
-  // Duplicate keys: JSON parsers keep one of them silently; a duplicated tensor would hide data.
-  std::vector<std::set<std::string>> open_objects;
-  std::string duplicate;
-  const nlohmann::json::parser_callback_t on_event = [&](int, nlohmann::json::parse_event_t ev, nlohmann::json& v) {
-    using E = nlohmann::json::parse_event_t;
-    if (ev == E::object_start) open_objects.emplace_back();
-    if (ev == E::object_end && !open_objects.empty()) open_objects.pop_back();
-    if (ev == E::key && !open_objects.empty() && !open_objects.back().insert(v.get<std::string>()).second &&
-        duplicate.empty())
-      duplicate = v.get<std::string>();
-    return true;
-  };
+  // One linear pass without building anything first: duplicate keys (JSON parsers keep one of them
+  // silently; a duplicated tensor would hide data), nesting (a header is an object of tensor objects
+  // holding arrays of integers: deeper containers are refused before they cost memory or stack) and
+  // array lengths. Then the (linear, non-recursive) DOM parse.
+  JsonLimits limits;
+  limits.max_depth = 3;
+  limits.max_array = kMaxHeaderArray;
+  limits.reject_duplicate_keys = true;
+  const char* htext = reinterpret_cast<const char*>(bytes + 8);
+  const std::string problem = json_precheck(htext, htext + hlen, limits);
+  MOEKIT_CHECK_CODE(problem.empty(), io, path, ": header ", problem);
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(bytes + 8, bytes + 8 + hlen, on_event);
+    header = nlohmann::json::parse(htext, htext + hlen);
   } catch (const std::exception& e) {
     MOEKIT_FAIL(io, path, ": header is not valid JSON (", e.what(), ")");
   }
   MOEKIT_CHECK_CODE(header.is_object(), io, path, ": header is not a JSON object (", header.type_name(), ")");
-  MOEKIT_CHECK_CODE(duplicate.empty(), io, path, ": header has the key '", duplicate, "' more than once");
   const uint64_t data_size = size - 8 - hlen;
   f.data_ = bytes + 8 + hlen;
 
@@ -142,50 +144,50 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     if (name == "__metadata__") {
       MOEKIT_CHECK_CODE(it->is_object(), io, path, ": __metadata__ is not an object");
       for (auto m2 = it->begin(); m2 != it->end(); ++m2) {
-        MOEKIT_CHECK_CODE(m2->is_string(), io, path, ": metadata '", m2.key(), "' is not a string");
+        MOEKIT_CHECK_CODE(m2->is_string(), io, path, ": metadata '", printable(m2.key()), "' is not a string");
         f.metadata_[m2.key()] = m2->get<std::string>();
       }
       continue;
     }
     const auto& v = *it;
-    MOEKIT_CHECK_CODE(v.is_object(), io, path, ": tensor '", name, "' is not an object");
+    MOEKIT_CHECK_CODE(v.is_object(), io, path, ": tensor '", printable(name), "' is not an object");
     for (const char* field : {"dtype", "shape", "data_offsets"})
-      MOEKIT_CHECK_CODE(v.contains(field), io, path, ": tensor '", name, "' has no '", field, "'");
-    MOEKIT_CHECK_CODE(v["dtype"].is_string(), io, path, ": tensor '", name, "' dtype is not a string");
+      MOEKIT_CHECK_CODE(v.contains(field), io, path, ": tensor '", printable(name), "' has no '", field, "'");
+    MOEKIT_CHECK_CODE(v["dtype"].is_string(), io, path, ": tensor '", printable(name), "' dtype is not a string");
     SafetensorsEntry e;
     e.name = name;
     const std::string dt = v["dtype"].get<std::string>();
     bool known = false;
     for (const auto& d : kDTypeNames)
       if (dt == d.name) e.dtype = d.dtype, known = true;
-    MOEKIT_CHECK_CODE(known, io, path, ": tensor '", name, "' has unknown dtype '", dt, "' (known: ", known_dtypes(),
+    MOEKIT_CHECK_CODE(known, io, path, ": tensor '", printable(name), "' has unknown dtype '", dt, "' (known: ", known_dtypes(),
                       ")");
-    MOEKIT_CHECK_CODE(v["shape"].is_array(), io, path, ": tensor '", name, "' shape is not an array");
+    MOEKIT_CHECK_CODE(v["shape"].is_array(), io, path, ": tensor '", printable(name), "' shape is not an array");
     uint64_t numel = 1;
     for (const auto& d : v["shape"]) {
-      MOEKIT_CHECK_CODE(d.is_number_unsigned(), io, path, ": tensor '", name, "' has a bad dimension ", d.dump(),
+      MOEKIT_CHECK_CODE(d.is_number_unsigned(), io, path, ": tensor '", printable(name), "' has a bad dimension ", json_brief(d),
                         " (dimensions are non-negative integers)");
       const uint64_t x = d.get<uint64_t>();
-      MOEKIT_CHECK_CODE(x <= kMaxDim && (x == 0 || numel <= kMaxDim / x), io, path, ": tensor '", name, "' shape ",
-                        v["shape"].dump(), " overflows the element count");
+      MOEKIT_CHECK_CODE(x <= kMaxDim && (x == 0 || numel <= kMaxDim / x), io, path, ": tensor '", printable(name), "' shape ",
+                        json_brief(v["shape"]), " overflows the element count");
       numel *= x;
       e.shape.push_back(int64_t(x));
     }
     const auto& off = v["data_offsets"];
     MOEKIT_CHECK_CODE(off.is_array() && off.size() == 2 && off[0].is_number_unsigned() && off[1].is_number_unsigned(),
-                      io, path, ": tensor '", name, "' data_offsets must be two non-negative integers, got ",
-                      off.dump());
+                      io, path, ": tensor '", printable(name), "' data_offsets must be two non-negative integers, got ",
+                      json_brief(off));
     e.begin = off[0].get<uint64_t>();
     e.end = off[1].get<uint64_t>();
-    MOEKIT_CHECK_CODE(e.begin <= e.end, io, path, ": tensor '", name, "' offsets reversed [", e.begin, ", ", e.end,
+    MOEKIT_CHECK_CODE(e.begin <= e.end, io, path, ": tensor '", printable(name), "' offsets reversed [", e.begin, ", ", e.end,
                       "]");
-    MOEKIT_CHECK_CODE(e.end <= data_size, io, path, ": tensor '", name, "' offsets [", e.begin, ", ", e.end,
+    MOEKIT_CHECK_CODE(e.end <= data_size, io, path, ": tensor '", printable(name), "' offsets [", e.begin, ", ", e.end,
                       "] leave the data section (", data_size, " bytes): file truncated?");
     uint64_t expect = 0;
     const std::string size_problem = byte_size(e.dtype, numel, expect);
-    MOEKIT_CHECK_CODE(size_problem.empty(), io, path, ": tensor '", name, "' shape ", shape_to_string(e.shape), " of ",
+    MOEKIT_CHECK_CODE(size_problem.empty(), io, path, ": tensor '", printable(name), "' shape ", shape_to_string(e.shape), " of ",
                       dt, " ", size_problem);
-    MOEKIT_CHECK_CODE(e.end - e.begin == expect, io, path, ": tensor '", name, "' has ", e.end - e.begin,
+    MOEKIT_CHECK_CODE(e.end - e.begin == expect, io, path, ": tensor '", printable(name), "' has ", e.end - e.begin,
                       " bytes but shape ", shape_to_string(e.shape), " of ", dt, " needs ", expect);
     f.entries_.push_back(std::move(e));
   }
@@ -196,10 +198,10 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   uint64_t pos = 0;
   const SafetensorsEntry* prev = nullptr;
   for (const auto& e : f.entries_) {
-    MOEKIT_CHECK_CODE(e.begin >= pos, io, path, ": tensors '", prev ? prev->name : "", "' [", prev ? prev->begin : 0,
+    MOEKIT_CHECK_CODE(e.begin >= pos, io, path, ": tensors '", prev ? printable(prev->name) : "", "' [", prev ? prev->begin : 0,
                       ", ", pos, "] and '", e.name, "' [", e.begin, ", ", e.end, "] overlap");
     MOEKIT_CHECK_CODE(e.begin == pos, io, path, ": data bytes [", pos, ", ", e.begin,
-                      ") belong to no tensor (gap before '", e.name, "')");
+                      ") belong to no tensor (gap before '", printable(e.name), "')");
     pos = e.end;
     prev = &e;
   }
@@ -220,7 +222,7 @@ bool SafetensorsFile::contains(const std::string& name) const { return index_.co
 const SafetensorsEntry& SafetensorsFile::entry(const std::string& name) const {
   auto it = index_.find(name);
   if (it == index_.end()) {
-    MOEKIT_FAIL(not_found, path_, ": no tensor named '", name, "' (", entries_.size(), " tensors",
+    MOEKIT_FAIL(not_found, path_, ": no tensor named '", printable(name), "' (", entries_.size(), " tensors",
                 entries_.empty() ? std::string() : "; close: " + close_names(name, names()), ")");
   }
   return entries_[it->second];

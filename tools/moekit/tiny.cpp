@@ -3,6 +3,7 @@
 #include <fmt/core.h>
 
 #include "commands.h"
+#include "parse.h"
 #include "io/checkpoint.h"
 #include "model/tiny.h"
 
@@ -10,7 +11,7 @@ namespace moekit::cli {
 void add_tiny_command(CLI::App& app) {
   struct Opts {
     std::string arch, out, dtype = "f32";
-    uint64_t seed = 0;
+    std::string seed = "0";
     int shards = 1;
     bool list = false;
   };
@@ -21,7 +22,7 @@ void add_tiny_command(CLI::App& app) {
   for (const auto& a : tiny_architectures()) archs += (archs.empty() ? "" : ", ") + a;
   cmd->add_option("--arch", o->arch, "model_type: " + archs);
   cmd->add_option("--out", o->out, "output folder (created when needed)");
-  cmd->add_option("--seed", o->seed, "random seed (the same seed writes the same bytes)");
+  cmd->add_option("--seed", o->seed, "random seed in [0, 2^64 - 1] (the same seed writes the same bytes)");
   cmd->add_option("--dtype", o->dtype, "weight dtype")->check(CLI::IsMember({"f32", "bf16", "f16"}));
   cmd->add_option("--shards", o->shards, "number of safetensors shards (> 1 writes model.safetensors.index.json)")
       ->check(CLI::Range(1, 99));
@@ -33,7 +34,7 @@ void add_tiny_command(CLI::App& app) {
     }
     if (o->arch.empty() || o->out.empty()) throw CLI::RequiredError("--arch and --out");
     write_tiny_checkpoint(o->arch, o->out,
-                          TinyOptions{.seed = o->seed, .dtype = parse_dtype(o->dtype), .shards = o->shards});
+                          TinyOptions{.seed = parse_seed(o->seed), .dtype = parse_dtype(o->dtype), .shards = o->shards});
     const Checkpoint ck = Checkpoint::open(o->out);
     uint64_t bytes = 0;
     for (const auto& f : ck.files())
