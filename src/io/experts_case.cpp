@@ -92,8 +92,10 @@ ExpertsCase load_experts_case(const std::string& path) {
                     ": top_k_weights must be floating, got ", dtype_name(w.dtype()));
   for (int64_t i = 0; i < idx.numel(); ++i) {
     const int64_t e = idx.dtype() == DType::i64 ? idx.ptr<int64_t>()[i] : int64_t(idx.ptr<int32_t>()[i]);
-    MOEKIT_CHECK_CODE(e >= 0 && e < s.num_experts, io, path, ": top_k_index holds expert ", e, " at element ", i,
-                      ", outside [0, ", s.num_experts, ")");
+    // E itself is the expert-parallel sentinel (an expert on another rank): allowed.
+    MOEKIT_CHECK_CODE(e >= 0 && e <= s.num_experts, io, path, ": top_k_index holds expert ", e, " at element ", i,
+                      ", outside [0, ", s.num_experts, "] (", s.num_experts, " experts; ", s.num_experts,
+                      " is the expert-parallel sentinel)");
   }
   for (const auto& [name, out] : c.outputs) {
     MOEKIT_CHECK_CODE(out.shape() == x.shape(), io, path, ": out.", printable(name), " must be ",

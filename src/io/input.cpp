@@ -34,7 +34,7 @@ class PrecheckSax {
   bool end_array() { return close(); }
   bool key(json::string_t& k) {
     if (!limits_.reject_duplicate_keys) return true;
-    if (!stack_.back().keys.insert(k).second) {
+    if (!stack_.back().insert(k)) {
       problem = "has the key '" + printable(k, 80) + "' more than once";
       return false;
     }
@@ -49,7 +49,21 @@ class PrecheckSax {
   struct Frame {
     bool object = false;
     size_t count = 0;
-    std::unordered_set<std::string> keys;
+    std::vector<std::string> few;  // the first keys: most objects have a handful
+    std::unordered_set<std::string> many;
+    bool insert(const std::string& k) {
+      if (many.empty()) {
+        for (const auto& f : few)
+          if (f == k) return false;
+        few.push_back(k);
+        if (few.size() > 16) {
+          many.insert(few.begin(), few.end());
+          few.clear();
+        }
+        return true;
+      }
+      return many.insert(k).second;
+    }
   };
   bool value() {
     if (stack_.empty() || stack_.back().object) return true;

@@ -228,6 +228,14 @@ const SafetensorsEntry& SafetensorsFile::entry(const std::string& name) const {
   return entries_[it->second];
 }
 
+void SafetensorsFile::release(const std::string& name) const {
+  const SafetensorsEntry& e = entry(name);
+  const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data_ + e.begin) + page - 1) / page * page;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(data_ + e.end) / page * page;
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
 Tensor SafetensorsFile::get(const std::string& name) const {
   const SafetensorsEntry& e = entry(name);
   TensorView v(const_cast<uint8_t*>(data_ + e.begin), e.dtype, e.shape, Device::cpu());

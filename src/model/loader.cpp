@@ -35,7 +35,9 @@ class TensorReader {
   Tensor get(const std::string& name, const Shape& shape, std::optional<DType> as = std::nullopt) {
     Tensor t = host(name, shape);
     if (!t.defined() || dry_) return {};
-    return t.to(as.value_or(dtype_)).to(device_);
+    Tensor out = t.to(as.value_or(dtype_)).to(device_);
+    if (out.data() != t.data()) release(name);  // converted: the mapped bytes are no longer needed
+    return out;
   }
   // The checkpoint tensor as stored (CPU, zero-copy), after the same checks.
   Tensor host(const std::string& name, const Shape& shape) {
@@ -56,6 +58,10 @@ class TensorReader {
     return t;
   }
   // The first few problems are kept as text, the rest only counted (a config may claim many tensors).
+  // Peak memory stays near the checkpoint's size: once a tensor is copied, its mapped pages go.
+  void release(const std::string& name) const {
+    if (!dry_) ck_.release(name);
+  }
   void missing(const std::string& what) { note(missing_, missing_count_, what); }
   void wrong(const std::string& what) { note(wrong_, wrong_count_, what); }
 
@@ -109,7 +115,7 @@ Tensor stack_rows(const std::vector<Tensor>& parts, const Shape& shape, DType dt
 Tensor transposed_experts(TensorReader& r, const std::string& name, const Shape& stored) {
   Tensor t = r.host(name, stored);
   if (!t.defined() || r.dry()) return {};
-  const Tensor src = t.to(r.dtype()).contiguous();
+  Tensor src = t.to(r.dtype()).contiguous();
   const int64_t E = stored[0], A = stored[1], B = stored[2];
   Tensor out = Tensor::empty({E, B, A}, r.dtype(), Device::cpu());
   const size_t es = dtype_nbytes(r.dtype(), 1);
@@ -123,6 +129,8 @@ Tensor transposed_experts(TensorReader& r, const std::string& name, const Shape&
         for (int64_t a = a0; a < std::min(A, a0 + kBlock); ++a)
           for (int64_t b = b0; b < std::min(B, b0 + kBlock); ++b)
             std::memcpy(o + size_t((e * B + b) * A + a) * es, in + size_t((e * A + a) * B + b) * es, es);
+  src = Tensor();
+  r.release(name);
   return out.to(r.device());
 }
 
@@ -138,7 +146,11 @@ DenseMlp dense_mlp(TensorReader& r, const std::string& p, int64_t H, int64_t I, 
                    const std::string& up = "up_proj", const std::string& down = "down_proj") {
   DenseMlp m;
   Tensor g = r.host(p + gate + ".weight", {I, H}), u = r.host(p + up + ".weight", {I, H});
-  if (g.defined() && u.defined() && !r.dry()) m.gate_up.w = stack_rows({g, u}, {2 * I, H}, r.dtype(), r.device());
+  if (g.defined() && u.defined() && !r.dry()) {
+    m.gate_up.w = stack_rows({g, u}, {2 * I, H}, r.dtype(), r.device());
+    r.release(p + gate + ".weight");
+    r.release(p + up + ".weight");
+  }
   m.down.w = r.get(p + down + ".weight", {H, I});
   return m;
 }
@@ -227,6 +239,11 @@ ExpertsWeights load_experts(TensorReader& r, const Checkpoint& ck, const std::st
   if (!complete || r.dry()) return w;
   w.gate_up_proj = stack_rows(gu_parts, {E, 2 * I, H}, r.dtype(), r.device());
   w.down_proj = stack_rows(down_parts, {E, H, I}, r.dtype(), r.device());
+  gu_parts.clear();
+  down_parts.clear();
+  for (int64_t e = 0; e < E; ++e)
+    for (const std::string* proj : {&n.gate_proj, &n.up_proj, &n.down_proj})
+      r.release(p + std::to_string(e) + "." + *proj + ".weight");
   return w;
 }
 
@@ -366,7 +383,12 @@ uint64_t checkpoint_bytes(const Checkpoint& ck) {
 void check_finite_weights(const Checkpoint& ck, const std::vector<std::string>& names) {
   for (const auto& name : names) {
     const Tensor t = ck.get(name);
-    if (!all_finite(t)) {
+    const bool finite = all_finite(t);
+    if (finite) {
+      ck.release(name);  // scanned: the pages are read again when (and if) the load needs them
+      continue;
+    }
+    {
       const int64_t n = t.numel();
       int64_t first = 0;
       double v = 0;
