@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <sstream>
 
 #include "io/input.h"
@@ -95,7 +96,10 @@ class TensorReader {
 };
 
 // Rows of several checkpoint tensors stacked into one new tensor of the model dtype.
-Tensor stack_rows(const std::vector<Tensor>& parts, const Shape& shape, DType dtype, Device device) {
+// `release` (optional, one per part) drops each part's mapped pages once copied, so that stacking costs
+// the output's memory and not the output's plus the inputs'.
+Tensor stack_rows(const std::vector<Tensor>& parts, const Shape& shape, DType dtype, Device device,
+                  const std::function<void(size_t)>& release = {}) {
   Tensor out = Tensor::empty(shape, dtype, Device::cpu());
   std::vector<int64_t> offset(parts.size() + 1, 0);
   for (size_t i = 0; i < parts.size(); ++i) offset[i + 1] = offset[i] + parts[i].numel();
@@ -106,6 +110,7 @@ Tensor stack_rows(const std::vector<Tensor>& parts, const Shape& shape, DType dt
   for (int64_t i = 0; i < int64_t(parts.size()); ++i) {
     const Tensor c = parts[size_t(i)].contiguous();
     convert(c.data(), c.dtype(), base + size_t(offset[size_t(i)]) * es, dtype, c.numel());
+    if (release) release(size_t(i));
   }
   return out.to(device);
 }
@@ -224,6 +229,7 @@ ExpertsWeights load_experts(TensorReader& r, const Checkpoint& ck, const std::st
     return w;
   }
   std::vector<Tensor> gu_parts, down_parts;
+  std::vector<std::string> gu_names, down_names;
   bool complete = true;
   for (int64_t e = 0; e < E; ++e) {
     const std::string q = p + std::to_string(e) + ".";
@@ -235,15 +241,13 @@ ExpertsWeights load_experts(TensorReader& r, const Checkpoint& ck, const std::st
     gu_parts.push_back(g);
     gu_parts.push_back(u);
     down_parts.push_back(d);
+    gu_names.push_back(q + n.gate_proj + ".weight");
+    gu_names.push_back(q + n.up_proj + ".weight");
+    down_names.push_back(q + n.down_proj + ".weight");
   }
   if (!complete || r.dry()) return w;
-  w.gate_up_proj = stack_rows(gu_parts, {E, 2 * I, H}, r.dtype(), r.device());
-  w.down_proj = stack_rows(down_parts, {E, H, I}, r.dtype(), r.device());
-  gu_parts.clear();
-  down_parts.clear();
-  for (int64_t e = 0; e < E; ++e)
-    for (const std::string* proj : {&n.gate_proj, &n.up_proj, &n.down_proj})
-      r.release(p + std::to_string(e) + "." + *proj + ".weight");
+  w.gate_up_proj = stack_rows(gu_parts, {E, 2 * I, H}, r.dtype(), r.device(), [&](size_t i) { r.release(gu_names[i]); });
+  w.down_proj = stack_rows(down_parts, {E, H, I}, r.dtype(), r.device(), [&](size_t i) { r.release(down_names[i]); });
   return w;
 }
 
