@@ -58,11 +58,11 @@ class TensorReader {
     if (dry_) read_.push_back(name);
     return t;
   }
-  // The first few problems are kept as text, the rest only counted (a config may claim many tensors).
   // Peak memory stays near the checkpoint's size: once a tensor is copied, its mapped pages go.
   void release(const std::string& name) const {
     if (!dry_) ck_.release(name);
   }
+  // The first few problems are kept as text, the rest only counted (a config may claim many tensors).
   void missing(const std::string& what) { note(missing_, missing_count_, what); }
   void wrong(const std::string& what) { note(wrong_, wrong_count_, what); }
 
