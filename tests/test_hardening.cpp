@@ -3,12 +3,11 @@
 // proportional to the checkpoint. One test per reproducer of the hardening issue, and the fidelity
 // rule for tied embeddings in composite configs.
 #include <gtest/gtest.h>
-#include <sys/stat.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
-#include <unistd.h>
-
 #include <time.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -16,8 +15,8 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
-#include <random>
 #include <nlohmann/json.hpp>
+#include <random>
 
 #include "io/experts_case.h"
 #include "io/input.h"
@@ -163,11 +162,14 @@ TEST(Hardening, WrappingHeadCountsAreRefused) {
   EXPECT_TRUE(has(e, "2305843009213693956")) << e;
   EXPECT_TRUE(one_line(e)) << e;
   // Within the integer bound but heads x head_dim x hidden overflowing int64.
-  const std::string d2 = tiny(dir, "qwen3_moe", [](json& c) {
-    c["num_attention_heads"] = int64_t(1) << 36;
-    c["num_key_value_heads"] = int64_t(1) << 36;
-    c["head_dim"] = int64_t(1) << 30;
-  }, "m2");
+  const std::string d2 = tiny(
+      dir, "qwen3_moe",
+      [](json& c) {
+        c["num_attention_heads"] = int64_t(1) << 36;
+        c["num_key_value_heads"] = int64_t(1) << 36;
+        c["head_dim"] = int64_t(1) << 30;
+      },
+      "m2");
   const std::string e2 = load_error(d2);
   EXPECT_TRUE(has(e2, "num_attention_heads") && has(e2, "overflows")) << e2;
 }
@@ -208,8 +210,10 @@ TEST(Hardening, CaseFileCallIsValidatedBeforeAnyRead) {
   }
   const std::string idx = variant("idx", [&](auto& t) {
     Tensor i = Tensor::copy_of(t["top_k_index"].view(), Device::cpu());
-    if (i.dtype() == DType::i64) i.template ptr<int64_t>()[0] = 1 << 30;
-    else i.template ptr<int32_t>()[0] = 1 << 30;
+    if (i.dtype() == DType::i64)
+      i.template ptr<int64_t>()[0] = 1 << 30;
+    else
+      i.template ptr<int32_t>()[0] = 1 << 30;
     t["top_k_index"] = i;
   });
   const std::string e = error_of([&] { load_experts_case(idx); });
@@ -272,10 +276,12 @@ TEST(Hardening, HugeExpertAndLayerCountsFailFast) {
   const std::string d = tiny(dir, "qwen3_moe", [](json& c) { c["num_experts"] = int64_t(1) << 31; });
   std::string e = load_error(d);
   EXPECT_TRUE(has(e, "num_experts") && has(e, "2147483648") && has(e, "more than the checkpoint holds")) << e;
-  const std::string d2 = tiny(dir, "qwen3_moe", [](json& c) { c["num_hidden_layers"] = int64_t(1) << 29; }, "m2");
+  const std::string d2 = tiny(
+      dir, "qwen3_moe", [](json& c) { c["num_hidden_layers"] = int64_t(1) << 29; }, "m2");
   e = load_error(d2);
   EXPECT_TRUE(has(e, "num_hidden_layers") && has(e, "536870912")) << e;
-  const std::string d3 = tiny(dir, "qwen3_moe", [](json& c) { c["num_hidden_layers"] = 5000; }, "m3");
+  const std::string d3 = tiny(
+      dir, "qwen3_moe", [](json& c) { c["num_hidden_layers"] = 5000; }, "m3");
   e = load_error(d3);
   EXPECT_TRUE(has(e, "num_hidden_layers 5000") && has(e, "more than the checkpoint holds")) << e;
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10 * kSlowdown);
@@ -348,14 +354,18 @@ TEST(Hardening, NonFiniteWeightsAndLogits) {
 TEST(Hardening, EpsAndRopeThetaMustBePositive) {
   TempDir dir;
   for (double eps : {0.0, -1e-6}) {
-    const std::string d = tiny(dir, "qwen3_moe", [&](json& c) { c["rms_norm_eps"] = eps; }, "eps");
+    const std::string d = tiny(
+        dir, "qwen3_moe", [&](json& c) { c["rms_norm_eps"] = eps; }, "eps");
     const std::string e = load_error(d);
     EXPECT_TRUE(has(e, "rms_norm_eps") && has(e, "must be > 0")) << e;
   }
-  const std::string d = tiny(dir, "qwen3_moe", [](json& c) {
-    if (c.contains("rope_parameters")) c["rope_parameters"]["rope_theta"] = 0.0;
-    c["rope_theta"] = 0.0;
-  }, "theta");
+  const std::string d = tiny(
+      dir, "qwen3_moe",
+      [](json& c) {
+        if (c.contains("rope_parameters")) c["rope_parameters"]["rope_theta"] = 0.0;
+        c["rope_theta"] = 0.0;
+      },
+      "theta");
   const std::string e = load_error(d);
   EXPECT_TRUE(has(e, "rope_theta") && has(e, "must be > 0")) << e;
 }
@@ -403,8 +413,8 @@ TEST(Hardening, NamesAndLargeValuesPrintFaithfully) {
 TEST(Hardening, CompositeTieFollowsTopLevelConfig) {
   TempDir dir;
   const std::string plain = tiny(dir, "qwen3_vl_moe", {}, "plain");
-  const std::string text_tied =
-      tiny(dir, "qwen3_vl_moe", [](json& c) { c["text_config"]["tie_word_embeddings"] = true; }, "text_tied");
+  const std::string text_tied = tiny(
+      dir, "qwen3_vl_moe", [](json& c) { c["text_config"]["tie_word_embeddings"] = true; }, "text_tied");
   EXPECT_FALSE(ModelConfig::load(text_tied).text.tie_word_embeddings);
   // Same logits as the checkpoint's stored lm_head (transformers' rule), not the embedding's.
   Model a = Model::from_pretrained(plain), b = Model::from_pretrained(text_tied);
@@ -412,18 +422,24 @@ TEST(Hardening, CompositeTieFollowsTopLevelConfig) {
   ASSERT_EQ(la.shape(), lb.shape());
   EXPECT_EQ(std::memcmp(la.data(), lb.data(), la.nbytes()), 0);
   // Top-level true ties, whatever text_config says.
-  const std::string top_tied = tiny(dir, "qwen3_vl_moe", [](json& c) {
-    c["tie_word_embeddings"] = true;
-    c["text_config"]["tie_word_embeddings"] = false;
-  }, "top_tied");
+  const std::string top_tied = tiny(
+      dir, "qwen3_vl_moe",
+      [](json& c) {
+        c["tie_word_embeddings"] = true;
+        c["text_config"]["tie_word_embeddings"] = false;
+      },
+      "top_tied");
   EXPECT_TRUE(ModelConfig::load(top_tied).text.tie_word_embeddings);
   const Tensor lt = Model::from_pretrained(top_tied).logits({1, 2, 3});
   EXPECT_NE(std::memcmp(la.data(), lt.data(), la.nbytes()), 0);
   // Absent at the top level: the composite config's default, false.
-  const std::string absent = tiny(dir, "qwen3_vl_moe", [](json& c) {
-    c.erase("tie_word_embeddings");
-    c["text_config"]["tie_word_embeddings"] = true;
-  }, "absent");
+  const std::string absent = tiny(
+      dir, "qwen3_vl_moe",
+      [](json& c) {
+        c.erase("tie_word_embeddings");
+        c["text_config"]["tie_word_embeddings"] = true;
+      },
+      "absent");
   EXPECT_FALSE(ModelConfig::load(absent).text.tie_word_embeddings);
 }
 
@@ -477,7 +493,8 @@ TEST(Hardening, PeakRssWhileLoadingStaysNearTheCheckpointSize) {
   write_tiny_checkpoint("qwen3_moe", small, 0);
   const int64_t size = int64_t(fs::file_size(big + "/model.safetensors"));
   ASSERT_GT(size, 60 << 20);
-  const int64_t base = child_peak_rss({"run", "--quiet", "--model", small, "--prompt-ids", "1,2,3", "--max-new-tokens", "1"});
+  const int64_t base =
+      child_peak_rss({"run", "--quiet", "--model", small, "--prompt-ids", "1,2,3", "--max-new-tokens", "1"});
   ASSERT_GT(base, 0);
   for (const char* dtype : {"f32", "bf16"}) {
     const int64_t peak = child_peak_rss(

@@ -1,10 +1,10 @@
 #include "moekit/tensor.h"
 
-#include "core/checked.h"
-
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+
+#include "core/checked.h"
 
 namespace moekit {
 

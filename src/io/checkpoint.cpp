@@ -1,13 +1,13 @@
 #include "io/checkpoint.h"
 
-#include "io/input.h"
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
+
+#include "io/input.h"
 
 namespace moekit {
 namespace fs = std::filesystem;
@@ -66,9 +66,9 @@ Checkpoint Checkpoint::open(const std::string& dir) {
       const std::string f = file.get<std::string>();
       MOEKIT_CHECK_CODE(printable(f, f.size()) == f, io, index_path, ": weight_map names shard '", printable(f),
                         "', which has a control character");
-      MOEKIT_CHECK_CODE(!f.empty() && f.find('/') == std::string::npos && f.find('\\') == std::string::npos &&
-                            f != "." && f != "..",
-                        io, index_path, ": weight_map names shard '", printable(f), "' outside the checkpoint folder");
+      MOEKIT_CHECK_CODE(
+          !f.empty() && f.find('/') == std::string::npos && f.find('\\') == std::string::npos && f != "." && f != "..",
+          io, index_path, ": weight_map names shard '", printable(f), "' outside the checkpoint folder");
       index_map[name] = f;
       if (seen.insert(f).second) shards.push_back(f);
     }
@@ -89,8 +89,8 @@ Checkpoint Checkpoint::open(const std::string& dir) {
   }
   for (const auto& [name, shard] : index_map) {
     auto it = c.where_.find(name);
-    MOEKIT_CHECK_CODE(it != c.where_.end(), io, index_path, ": tensor '", printable(name), "' is listed in shard '", shard,
-                      "' but no shard holds it");
+    MOEKIT_CHECK_CODE(it != c.where_.end(), io, index_path, ": tensor '", printable(name), "' is listed in shard '",
+                      shard, "' but no shard holds it");
     const std::string holder = fs::path(c.files_[it->second].path()).filename().string();
     MOEKIT_CHECK_CODE(holder == shard, io, index_path, ": tensor '", printable(name), "' is listed in shard '", shard,
                       "' but is stored in '", holder, "'");

@@ -1,12 +1,10 @@
 #include "io/experts_case.h"
 
 #include <cmath>
-
-#include "io/input.h"
-
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "io/input.h"
 #include "moekit/interface.h"
 #include "moekit/safetensors.h"
 
@@ -100,8 +98,8 @@ ExpertsCase load_experts_case(const std::string& path) {
   for (const auto& [name, out] : c.outputs) {
     MOEKIT_CHECK_CODE(out.shape() == x.shape(), io, path, ": out.", printable(name), " must be ",
                       shape_to_string(x.shape()), " as hidden_states, got ", shape_to_string(out.shape()));
-    MOEKIT_CHECK_CODE(is_floating(out.dtype()) && out.dtype() != DType::f4e2m1 && out.dtype() != DType::ue8m0, io,
-                      path, ": out.", printable(name), " must be floating, got ", dtype_name(out.dtype()));
+    MOEKIT_CHECK_CODE(is_floating(out.dtype()) && out.dtype() != DType::f4e2m1 && out.dtype() != DType::ue8m0, io, path,
+                      ": out.", printable(name), " must be floating, got ", dtype_name(out.dtype()));
   }
   c.expected_values.resize(size_t(c.expected.numel()));
   for (size_t i = 0; i < c.expected_values.size(); ++i)

@@ -160,16 +160,16 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     bool known = false;
     for (const auto& d : kDTypeNames)
       if (dt == d.name) e.dtype = d.dtype, known = true;
-    MOEKIT_CHECK_CODE(known, io, path, ": tensor '", printable(name), "' has unknown dtype '", dt, "' (known: ", known_dtypes(),
-                      ")");
+    MOEKIT_CHECK_CODE(known, io, path, ": tensor '", printable(name), "' has unknown dtype '", dt,
+                      "' (known: ", known_dtypes(), ")");
     MOEKIT_CHECK_CODE(v["shape"].is_array(), io, path, ": tensor '", printable(name), "' shape is not an array");
     uint64_t numel = 1;
     for (const auto& d : v["shape"]) {
-      MOEKIT_CHECK_CODE(d.is_number_unsigned(), io, path, ": tensor '", printable(name), "' has a bad dimension ", json_brief(d),
-                        " (dimensions are non-negative integers)");
+      MOEKIT_CHECK_CODE(d.is_number_unsigned(), io, path, ": tensor '", printable(name), "' has a bad dimension ",
+                        json_brief(d), " (dimensions are non-negative integers)");
       const uint64_t x = d.get<uint64_t>();
-      MOEKIT_CHECK_CODE(x <= kMaxDim && (x == 0 || numel <= kMaxDim / x), io, path, ": tensor '", printable(name), "' shape ",
-                        json_brief(v["shape"]), " overflows the element count");
+      MOEKIT_CHECK_CODE(x <= kMaxDim && (x == 0 || numel <= kMaxDim / x), io, path, ": tensor '", printable(name),
+                        "' shape ", json_brief(v["shape"]), " overflows the element count");
       numel *= x;
       e.shape.push_back(int64_t(x));
     }
@@ -179,14 +179,14 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
                       json_brief(off));
     e.begin = off[0].get<uint64_t>();
     e.end = off[1].get<uint64_t>();
-    MOEKIT_CHECK_CODE(e.begin <= e.end, io, path, ": tensor '", printable(name), "' offsets reversed [", e.begin, ", ", e.end,
-                      "]");
+    MOEKIT_CHECK_CODE(e.begin <= e.end, io, path, ": tensor '", printable(name), "' offsets reversed [", e.begin, ", ",
+                      e.end, "]");
     MOEKIT_CHECK_CODE(e.end <= data_size, io, path, ": tensor '", printable(name), "' offsets [", e.begin, ", ", e.end,
                       "] leave the data section (", data_size, " bytes): file truncated?");
     uint64_t expect = 0;
     const std::string size_problem = byte_size(e.dtype, numel, expect);
-    MOEKIT_CHECK_CODE(size_problem.empty(), io, path, ": tensor '", printable(name), "' shape ", shape_to_string(e.shape), " of ",
-                      dt, " ", size_problem);
+    MOEKIT_CHECK_CODE(size_problem.empty(), io, path, ": tensor '", printable(name), "' shape ",
+                      shape_to_string(e.shape), " of ", dt, " ", size_problem);
     MOEKIT_CHECK_CODE(e.end - e.begin == expect, io, path, ": tensor '", printable(name), "' has ", e.end - e.begin,
                       " bytes but shape ", shape_to_string(e.shape), " of ", dt, " needs ", expect);
     f.entries_.push_back(std::move(e));
@@ -198,8 +198,8 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   uint64_t pos = 0;
   const SafetensorsEntry* prev = nullptr;
   for (const auto& e : f.entries_) {
-    MOEKIT_CHECK_CODE(e.begin >= pos, io, path, ": tensors '", prev ? printable(prev->name) : "", "' [", prev ? prev->begin : 0,
-                      ", ", pos, "] and '", e.name, "' [", e.begin, ", ", e.end, "] overlap");
+    MOEKIT_CHECK_CODE(e.begin >= pos, io, path, ": tensors '", prev ? printable(prev->name) : "", "' [",
+                      prev ? prev->begin : 0, ", ", pos, "] and '", e.name, "' [", e.begin, ", ", e.end, "] overlap");
     MOEKIT_CHECK_CODE(e.begin == pos, io, path, ": data bytes [", pos, ", ", e.begin,
                       ") belong to no tensor (gap before '", printable(e.name), "')");
     pos = e.end;

@@ -106,14 +106,16 @@ std::vector<int64_t> ConfigReader::int_list_or(const char* key, std::vector<int6
   if (!has(key)) return fallback;
   const auto& v = at(key);
   auto in_range = [](const nlohmann::json& e) {
-    return e.is_number_integer() && (e.is_number_unsigned() ? e.get<uint64_t>() <= uint64_t(kMaxConfigInt)
-                                                             : e.get<int64_t>() >= -kMaxConfigInt);
+    return e.is_number_integer() &&
+           (e.is_number_unsigned() ? e.get<uint64_t>() <= uint64_t(kMaxConfigInt) : e.get<int64_t>() >= -kMaxConfigInt);
   };
   if (in_range(v)) return {v.get<int64_t>()};
   if (!v.is_array()) fail(key, "must be a list of integers, got " + json_short(v));
   std::vector<int64_t> out;
   for (const auto& e : v) {
-    if (!in_range(e)) fail(key, "must be a list of integers (each within +-" + std::to_string(kMaxConfigInt) + "), got " + json_short(v));
+    if (!in_range(e))
+      fail(key,
+           "must be a list of integers (each within +-" + std::to_string(kMaxConfigInt) + "), got " + json_short(v));
     out.push_back(e.get<int64_t>());
   }
   return out;
@@ -171,7 +173,8 @@ void parse_rope(const ConfigReader& r, TextConfig& c, double default_theta) {
     rope.low_freq_factor = p.number_or("low_freq_factor", 1.0);
     rope.high_freq_factor = p.number_or("high_freq_factor", 4.0);
   } else {
-    p.fail("rope_type", "is '" + printable(rope.type, 60) + "', which moekit does not run; supported: default, linear, yarn, llama3");
+    p.fail("rope_type", "is '" + printable(rope.type, 60) +
+                            "', which moekit does not run; supported: default, linear, yarn, llama3");
   }
 }
 
@@ -244,7 +247,8 @@ void check_sizes(const ConfigReader& r, const TextConfig& c) {
       if (f.value < 0) r.fail(f.name, "must be >= 0, got " + std::to_string(f.value));
       if (__builtin_mul_overflow(n, f.value, &n)) {
         std::string what;
-        for (const Field& g : fields) what += (what.empty() ? "" : " x ") + std::string(g.name) + " " + std::to_string(g.value);
+        for (const Field& g : fields)
+          what += (what.empty() ? "" : " x ") + std::string(g.name) + " " + std::to_string(g.value);
         r.fail(fields.begin()->name, "makes a tensor too large: " + what + " overflows a 64-bit size");
       }
     }
@@ -254,15 +258,23 @@ void check_sizes(const ConfigReader& r, const TextConfig& c) {
   product({{"num_key_value_heads", c.num_key_value_heads}, {"head_dim", c.head_dim}, {"hidden_size", H}});
   product({{"vocab_size", c.vocab_size}, {"hidden_size", H}});
   product({{"intermediate_size", c.intermediate_size}, {"hidden_size", H}, {"2", 2}});
-  product({{"num_experts", c.num_experts}, {"moe_intermediate_size", c.moe_intermediate_size}, {"hidden_size", H}, {"3", 3}});
+  product({{"num_experts", c.num_experts},
+           {"moe_intermediate_size", c.moe_intermediate_size},
+           {"hidden_size", H},
+           {"3", 3}});
   product({{"shared_expert_intermediate_size", c.shared_expert_intermediate_size}, {"hidden_size", H}, {"3", 3}});
   product({{"max_position_embeddings", c.max_position_embeddings}, {"head_dim", c.head_dim}});
   if (c.mla) {
-    product({{"num_attention_heads", c.num_attention_heads}, {"qk_nope_head_dim", c.qk_nope_head_dim},
-             {"qk_rope_head_dim", c.qk_rope_head_dim}, {"v_head_dim", c.v_head_dim}, {"kv_lora_rank", c.kv_lora_rank}});
+    product({{"num_attention_heads", c.num_attention_heads},
+             {"qk_nope_head_dim", c.qk_nope_head_dim},
+             {"qk_rope_head_dim", c.qk_rope_head_dim},
+             {"v_head_dim", c.v_head_dim},
+             {"kv_lora_rank", c.kv_lora_rank}});
     product({{"q_lora_rank", c.q_lora_rank}, {"hidden_size", H}});
-    product({{"num_attention_heads", c.num_attention_heads}, {"qk_nope_head_dim", c.qk_nope_head_dim},
-             {"qk_rope_head_dim", c.qk_rope_head_dim}, {"q_lora_rank", std::max<int64_t>(c.q_lora_rank, H)}});
+    product({{"num_attention_heads", c.num_attention_heads},
+             {"qk_nope_head_dim", c.qk_nope_head_dim},
+             {"qk_rope_head_dim", c.qk_rope_head_dim},
+             {"q_lora_rank", std::max<int64_t>(c.q_lora_rank, H)}});
   }
 }
 

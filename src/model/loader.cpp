@@ -246,7 +246,8 @@ ExpertsWeights load_experts(TensorReader& r, const Checkpoint& ck, const std::st
     down_names.push_back(q + n.down_proj + ".weight");
   }
   if (!complete || r.dry()) return w;
-  w.gate_up_proj = stack_rows(gu_parts, {E, 2 * I, H}, r.dtype(), r.device(), [&](size_t i) { r.release(gu_names[i]); });
+  w.gate_up_proj =
+      stack_rows(gu_parts, {E, 2 * I, H}, r.dtype(), r.device(), [&](size_t i) { r.release(gu_names[i]); });
   w.down_proj = stack_rows(down_parts, {E, H, I}, r.dtype(), r.device(), [&](size_t i) { r.release(down_names[i]); });
   return w;
 }

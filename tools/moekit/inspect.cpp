@@ -7,8 +7,8 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
-#include "io/input.h"
 #include "io/checkpoint.h"
+#include "io/input.h"
 
 namespace moekit::cli {
 namespace {
@@ -24,7 +24,8 @@ std::string human_bytes(uint64_t b) {
 // The first of `keys` present in `c`, as text.
 std::string field(const nlohmann::json& c, const std::vector<const char*>& keys) {
   for (const char* k : keys)
-    if (c.contains(k) && !c[k].is_null()) return c[k].is_string() ? printable(c[k].get<std::string>()) : json_brief(c[k], 200);
+    if (c.contains(k) && !c[k].is_null())
+      return c[k].is_string() ? printable(c[k].get<std::string>()) : json_brief(c[k], 200);
   return "";
 }
 

@@ -8,10 +8,10 @@
 #include <sstream>
 
 #include "commands.h"
-#include "parse.h"
 #include "moekit/error.h"
 #include "moekit/model.h"
 #include "moekit/safetensors.h"
+#include "parse.h"
 
 namespace moekit::cli {
 namespace {
@@ -135,7 +135,10 @@ void add_run_command(CLI::App& app) {
   cmd->add_flag("--sample", o->sample, "sample instead of greedy decoding");
   // Sampling flags are refused without --sample rather than silently ignored.
   auto sampling = [o](const char* flag) {
-    return [o, flag](const std::string&) { o->sampling_flags_given.emplace_back(flag); return std::string(); };
+    return [o, flag](const std::string&) {
+      o->sampling_flags_given.emplace_back(flag);
+      return std::string();
+    };
   };
   cmd->add_option("--temperature", o->temperature, "sampling temperature (default 1; needs --sample)")
       ->check(CLI::Validator(sampling("--temperature"), "", ""));

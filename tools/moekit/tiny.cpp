@@ -1,11 +1,12 @@
 // moekit tiny --arch ARCH --out DIR [--seed N] [--dtype f32|bf16|f16] [--shards N]: a small random
 // checkpoint in transformers' format.
+#include "model/tiny.h"
+
 #include <fmt/core.h>
 
 #include "commands.h"
-#include "parse.h"
 #include "io/checkpoint.h"
-#include "model/tiny.h"
+#include "parse.h"
 
 namespace moekit::cli {
 void add_tiny_command(CLI::App& app) {
@@ -33,8 +34,8 @@ void add_tiny_command(CLI::App& app) {
       return;
     }
     if (o->arch.empty() || o->out.empty()) throw CLI::RequiredError("--arch and --out");
-    write_tiny_checkpoint(o->arch, o->out,
-                          TinyOptions{.seed = parse_seed(o->seed), .dtype = parse_dtype(o->dtype), .shards = o->shards});
+    write_tiny_checkpoint(
+        o->arch, o->out, TinyOptions{.seed = parse_seed(o->seed), .dtype = parse_dtype(o->dtype), .shards = o->shards});
     const Checkpoint ck = Checkpoint::open(o->out);
     uint64_t bytes = 0;
     for (const auto& f : ck.files())
