@@ -268,6 +268,25 @@ TEST(Hardening, HundredThousandTensorHeaderParsesFast) {
   EXPECT_LT(s, 1.0 * kSlowdown) << "100k tensors took " << s << " s of CPU time";
 }
 
+TEST(Hardening, HeaderUnknownFieldsAreSkippedUnread) {
+  // The reference implementation ignores fields a tensor entry does not have; so does moekit, without
+  // keeping them (the header is read one entry at a time, never as a whole DOM).
+  std::string extra;
+  for (int i = 0; i < 200000; ++i) extra += ",\"x" + std::to_string(i) + "\":" + std::to_string(i);
+  const std::string header = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"y":{"k":1},"z":[1,2])" +
+                             extra + R"(},"__metadata__":{"m":"v"}})";
+  TempDir dir;
+  write_text(dir.file("extra.safetensors"), le64(header.size()) + header + std::string(8, '\0'));
+  const auto f = SafetensorsFile::open(dir.file("extra.safetensors"));
+  ASSERT_EQ(f.entries().size(), 1u);
+  EXPECT_EQ(f.entry("a").shape, (Shape{2}));
+  EXPECT_EQ(f.metadata().at("m"), "v");
+  // Containers nested in a skipped field are still bounded: a fourth level is refused.
+  const std::string deep = R"({"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0],"y":{"k":[[1]]}}})";
+  write_text(dir.file("deep4.safetensors"), le64(deep.size()) + deep);
+  EXPECT_TRUE(has(error_of([&] { SafetensorsFile::open(dir.file("deep4.safetensors")); }), "nests deeper"));
+}
+
 // ---- 6. unbounded work from config values ----
 
 TEST(Hardening, HugeExpertAndLayerCountsFailFast) {

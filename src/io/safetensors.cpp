@@ -10,9 +10,11 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <unordered_set>
 
 #include "io/input.h"
 
@@ -70,6 +72,116 @@ std::string close_names(const std::string& name, const std::vector<std::string>&
   return out;
 }
 
+// Reads the header in one linear pass, one top-level entry at a time, without a DOM of the whole
+// header: each tensor entry becomes a small JSON object holding only the fields a tensor has (dtype,
+// shape, data_offsets; other fields are skipped unread), handed to `on_entry` when it closes. Memory
+// stays proportional to the entries read. Refuses, in `problem`: invalid JSON, nesting deeper than a
+// header's three levels (object, entry, shape), more than kMaxHeaderArray elements in one array, and
+// duplicate keys (entry names, a tensor's fields, metadata keys).
+class HeaderSax {
+ public:
+  using json = nlohmann::json;
+  using OnEntry = std::function<void(const std::string& name, const json& value)>;
+  explicit HeaderSax(OnEntry on_entry) : on_entry_(std::move(on_entry)) {}
+  std::string top_type;  // the header's JSON type when it is not an object
+  std::string problem;
+
+  bool null() { return scalar(json(nullptr)); }
+  bool boolean(bool v) { return scalar(json(v)); }
+  bool number_integer(json::number_integer_t v) { return scalar(json(v)); }
+  bool number_unsigned(json::number_unsigned_t v) { return scalar(json(v)); }
+  bool number_float(json::number_float_t v, const json::string_t&) { return scalar(json(v)); }
+  bool string(json::string_t& v) { return scalar(json(v)); }
+  bool binary(json::binary_t&) { return scalar(json()); }
+  bool start_object(std::size_t) { return open(json::object()); }
+  bool start_array(std::size_t) { return open(json::array()); }
+  bool end_object() { return close(); }
+  bool end_array() { return close(); }
+  bool key(json::string_t& k) {
+    if (depth_ == 1 && top_type.empty()) {
+      name_ = k;
+      if (!names_.insert(k).second) return fail("has the key '" + printable(k, 80) + "' more than once");
+    }
+    if (depth_ == 2) {
+      field_ = k;
+      if (keep_field() && entry_.contains(k)) return fail("has the key '" + printable(k, 80) + "' more than once");
+    }
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) {
+    return fail(std::string("is not valid JSON (") + e.what() + ")");
+  }
+
+ private:
+  bool fail(std::string what) {
+    if (problem.empty()) problem = std::move(what);
+    return false;
+  }
+  bool keep_field() const {
+    return entry_.is_object() &&
+           (name_ == "__metadata__" || field_ == "dtype" || field_ == "shape" || field_ == "data_offsets");
+  }
+  bool count() {  // one more element in the innermost array
+    if (!in_array_.empty() && in_array_.back() && ++elements_.back() > kMaxHeaderArray)
+      return fail("has an array of more than " + std::to_string(kMaxHeaderArray) + " elements");
+    return true;
+  }
+  bool scalar(json v) {
+    if (!count()) return false;
+    if (!top_type.empty()) return true;  // reported after the parse
+    if (depth_ == 0) {
+      top_type = v.type_name();
+    } else if (depth_ == 1) {
+      on_entry_(name_, v);
+    } else if (depth_ == 2) {
+      if (keep_field()) entry_[field_] = std::move(v);
+    } else if (depth_ == 3 && collecting_) {
+      entry_[field_].push_back(std::move(v));
+    }
+    return true;
+  }
+  bool open(json container) {
+    if (!count()) return false;
+    if (depth_ >= 3) return fail("nests deeper than 3 levels (an object of tensor entries holding arrays of integers)");
+    in_array_.push_back(container.is_array());
+    elements_.push_back(0);
+    if (depth_ == 0 && !container.is_object()) top_type = container.type_name();
+    if (!top_type.empty()) {
+      ++depth_;
+      return true;
+    }
+    if (depth_ == 1) entry_ = std::move(container);
+    if (depth_ == 2) {
+      // Arrays of the kept fields are collected (their elements are scalars); objects there become an
+      // empty placeholder; containers of other fields are skipped.
+      collecting_ = keep_field() && container.is_array();
+      if (keep_field()) entry_[field_] = std::move(container);
+    }
+    ++depth_;
+    return true;
+  }
+  bool close() {
+    --depth_;
+    in_array_.pop_back();
+    elements_.pop_back();
+    if (!top_type.empty()) return true;
+    if (depth_ == 2) collecting_ = false;
+    if (depth_ == 1) {
+      on_entry_(name_, entry_);
+      entry_ = json();
+    }
+    return true;
+  }
+  OnEntry on_entry_;
+  int depth_ = 0;
+  bool collecting_ = false;
+  std::vector<bool> in_array_;
+  std::vector<size_t> elements_;
+  std::unordered_set<std::string> names_;
+  std::string name_, field_;
+  json entry_;
+};
+
 }  // namespace
 
 const char* safetensors_dtype_name(DType t) {
@@ -118,36 +230,20 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
                     size, " bytes): truncated?");
   f.header_size_ = hlen;
 
-  // One linear pass without building anything first: duplicate keys (JSON parsers keep one of them
-  // silently; a duplicated tensor would hide data), nesting (a header is an object of tensor objects
-  // holding arrays of integers: deeper containers are refused before they cost memory or stack) and
-  // array lengths. Then the (linear, non-recursive) DOM parse.
-  JsonLimits limits;
-  limits.max_depth = 3;
-  limits.max_array = kMaxHeaderArray;
-  limits.reject_duplicate_keys = true;
   const char* htext = reinterpret_cast<const char*>(bytes + 8);
-  const std::string problem = json_precheck(htext, htext + hlen, limits);
-  MOEKIT_CHECK_CODE(problem.empty(), io, path, ": header ", problem);
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(htext, htext + hlen);
-  } catch (const std::exception& e) {
-    MOEKIT_FAIL(io, path, ": header is not valid JSON (", e.what(), ")");
-  }
-  MOEKIT_CHECK_CODE(header.is_object(), io, path, ": header is not a JSON object (", header.type_name(), ")");
   const uint64_t data_size = size - 8 - hlen;
   f.data_ = bytes + 8 + hlen;
 
-  for (auto it = header.begin(); it != header.end(); ++it) {
-    const std::string& name = it.key();
+  // Each entry is checked as it closes (see HeaderSax): never a DOM of the whole header.
+  const auto on_entry = [&](const std::string& name, const nlohmann::json& entry) {
+    const nlohmann::json* it = &entry;
     if (name == "__metadata__") {
       MOEKIT_CHECK_CODE(it->is_object(), io, path, ": __metadata__ is not an object");
       for (auto m2 = it->begin(); m2 != it->end(); ++m2) {
         MOEKIT_CHECK_CODE(m2->is_string(), io, path, ": metadata '", printable(m2.key()), "' is not a string");
         f.metadata_[m2.key()] = m2->get<std::string>();
       }
-      continue;
+      return;
     }
     const auto& v = *it;
     MOEKIT_CHECK_CODE(v.is_object(), io, path, ": tensor '", printable(name), "' is not an object");
@@ -190,7 +286,12 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     MOEKIT_CHECK_CODE(e.end - e.begin == expect, io, path, ": tensor '", printable(name), "' has ", e.end - e.begin,
                       " bytes but shape ", shape_to_string(e.shape), " of ", dt, " needs ", expect);
     f.entries_.push_back(std::move(e));
-  }
+  };
+  HeaderSax sax(on_entry);
+  const bool parsed = nlohmann::json::sax_parse(htext, htext + hlen, &sax);
+  MOEKIT_CHECK_CODE(sax.problem.empty(), io, path, ": header ", sax.problem);
+  MOEKIT_CHECK_CODE(parsed, io, path, ": header is not valid JSON");
+  MOEKIT_CHECK_CODE(sax.top_type.empty(), io, path, ": header is not a JSON object (", sax.top_type, ")");
 
   // The tensors tile the data section exactly: no overlap, no gap, nothing after the last one.
   std::sort(f.entries_.begin(), f.entries_.end(),
