@@ -4,7 +4,12 @@ JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 APT_PACKAGES := cmake ninja-build g++ libgtest-dev nlohmann-json3-dev libcli11-dev libfmt-dev libomp-dev gnuplot-nox
 
-.PHONY: all deps build test demo sanitize bench clean
+FUZZ_BUILD ?= build-fuzz
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS := safetensors config experts_case cli_parsers
+FUZZ_APT_PACKAGES := clang libclang-rt-14-dev libomp-14-dev
+
+.PHONY: all deps build test demo sanitize bench clean fuzz fuzz-deps
 
 all: build
 
@@ -38,5 +43,31 @@ sanitize: deps
 bench: build
 	$(BUILD)/bin/moekit bench --shape qwen3-30b-a3b --tokens 1,8,64 --backends all
 
+# libFuzzer (clang, ASan + UBSan) on the safetensors reader, config parsing, the Experts case reader and
+# the CLI's parsers: FUZZ_SECONDS each (default 60), from the seed corpora in fuzz/corpus; new inputs go
+# to $(FUZZ_BUILD)/corpus, crashes to $(FUZZ_BUILD)/artifacts (and fail the target).
+fuzz-deps: deps
+	@missing=""; for p in $(FUZZ_APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "moekit: installing$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+
+fuzz: fuzz-deps
+	cmake -S . -B $(FUZZ_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
+	  -DMOEKIT_FUZZ=ON -DMOEKIT_CUDA=OFF -DMOEKIT_TESTS=OFF
+	cmake --build $(FUZZ_BUILD) -j $(JOBS) $(addprefix --target fuzz_,$(FUZZ_TARGETS))
+	@for t in $(FUZZ_TARGETS); do \
+	  mkdir -p $(FUZZ_BUILD)/corpus/$$t $(FUZZ_BUILD)/artifacts; \
+	  echo "moekit: fuzzing $$t for $(FUZZ_SECONDS) s"; \
+	  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  $(FUZZ_BUILD)/bin/fuzz_$$t $(FUZZ_BUILD)/corpus/$$t fuzz/corpus/$$t -max_total_time=$(FUZZ_SECONDS) \
+	    -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=2048 -print_final_stats=1 \
+	    -artifact_prefix=$(FUZZ_BUILD)/artifacts/$$t- 2>$(FUZZ_BUILD)/fuzz_$$t.log \
+	    || { tail -40 $(FUZZ_BUILD)/fuzz_$$t.log; exit 1; }; \
+	  grep -E "^(#[0-9]+.*DONE|stat::number_of_executed_units|stat::peak_rss_mb)" $(FUZZ_BUILD)/fuzz_$$t.log; \
+	done
+
 clean:
-	rm -rf $(BUILD) build-sanitize
+	rm -rf $(BUILD) build-sanitize $(FUZZ_BUILD)

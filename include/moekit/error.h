@@ -3,6 +3,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 
 namespace moekit {
@@ -27,6 +28,9 @@ class Error : public std::runtime_error {
  private:
   ErrorCode code_;
 };
+
+// `s` as quoted in a message: control characters and NUL as \xNN, cut to `max_chars` with "...".
+std::string printable(std::string_view s, size_t max_chars = 200);
 
 namespace detail {
 template <class... Args>

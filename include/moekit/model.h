@@ -54,6 +54,9 @@ struct ModelOptions {
   // decode experts backend must be capturable: batched_mm or grouped_mm). The first decode step of a
   // generation runs uncaptured, the second is recorded, every later one is a replay.
   bool cuda_graph = false;
+  // Refuse weights holding NaN or Inf (one pass over the decoder's tensors at load). Default: on for
+  // checkpoints up to 4 GiB, else off with a warning on stderr.
+  std::optional<bool> check_finite;
 
   std::string to_string() const;
 };

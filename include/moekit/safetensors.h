@@ -38,6 +38,10 @@ class SafetensorsFile {
   // copy-on-write, except for files larger than the system will commit, where it is read-only: treat
   // the tensors as read-only and copy before changing them.
   Tensor get(const std::string& name) const;
+  // Drops the tensor's whole pages from this process's memory (they are read from the file again if
+  // touched): for loaders that have copied or converted a tensor and no longer need the mapped bytes.
+  // Pages written through a tensor (copy-on-write) would be lost: tensors here are read-only.
+  void release(const std::string& name) const;
   uint64_t file_size() const { return file_size_; }
   uint64_t header_size() const { return header_size_; }  // the JSON header, without the 8-byte length
 

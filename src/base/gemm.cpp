@@ -19,6 +19,13 @@ namespace {
 constexpr int kNoOverride = -1;
 std::atomic<int> g_override{kNoOverride};
 
+// clang before 15 cannot ask for f16c (the fuzz build uses clang 14); every CPU with AVX2 has it.
+#if defined(__clang__) && __clang_major__ < 15
+#define MOEKIT_CPU_F16C() true
+#else
+#define MOEKIT_CPU_F16C() __builtin_cpu_supports("f16c")
+#endif
+
 bool cpu_has(Isa isa) {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
@@ -26,11 +33,11 @@ bool cpu_has(Isa isa) {
     case Isa::scalar:
       return true;
     case Isa::avx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && MOEKIT_CPU_F16C();
     case Isa::avx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-             __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+             MOEKIT_CPU_F16C() && __builtin_cpu_supports("fma");
   }
   return false;
 #else

@@ -4,6 +4,8 @@
 #include <cstring>
 #include <sstream>
 
+#include "core/checked.h"
+
 namespace moekit {
 
 std::string Device::to_string() const {
@@ -89,6 +91,9 @@ std::shared_ptr<void> allocate(size_t bytes, Device device) {
 }  // namespace
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
+  // Shapes may come from untrusted numbers (config values, headers): the size is checked before allocating.
+  const std::string what = std::string("tensor ") + shape_to_string(shape) + " of " + dtype_name(dtype);
+  checked_bytes(checked_product(shape, what.c_str()), dtype_bits(dtype), what.c_str());
   Tensor t;
   t.view_ = TensorView(nullptr, dtype, shape, device);
   t.storage_ = allocate(t.view_.nbytes(), device);

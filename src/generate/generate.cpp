@@ -2,8 +2,10 @@
 // the decode-step switch of SPEC section 4 (restored by a guard, also when a step throws).
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <sstream>
 
+#include "core/checked.h"
 #include "generate/sampling.h"
 #include "model/model_impl.h"
 #include "moekit/error.h"
@@ -50,9 +52,17 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-std::vector<float> row(const Tensor& logits, int64_t r) {
+constexpr int64_t kUpfrontTokens = 4096;
+
+// Row r of the logits; throws naming the position when it holds NaN or Inf (weights or config values
+// that make the forward non-finite would otherwise give arbitrary tokens and a successful exit).
+std::vector<float> row(const Tensor& logits, int64_t r, int64_t position) {
   const int64_t V = logits.size(1);
   const float* p = logits.ptr<float>() + r * V;
+  for (int64_t i = 0; i < V; ++i)
+    MOEKIT_CHECK_CODE(std::isfinite(p[i]), runtime, "generate: the logits at position ", position,
+                      " are not finite (token ", i, ": ", p[i],
+                      "); the weights or the config (rms_norm_eps, rope theta, ...) give NaN or Inf");
   return std::vector<float>(p, p + V);
 }
 }  // namespace
@@ -79,7 +89,11 @@ GenerationResult Model::generate(const std::vector<int64_t>& prompt, const Gener
   if (graphs) impl_->require_capturable_experts(res.decode_experts);
 
   KvCache cache;
-  impl_->reserve(cache, int64_t(prompt.size()) + gc.max_new_tokens);
+  // prompt + max_new_tokens must fit in int64 (checked); the cache is reserved for at most
+  // kUpfrontTokens of it and grows (doubling) as tokens come, so a large max_new_tokens costs memory
+  // only for the tokens actually generated.
+  const int64_t total = checked_add(int64_t(prompt.size()), gc.max_new_tokens, "generate: prompt + max_new_tokens");
+  impl_->reserve(cache, std::min(total, int64_t(prompt.size()) + kUpfrontTokens));
   generate::TokenSampler sampler(gc);
   auto pick = [&](std::vector<float> logits) {
     const bool too_early = int64_t(res.tokens.size()) < gc.min_new_tokens;
@@ -100,7 +114,7 @@ GenerationResult Model::generate(const std::vector<int64_t>& prompt, const Gener
   Tensor logits = impl_->forward(prompt, cache, gc.keep_prompt_logits);
   if (gc.keep_prompt_logits) res.prompt_logits = logits;
   int64_t tok = -1;
-  if (gc.max_new_tokens > 0) tok = pick(row(logits, logits.size(0) - 1));
+  if (gc.max_new_tokens > 0) tok = pick(row(logits, logits.size(0) - 1, int64_t(prompt.size()) - 1));
   res.prefill_ms = ms_since(t0);
   if (tok < 0 || done(tok)) return res;
 
@@ -110,7 +124,7 @@ GenerationResult Model::generate(const std::vector<int64_t>& prompt, const Gener
   while (true) {
     logits = graphs ? impl_->decode_step_graphed(tok, cache) : impl_->forward({tok}, cache, false);
     ++res.decode_steps;
-    tok = pick(row(logits, 0));
+    tok = pick(row(logits, 0, cache.length() - 1));
     if (done(tok)) break;
   }
   res.decode_ms = ms_since(t0);

@@ -7,19 +7,15 @@
 #include <fstream>
 #include <set>
 
+#include "io/input.h"
+
 namespace moekit {
 namespace fs = std::filesystem;
 
 nlohmann::json read_json_file(const std::string& path) {
-  std::error_code ec;
-  MOEKIT_CHECK_CODE(fs::is_regular_file(path, ec), not_found, path, ": no such file");
-  std::ifstream in(path, std::ios::binary);
-  MOEKIT_CHECK_CODE(in.good(), io, path, ": cannot open (", std::strerror(errno), ")");
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const std::exception& e) {
-    MOEKIT_FAIL(io, path, ": not valid JSON (", e.what(), ")");
-  }
+  // Regular files of bounded size only (a FIFO would hang, a directory is not "no such file"), parsed in
+  // linear time with a nesting limit.
+  return parse_json_bounded(read_regular_file(path, kMaxJsonFileBytes), path);
 }
 
 namespace {
@@ -65,11 +61,14 @@ Checkpoint Checkpoint::open(const std::string& dir) {
     MOEKIT_CHECK_CODE(!index["weight_map"].empty(), io, index_path, ": weight_map is empty");
     std::set<std::string> seen;
     for (const auto& [name, file] : index["weight_map"].items()) {
-      MOEKIT_CHECK_CODE(file.is_string(), io, index_path, ": weight_map entry for '", name, "' is not a file name");
+      MOEKIT_CHECK_CODE(file.is_string(), io, index_path, ": weight_map entry for '", printable(name),
+                        "' is not a file name");
       const std::string f = file.get<std::string>();
-      MOEKIT_CHECK_CODE(!f.empty() && f.find('/') == std::string::npos && f.find('\\') == std::string::npos &&
-                            f != "." && f != "..",
-                        io, index_path, ": weight_map names shard '", f, "' outside the checkpoint folder");
+      MOEKIT_CHECK_CODE(printable(f, f.size()) == f, io, index_path, ": weight_map names shard '", printable(f),
+                        "', which has a control character");
+      MOEKIT_CHECK_CODE(
+          !f.empty() && f.find('/') == std::string::npos && f.find('\\') == std::string::npos && f != "." && f != "..",
+          io, index_path, ": weight_map names shard '", printable(f), "' outside the checkpoint folder");
       index_map[name] = f;
       if (seen.insert(f).second) shards.push_back(f);
     }
@@ -84,16 +83,16 @@ Checkpoint Checkpoint::open(const std::string& dir) {
     c.files_.push_back(SafetensorsFile::open((d / s).string()));
     for (const auto& e : c.files_.back().entries()) {
       auto [it, fresh] = c.where_.emplace(e.name, c.files_.size() - 1);
-      MOEKIT_CHECK_CODE(fresh, io, dir, ": tensor '", e.name, "' appears in more than one shard ('",
+      MOEKIT_CHECK_CODE(fresh, io, dir, ": tensor '", printable(e.name), "' appears in more than one shard ('",
                         fs::path(c.files_[it->second].path()).filename().string(), "' and '", s, "')");
     }
   }
   for (const auto& [name, shard] : index_map) {
     auto it = c.where_.find(name);
-    MOEKIT_CHECK_CODE(it != c.where_.end(), io, index_path, ": tensor '", name, "' is listed in shard '", shard,
-                      "' but no shard holds it");
+    MOEKIT_CHECK_CODE(it != c.where_.end(), io, index_path, ": tensor '", printable(name), "' is listed in shard '",
+                      shard, "' but no shard holds it");
     const std::string holder = fs::path(c.files_[it->second].path()).filename().string();
-    MOEKIT_CHECK_CODE(holder == shard, io, index_path, ": tensor '", name, "' is listed in shard '", shard,
+    MOEKIT_CHECK_CODE(holder == shard, io, index_path, ": tensor '", printable(name), "' is listed in shard '", shard,
                       "' but is stored in '", holder, "'");
   }
   return c;
@@ -102,7 +101,7 @@ Checkpoint Checkpoint::open(const std::string& dir) {
 const SafetensorsFile& Checkpoint::file_of(const std::string& name) const {
   auto it = where_.find(name);
   if (it == where_.end()) {
-    MOEKIT_FAIL(not_found, dir_, ": checkpoint has no tensor '", name, "' (", where_.size(), " tensors",
+    MOEKIT_FAIL(not_found, dir_, ": checkpoint has no tensor '", printable(name), "' (", where_.size(), " tensors",
                 where_.empty() ? std::string() : "; close: " + close_to(name, where_), ")");
   }
   return files_[it->second];

@@ -26,6 +26,8 @@ class Checkpoint {
   bool contains(const std::string& name) const { return where_.count(name) != 0; }
   // Zero-copy CPU tensor; throws not_found naming the tensor, the folder and close names.
   Tensor get(const std::string& name) const;
+  // Drops a tensor's mapped pages once it has been copied or converted (SafetensorsFile::release).
+  void release(const std::string& name) const { file_of(name).release(name); }
   // Name, dtype, shape and offsets without touching the data; throws as get().
   const SafetensorsEntry& entry(const std::string& name) const;
   // The file holding a tensor; throws as get().

@@ -10,6 +10,12 @@
 
 namespace moekit::model {
 
+// Config integers beyond this are refused (no size, id or count of a real model comes near 2^40); the
+// products that size tensors are checked separately (check_sizes), and against the checkpoint's bytes
+// when it loads.
+constexpr int64_t kMaxConfigInt = int64_t(1) << 40;
+constexpr int64_t kMaxLayers = int64_t(1) << 16;  // num_hidden_layers: per-layer tables are built while parsing
+
 // Typed access to one JSON object of a config file; errors name the file and the field
 // (with the sub-config prefix, e.g. "text_config.hidden_size").
 class ConfigReader {
@@ -43,6 +49,10 @@ class ConfigReader {
   const nlohmann::json& j_;
   std::string source_, prefix_, model_type_;
 };
+
+// Throws naming the fields when a product that sizes a tensor (heads x head_dim x hidden, vocab x hidden,
+// experts x intermediate x hidden, ...) overflows int64.
+void check_sizes(const ConfigReader& r, const TextConfig& c);
 
 // Fields every decoder has (sizes, heads, norms, rope, embeddings); `default_theta` as the config class sets it.
 void parse_common(const ConfigReader& r, TextConfig& c, double default_theta);

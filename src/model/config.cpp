@@ -5,6 +5,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "io/input.h"
 #include "model/arch.h"
 #include "moekit/error.h"
 
@@ -12,10 +13,7 @@ namespace moekit {
 namespace model {
 
 namespace {
-std::string json_short(const nlohmann::json& v) {
-  std::string s = v.dump();
-  return s.size() > 60 ? s.substr(0, 57) + "..." : s;
-}
+std::string json_short(const nlohmann::json& v) { return json_brief(v, 60); }
 }  // namespace
 
 ConfigReader::ConfigReader(const nlohmann::json& object, std::string source, std::string prefix, std::string model_type)
@@ -54,10 +52,19 @@ int64_t ConfigReader::required_int_any(std::initializer_list<const char*> keys) 
 std::optional<int64_t> ConfigReader::optional_int(const char* key) const {
   if (!has(key)) return std::nullopt;
   const auto& v = at(key);
-  if (v.is_number_integer()) return v.get<int64_t>();
+  if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(kMaxConfigInt))
+    fail(key, "is " + std::to_string(v.get<uint64_t>()) + ", larger than any value moekit accepts (" +
+                  std::to_string(kMaxConfigInt) + ")");
+  if (v.is_number_integer()) {
+    const int64_t x = v.get<int64_t>();
+    if (x < -kMaxConfigInt)
+      fail(key, "is " + std::to_string(x) + ", smaller than any value moekit accepts (" +
+                    std::to_string(-kMaxConfigInt) + ")");
+    return x;
+  }
   if (v.is_number_float()) {
     const double d = v.get<double>();
-    if (std::floor(d) == d && std::fabs(d) < 9e15) return int64_t(d);
+    if (std::floor(d) == d && std::fabs(d) <= double(kMaxConfigInt)) return int64_t(d);
   }
   fail(key, "must be an integer, got " + json_short(v));
 }
@@ -71,7 +78,9 @@ std::optional<double> ConfigReader::optional_number(const char* key) const {
   if (!has(key)) return std::nullopt;
   const auto& v = at(key);
   if (!v.is_number()) fail(key, "must be a number, got " + json_short(v));
-  return v.get<double>();
+  const double d = v.get<double>();
+  if (!std::isfinite(d)) fail(key, "must be a finite number, got " + json_short(v));
+  return d;
 }
 
 double ConfigReader::number_or(const char* key, double fallback) const {
@@ -96,11 +105,17 @@ std::string ConfigReader::string_or(const char* key, const std::string& fallback
 std::vector<int64_t> ConfigReader::int_list_or(const char* key, std::vector<int64_t> fallback) const {
   if (!has(key)) return fallback;
   const auto& v = at(key);
-  if (v.is_number_integer()) return {v.get<int64_t>()};
+  auto in_range = [](const nlohmann::json& e) {
+    return e.is_number_integer() &&
+           (e.is_number_unsigned() ? e.get<uint64_t>() <= uint64_t(kMaxConfigInt) : e.get<int64_t>() >= -kMaxConfigInt);
+  };
+  if (in_range(v)) return {v.get<int64_t>()};
   if (!v.is_array()) fail(key, "must be a list of integers, got " + json_short(v));
   std::vector<int64_t> out;
   for (const auto& e : v) {
-    if (!e.is_number_integer()) fail(key, "must be a list of integers, got " + json_short(v));
+    if (!in_range(e))
+      fail(key,
+           "must be a list of integers (each within +-" + std::to_string(kMaxConfigInt) + "), got " + json_short(v));
     out.push_back(e.get<int64_t>());
   }
   return out;
@@ -134,6 +149,9 @@ void parse_rope(const ConfigReader& r, TextConfig& c, double default_theta) {
   rope.partial_rotary_factor = p.number_or("partial_rotary_factor", r.number_or("partial_rotary_factor", 1.0));
   rope.original_max_position_embeddings = r.int_or(
       "original_max_position_embeddings", p.int_or("original_max_position_embeddings", c.max_position_embeddings));
+  if (!(rope.theta > 0)) r.fail("rope_theta", "must be > 0, got " + std::to_string(rope.theta));
+  if (!(rope.partial_rotary_factor > 0 && rope.partial_rotary_factor <= 1))
+    r.fail("partial_rotary_factor", "must be in (0, 1], got " + std::to_string(rope.partial_rotary_factor));
   if (rope.type == "default") return;
   if (rope.type == "linear") {
     if (!p.has("factor")) p.fail("factor", "is required for rope_type linear");
@@ -155,7 +173,8 @@ void parse_rope(const ConfigReader& r, TextConfig& c, double default_theta) {
     rope.low_freq_factor = p.number_or("low_freq_factor", 1.0);
     rope.high_freq_factor = p.number_or("high_freq_factor", 4.0);
   } else {
-    p.fail("rope_type", "is '" + rope.type + "', which moekit does not run; supported: default, linear, yarn, llama3");
+    p.fail("rope_type", "is '" + printable(rope.type, 60) +
+                            "', which moekit does not run; supported: default, linear, yarn, llama3");
   }
 }
 
@@ -178,17 +197,11 @@ std::vector<int64_t> eos_from(const nlohmann::json& j) {
 }
 
 nlohmann::json parse_json(const std::string& text, const std::string& source) {
-  try {
-    return nlohmann::json::parse(text);
-  } catch (const std::exception& e) { MOEKIT_FAIL(io, source, ": not valid JSON (", e.what(), ")"); }
+  return parse_json_bounded(text, source);  // linear, nesting-limited
 }
 
 std::string read_text(const std::filesystem::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  MOEKIT_CHECK_CODE(in.good(), not_found, p.string(), ": cannot open");
-  std::ostringstream os;
-  os << in.rdbuf();
-  return os.str();
+  return read_regular_file(p.string(), kMaxJsonFileBytes);  // a FIFO or a directory is an error, not a hang
 }
 }  // namespace
 
@@ -210,11 +223,59 @@ void parse_common(const ConfigReader& r, TextConfig& c, double default_theta) {
   if (c.head_dim <= 0) r.fail("head_dim", "must be > 0, got " + std::to_string(c.head_dim));
   c.hidden_act = r.string_or("hidden_act", "silu");
   c.rms_norm_eps = r.number_or("rms_norm_eps", 1e-6);
+  if (!(c.rms_norm_eps > 0)) r.fail("rms_norm_eps", "must be > 0, got " + json_short(r.json().at("rms_norm_eps")));
   c.max_position_embeddings = r.int_or("max_position_embeddings", 4096);
   c.tie_word_embeddings = r.bool_or("tie_word_embeddings", false);
+  if (c.num_hidden_layers > kMaxLayers)
+    r.fail("num_hidden_layers", "is " + std::to_string(c.num_hidden_layers) + ", more than moekit accepts (" +
+                                    std::to_string(kMaxLayers) + ")");
   c.sliding_window.assign(size_t(c.num_hidden_layers), 0);
   c.moe_layer.assign(size_t(c.num_hidden_layers), true);
   parse_rope(r, c, default_theta);
+}
+
+void check_sizes(const ConfigReader& r, const TextConfig& c) {
+  // Every product that sizes a tensor must fit in int64 (a config with heads x head_dim wrapping around
+  // to a plausible number would pass every shape check). Each is named with its fields.
+  struct Field {
+    const char* name;
+    int64_t value;
+  };
+  auto product = [&](std::initializer_list<Field> fields) {
+    int64_t n = 1;
+    for (const Field& f : fields) {
+      if (f.value < 0) r.fail(f.name, "must be >= 0, got " + std::to_string(f.value));
+      if (__builtin_mul_overflow(n, f.value, &n)) {
+        std::string what;
+        for (const Field& g : fields)
+          what += (what.empty() ? "" : " x ") + std::string(g.name) + " " + std::to_string(g.value);
+        r.fail(fields.begin()->name, "makes a tensor too large: " + what + " overflows a 64-bit size");
+      }
+    }
+  };
+  const int64_t H = c.hidden_size;
+  product({{"num_attention_heads", c.num_attention_heads}, {"head_dim", c.head_dim}, {"hidden_size", H}});
+  product({{"num_key_value_heads", c.num_key_value_heads}, {"head_dim", c.head_dim}, {"hidden_size", H}});
+  product({{"vocab_size", c.vocab_size}, {"hidden_size", H}});
+  product({{"intermediate_size", c.intermediate_size}, {"hidden_size", H}, {"2", 2}});
+  product({{"num_experts", c.num_experts},
+           {"moe_intermediate_size", c.moe_intermediate_size},
+           {"hidden_size", H},
+           {"3", 3}});
+  product({{"shared_expert_intermediate_size", c.shared_expert_intermediate_size}, {"hidden_size", H}, {"3", 3}});
+  product({{"max_position_embeddings", c.max_position_embeddings}, {"head_dim", c.head_dim}});
+  if (c.mla) {
+    product({{"num_attention_heads", c.num_attention_heads},
+             {"qk_nope_head_dim", c.qk_nope_head_dim},
+             {"qk_rope_head_dim", c.qk_rope_head_dim},
+             {"v_head_dim", c.v_head_dim},
+             {"kv_lora_rank", c.kv_lora_rank}});
+    product({{"q_lora_rank", c.q_lora_rank}, {"hidden_size", H}});
+    product({{"num_attention_heads", c.num_attention_heads},
+             {"qk_nope_head_dim", c.qk_nope_head_dim},
+             {"qk_rope_head_dim", c.qk_rope_head_dim},
+             {"q_lora_rank", std::max<int64_t>(c.q_lora_rank, H)}});
+  }
 }
 
 void parse_sparse_layers(const ConfigReader& r, TextConfig& c) {
@@ -318,6 +379,7 @@ ModelConfig ModelConfig::parse(const std::string& config_json, const std::string
   const model::ConfigReader r(*text, source, prefix, text_type);
   mc.text.model_type = text_type;
   parser->parse(r, mc.text);
+  model::check_sizes(r, mc.text);
   const TextConfig& tc = mc.text;
   if (std::find(tc.moe_layer.begin(), tc.moe_layer.end(), true) != tc.moe_layer.end()) {
     if (tc.num_experts <= 0) r.fail("num_experts", "must be > 0, got " + std::to_string(tc.num_experts));
@@ -329,9 +391,11 @@ ModelConfig ModelConfig::parse(const std::string& config_json, const std::string
                                           std::to_string(tc.moe_intermediate_size));
   }
   if (!mc.text_config_key.empty()) {
-    // Multimodal configs keep some decoder settings at the top level.
-    if (!r.has("tie_word_embeddings") && top.has("tie_word_embeddings"))
-      mc.text.tie_word_embeddings = top.bool_or("tie_word_embeddings", false);
+    // Composite (multimodal) configs: the output projection belongs to the top-level model, and
+    // transformers ties it to the embedding by that model's config alone (PreTrainedModel reads
+    // self.config.tie_word_embeddings, whose default is false for the composite config classes);
+    // text_config.tie_word_embeddings only concerns a text model built alone, which has no lm_head.
+    mc.text.tie_word_embeddings = top.bool_or("tie_word_embeddings", false);
   }
 
   for (const char* key : {"dtype", "torch_dtype"}) {

@@ -2,6 +2,7 @@
 // final norm, lm_head. Written with the ops of ops.h; the routed experts run through Experts::forward.
 #include <algorithm>
 
+#include "core/checked.h"
 #include "model/model_impl.h"
 #include "moekit/error.h"
 #include "moekit/interface.h"
@@ -147,8 +148,8 @@ void Model::Impl::reserve(KvCache& cache, int64_t tokens) const {
                  "this KV cache belongs to another model (", st.k.size(), " layers of ", shape_to_string(k0.shape()),
                  " ", dtype_name(k0.dtype()), " on ", k0.device().to_string(), ")");
   }
-  if (st.length + tokens <= st.capacity && !st.k.empty()) return;
-  const int64_t need = st.length + tokens;
+  const int64_t need = checked_add(st.length, tokens, "KV cache: cached + new tokens");
+  if (need <= st.capacity && !st.k.empty()) return;
   const int64_t cap = std::max<int64_t>({need, 2 * st.capacity, 64});
   std::vector<Tensor> k(size_t(c.num_hidden_layers)), v(k.size());
   for (size_t i = 0; i < k.size(); ++i) {

@@ -1,8 +1,12 @@
 // Checkpoint tensors -> the decoder's weights: name and shape checks, dtype conversion, experts fusion.
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <functional>
 #include <sstream>
 
+#include "io/input.h"
 #include "model/model_impl.h"
 #include "moekit/error.h"
 
@@ -14,7 +18,14 @@ std::string str(int64_t v) { return std::to_string(v); }
 // Reads tensors by name, remembering every problem so that one error can list them all.
 class TensorReader {
  public:
-  TensorReader(const Checkpoint& ckpt, DType dtype, Device device) : ck_(ckpt), dtype_(dtype), device_(device) {}
+  // A dry reader checks names, shapes and dtypes against the zero-copy checkpoint tensors and converts
+  // nothing: get() returns undefined tensors. The load runs dry first, so that a missing lm_head is
+  // reported before gigabytes of embeddings are converted.
+  TensorReader(const Checkpoint& ckpt, DType dtype, Device device, bool dry = false)
+      : ck_(ckpt), dtype_(dtype), device_(device), dry_(dry) {}
+
+  bool dry() const { return dry_; }
+  const std::vector<std::string>& read() const { return read_; }
 
   bool has(const std::string& name) const { return ck_.contains(name); }
   DType dtype() const { return dtype_; }
@@ -24,54 +35,71 @@ class TensorReader {
   // (problem recorded) when missing or of another shape.
   Tensor get(const std::string& name, const Shape& shape, std::optional<DType> as = std::nullopt) {
     Tensor t = host(name, shape);
-    if (!t.defined()) return t;
-    return t.to(as.value_or(dtype_)).to(device_);
+    if (!t.defined() || dry_) return {};
+    Tensor out = t.to(as.value_or(dtype_)).to(device_);
+    if (out.data() != t.data()) release(name);  // converted: the mapped bytes are no longer needed
+    return out;
   }
   // The checkpoint tensor as stored (CPU, zero-copy), after the same checks.
   Tensor host(const std::string& name, const Shape& shape) {
     if (!ck_.contains(name)) {
-      missing_.push_back(name + " " + shape_to_string(shape));
+      missing(name + " " + shape_to_string(shape));
       return {};
     }
     Tensor t = ck_.get(name);
     if (t.shape() != shape) {
-      wrong_.push_back(name + " is " + shape_to_string(t.shape()) + ", expected " + shape_to_string(shape));
+      wrong(name + " is " + shape_to_string(t.shape()) + ", expected " + shape_to_string(shape));
       return {};
     }
     if (!is_floating(t.dtype()) || t.dtype() == DType::f4e2m1 || t.dtype() == DType::ue8m0) {
-      wrong_.push_back(name + " has dtype " + dtype_name(t.dtype()) + ", expected a floating type");
+      wrong(name + " has dtype " + dtype_name(t.dtype()) + ", expected a floating type");
       return {};
     }
+    if (dry_) read_.push_back(name);
     return t;
   }
-  void missing(const std::string& what) { missing_.push_back(what); }
-  void wrong(const std::string& what) { wrong_.push_back(what); }
+  // Peak memory stays near the checkpoint's size: once a tensor is copied, its mapped pages go.
+  void release(const std::string& name) const {
+    if (!dry_) ck_.release(name);
+  }
+  // The first few problems are kept as text, the rest only counted (a config may claim many tensors).
+  void missing(const std::string& what) { note(missing_, missing_count_, what); }
+  void wrong(const std::string& what) { note(wrong_, wrong_count_, what); }
 
   void throw_if_problems(const std::string& model_type) const {
-    if (missing_.empty() && wrong_.empty()) return;
+    if (missing_count_ == 0 && wrong_count_ == 0) return;
     std::ostringstream os;
     os << ck_.dir() << ": checkpoint does not match model_type " << model_type << ":";
-    auto list = [&](const char* what, const std::vector<std::string>& v) {
-      if (v.empty()) return;
-      os << " " << v.size() << " tensor(s) " << what << ":";
-      for (size_t i = 0; i < v.size() && i < 12; ++i) os << (i ? ", " : " ") << v[i];
-      if (v.size() > 12) os << ", ... (" << v.size() - 12 << " more)";
+    auto list = [&](const char* what, const std::vector<std::string>& v, size_t count) {
+      if (count == 0) return;
+      os << " " << count << " tensor(s) " << what << ":";
+      for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : " ") << v[i];
+      if (count > v.size()) os << ", ... (" << count - v.size() << " more)";
       os << ".";
     };
-    list("missing", missing_);
-    list("with a wrong shape or dtype", wrong_);
+    list("missing", missing_, missing_count_);
+    list("with a wrong shape or dtype", wrong_, wrong_count_);
     MOEKIT_FAIL(not_found, os.str());
   }
 
  private:
+  static void note(std::vector<std::string>& v, size_t& count, const std::string& what) {
+    if (v.size() < 12) v.push_back(printable(what));
+    ++count;
+  }
   const Checkpoint& ck_;
   DType dtype_;
   Device device_;
-  std::vector<std::string> missing_, wrong_;
+  bool dry_ = false;
+  std::vector<std::string> missing_, wrong_, read_;
+  size_t missing_count_ = 0, wrong_count_ = 0;
 };
 
 // Rows of several checkpoint tensors stacked into one new tensor of the model dtype.
-Tensor stack_rows(const std::vector<Tensor>& parts, const Shape& shape, DType dtype, Device device) {
+// `release` (optional, one per part) drops each part's mapped pages once copied, so that stacking costs
+// the output's memory and not the output's plus the inputs'.
+Tensor stack_rows(const std::vector<Tensor>& parts, const Shape& shape, DType dtype, Device device,
+                  const std::function<void(size_t)>& release = {}) {
   Tensor out = Tensor::empty(shape, dtype, Device::cpu());
   std::vector<int64_t> offset(parts.size() + 1, 0);
   for (size_t i = 0; i < parts.size(); ++i) offset[i + 1] = offset[i] + parts[i].numel();
@@ -82,6 +110,7 @@ Tensor stack_rows(const std::vector<Tensor>& parts, const Shape& shape, DType dt
   for (int64_t i = 0; i < int64_t(parts.size()); ++i) {
     const Tensor c = parts[size_t(i)].contiguous();
     convert(c.data(), c.dtype(), base + size_t(offset[size_t(i)]) * es, dtype, c.numel());
+    if (release) release(size_t(i));
   }
   return out.to(device);
 }
@@ -90,8 +119,11 @@ Tensor stack_rows(const std::vector<Tensor>& parts, const Shape& shape, DType dt
 // device (undefined when missing or misshapen, as TensorReader::get).
 Tensor transposed_experts(TensorReader& r, const std::string& name, const Shape& stored) {
   Tensor t = r.host(name, stored);
-  if (!t.defined()) return t;
-  return transpose_expert_weight(t.to(r.dtype())).to(r.device());
+  if (!t.defined() || r.dry()) return {};
+  Tensor out = transpose_expert_weight(t.to(r.dtype()));
+  t = Tensor();
+  r.release(name);
+  return out.to(r.device());
 }
 
 Linear linear(TensorReader& r, const std::string& name, int64_t out, int64_t in, bool bias) {
@@ -106,7 +138,11 @@ DenseMlp dense_mlp(TensorReader& r, const std::string& p, int64_t H, int64_t I, 
                    const std::string& up = "up_proj", const std::string& down = "down_proj") {
   DenseMlp m;
   Tensor g = r.host(p + gate + ".weight", {I, H}), u = r.host(p + up + ".weight", {I, H});
-  if (g.defined() && u.defined()) m.gate_up.w = stack_rows({g, u}, {2 * I, H}, r.dtype(), r.device());
+  if (g.defined() && u.defined() && !r.dry()) {
+    m.gate_up.w = stack_rows({g, u}, {2 * I, H}, r.dtype(), r.device());
+    r.release(p + gate + ".weight");
+    r.release(p + up + ".weight");
+  }
   m.down.w = r.get(p + down + ".weight", {H, I});
   return m;
 }
@@ -180,6 +216,7 @@ ExpertsWeights load_experts(TensorReader& r, const Checkpoint& ck, const std::st
     return w;
   }
   std::vector<Tensor> gu_parts, down_parts;
+  std::vector<std::string> gu_names, down_names;
   bool complete = true;
   for (int64_t e = 0; e < E; ++e) {
     const std::string q = p + std::to_string(e) + ".";
@@ -187,14 +224,18 @@ ExpertsWeights load_experts(TensorReader& r, const Checkpoint& ck, const std::st
     Tensor u = r.host(q + n.up_proj + ".weight", {I, H});
     Tensor d = r.host(q + n.down_proj + ".weight", {H, I});
     complete = complete && g.defined() && u.defined() && d.defined();
-    if (!complete) continue;
+    if (!complete) break;  // reported; the other experts add nothing
     gu_parts.push_back(g);
     gu_parts.push_back(u);
     down_parts.push_back(d);
+    gu_names.push_back(q + n.gate_proj + ".weight");
+    gu_names.push_back(q + n.up_proj + ".weight");
+    down_names.push_back(q + n.down_proj + ".weight");
   }
-  if (!complete) return w;
-  w.gate_up_proj = stack_rows(gu_parts, {E, 2 * I, H}, r.dtype(), r.device());
-  w.down_proj = stack_rows(down_parts, {E, H, I}, r.dtype(), r.device());
+  if (!complete || r.dry()) return w;
+  w.gate_up_proj =
+      stack_rows(gu_parts, {E, 2 * I, H}, r.dtype(), r.device(), [&](size_t i) { r.release(gu_names[i]); });
+  w.down_proj = stack_rows(down_parts, {E, H, I}, r.dtype(), r.device(), [&](size_t i) { r.release(down_names[i]); });
   return w;
 }
 
@@ -228,6 +269,8 @@ void load_moe(TensorReader& r, const Checkpoint& ck, const std::string& lp, Text
   }
 }
 
+Weights read_weights(TensorReader& r, const Checkpoint& ck, TextConfig& c, const std::string& experts_implementation);
+
 std::string find_prefix(const Checkpoint& ck) {
   static const char* kCandidates[] = {
       "model.", "model.language_model.", "language_model.model.", "model.text_model.", "language_model.", ""};
@@ -240,14 +283,144 @@ std::string find_prefix(const Checkpoint& ck) {
 
 }  // namespace
 
+namespace {
+
+// The config's claims against what the checkpoint holds, before anything is read: a config cannot
+// describe more layers than the checkpoint has tensors, nor a tensor with more elements than the
+// checkpoint has bytes (two elements per byte for 4-bit types). All products checked.
+void check_config_against_checkpoint(const Checkpoint& ck, const TextConfig& c) {
+  uint64_t bytes = 0, tensors = 0;
+  for (const auto& f : ck.files()) {
+    tensors += f.entries().size();
+    for (const auto& e : f.entries()) bytes += e.nbytes();
+  }
+  const int64_t cap = bytes > uint64_t(INT64_MAX / 2) ? INT64_MAX : int64_t(2 * bytes);
+  auto fail = [&](const std::string& what) {
+    MOEKIT_FAIL(invalid_argument, ck.dir(), ": config.json ", what, ", more than the checkpoint holds (", tensors,
+                " tensors, ", bytes, " bytes)");
+  };
+  if (uint64_t(c.num_hidden_layers) > tensors)
+    fail("has num_hidden_layers " + std::to_string(c.num_hidden_layers) + " (each layer needs tensors)");
+  struct Claim {
+    const char* what;
+    std::initializer_list<int64_t> dims;
+  };
+  const int64_t H = c.hidden_size, D = c.head_dim;
+  const int64_t E = c.num_experts > 0 ? c.num_experts : 0;
+  const Claim claims[] = {
+      {"vocab_size x hidden_size (the embedding)", {c.vocab_size, H}},
+      {"num_attention_heads x head_dim x hidden_size (q_proj)", {c.mla ? 0 : c.num_attention_heads, D, H}},
+      {"num_key_value_heads x head_dim x hidden_size (k_proj)", {c.mla ? 0 : c.num_key_value_heads, D, H}},
+      {"num_experts x hidden_size (the router)", {E, H}},
+      {"num_experts x moe_intermediate_size x hidden_size (the experts)", {E, c.moe_intermediate_size, H}},
+      {"intermediate_size x hidden_size (a dense MLP)", {c.intermediate_size, H}},
+  };
+  for (const Claim& cl : claims) {
+    int64_t n = 1;
+    bool over = false;
+    for (int64_t d : cl.dims) over = over || d < 0 || __builtin_mul_overflow(n, d, &n);
+    if (over || n > cap) {
+      std::string dims;
+      for (int64_t d : cl.dims) dims += (dims.empty() ? "" : " x ") + std::to_string(d);
+      fail("claims " + std::string(cl.what) + " = " + dims + (over ? " (overflows)" : " elements"));
+    }
+  }
+}
+
+bool all_finite(const Tensor& t) {
+  const int64_t n = t.numel();
+  bool ok = true;
+  switch (t.dtype()) {
+    case DType::f32: {
+      const uint32_t* p = static_cast<const uint32_t*>(t.data());
+#pragma omp parallel for reduction(&& : ok) if (n > (int64_t(1) << 20))
+      for (int64_t i = 0; i < n; ++i) ok = ok && (p[i] & 0x7f800000u) != 0x7f800000u;
+      return ok;
+    }
+    case DType::bf16: {
+      const uint16_t* p = static_cast<const uint16_t*>(t.data());
+#pragma omp parallel for reduction(&& : ok) if (n > (int64_t(1) << 20))
+      for (int64_t i = 0; i < n; ++i) ok = ok && (p[i] & 0x7f80u) != 0x7f80u;
+      return ok;
+    }
+    case DType::f16: {
+      const uint16_t* p = static_cast<const uint16_t*>(t.data());
+#pragma omp parallel for reduction(&& : ok) if (n > (int64_t(1) << 20))
+      for (int64_t i = 0; i < n; ++i) ok = ok && (p[i] & 0x7c00u) != 0x7c00u;
+      return ok;
+    }
+    case DType::f8e4m3: {
+      const uint8_t* p = static_cast<const uint8_t*>(t.data());
+      for (int64_t i = 0; i < n; ++i) ok = ok && (p[i] & 0x7fu) != 0x7fu;  // no infinities; NaN is S.1111.111
+      return ok;
+    }
+    case DType::f64: {
+      const uint64_t* p = static_cast<const uint64_t*>(t.data());
+      for (int64_t i = 0; i < n; ++i) ok = ok && (p[i] & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
+      return ok;
+    }
+    default:
+      return true;
+  }
+}
+
+}  // namespace
+
+uint64_t checkpoint_bytes(const Checkpoint& ck) {
+  uint64_t bytes = 0;
+  for (const auto& f : ck.files()) bytes += f.file_size();
+  return bytes;
+}
+
+void check_finite_weights(const Checkpoint& ck, const std::vector<std::string>& names) {
+  for (const auto& name : names) {
+    const Tensor t = ck.get(name);
+    const bool finite = all_finite(t);
+    if (finite) {
+      ck.release(name);  // scanned: the pages are read again when (and if) the load needs them
+      continue;
+    }
+    {
+      const int64_t n = t.numel();
+      int64_t first = 0;
+      double v = 0;
+      for (; first < n; ++first) {
+        v = load_as_f64(t.data(), t.dtype(), first);
+        if (!std::isfinite(v)) break;
+      }
+      MOEKIT_FAIL(invalid_argument, ck.dir(), ": tensor '", printable(name), "' ", shape_to_string(t.shape()), " ",
+                  dtype_name(t.dtype()), " holds a non-finite value (", v, " at element ", first,
+                  "); the model would compute NaN (the finite check can be turned off)");
+    }
+  }
+}
+
 Weights load_weights(const Checkpoint& ck, TextConfig& c, DType dtype, Device device,
-                     const std::string& experts_implementation) {
+                     const std::string& experts_implementation, std::optional<bool> check_finite) {
+  check_config_against_checkpoint(ck, c);
+  // Everything checked on the zero-copy checkpoint tensors before anything is converted or allocated.
+  TensorReader dry(ck, dtype, device, /*dry=*/true);
+  read_weights(dry, ck, c, experts_implementation);
+  const bool small = checkpoint_bytes(ck) <= kFiniteCheckDefaultBytes;
+  if (check_finite.value_or(small)) {
+    check_finite_weights(ck, dry.read());
+  } else if (!check_finite) {
+    std::fprintf(stderr,
+                 "moekit: warning: %s: weights not checked for NaN/Inf (%.1f GB; pass check_finite / "
+                 "--check-finite to check them)\n",
+                 printable(ck.dir()).c_str(), double(checkpoint_bytes(ck)) / 1e9);
+  }
   TensorReader r(ck, dtype, device);
+  return read_weights(r, ck, c, experts_implementation);
+}
+
+namespace {
+Weights read_weights(TensorReader& r, const Checkpoint& ck, TextConfig& c, const std::string& experts_implementation) {
   Weights w;
   const std::string prefix = find_prefix(ck);
   const int64_t H = c.hidden_size, V = c.vocab_size;
   // gpt-oss keeps its norms in f32 (transformers' _keep_in_fp32_modules).
-  const DType norm_dtype = c.norm_weight_before_cast ? DType::f32 : dtype;
+  const DType norm_dtype = c.norm_weight_before_cast ? DType::f32 : r.dtype();
   w.embed = r.get(prefix + "embed_tokens.weight", {V, H});
   w.layers.resize(size_t(c.num_hidden_layers));
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
@@ -278,5 +451,7 @@ Weights load_weights(const Checkpoint& ck, TextConfig& c, DType dtype, Device de
   r.throw_if_problems(c.model_type);
   return w;
 }
+
+}  // namespace
 
 }  // namespace moekit::model

@@ -59,8 +59,16 @@ struct Weights {
 // Reads and validates every tensor of the decoder described by `c` (names, shapes), converting to `dtype`
 // on `device`; per-expert tensors are fused into the Experts layouts. Throws Error(not_found /
 // invalid_argument) listing what is missing or has the wrong shape.
+// First checks the config's sizes against the checkpoint's bytes and every name, shape and dtype on the
+// zero-copy checkpoint tensors (nothing converted before the whole decoder is known to be there), then
+// (check_finite: default on for checkpoints up to kFiniteCheckDefaultBytes, else a warning) that the
+// weights read hold no NaN or Inf, then converts.
 Weights load_weights(const Checkpoint& ckpt, TextConfig& c, DType dtype, Device device,
-                     const std::string& experts_implementation);
+                     const std::string& experts_implementation, std::optional<bool> check_finite = std::nullopt);
+constexpr uint64_t kFiniteCheckDefaultBytes = 4ull << 30;
+uint64_t checkpoint_bytes(const Checkpoint& ckpt);
+// Throws Error(invalid_argument) naming the first tensor (and element) with a NaN or Inf.
+void check_finite_weights(const Checkpoint& ckpt, const std::vector<std::string>& names);
 
 }  // namespace moekit::model
 

@@ -9,6 +9,7 @@
 #include "base/gemm.h"
 #include "inspect.h"
 #include "io/checkpoint.h"
+#include "io/input.h"
 
 namespace moekit::tools {
 namespace {
@@ -24,7 +25,8 @@ std::string human_bytes(uint64_t b) {
 // The first of `keys` present in `c`, as text.
 std::string field(const nlohmann::json& c, const std::vector<const char*>& keys) {
   for (const char* k : keys)
-    if (c.contains(k) && !c[k].is_null()) return c[k].is_string() ? c[k].get<std::string>() : c[k].dump();
+    if (c.contains(k) && !c[k].is_null())
+      return c[k].is_string() ? printable(c[k].get<std::string>()) : json_brief(c[k], 200);
   return "";
 }
 
@@ -51,7 +53,7 @@ void print_config_summary(const nlohmann::json& c, const std::string& indent) {
     if (!v.empty()) fmt::print("{}{:<17} {}\n", indent, label, v);
   }
   if (c.contains("quantization_config") && c["quantization_config"].is_object())
-    fmt::print("{}{:<17} {}\n", indent, "quantization", c["quantization_config"].dump());
+    fmt::print("{}{:<17} {}\n", indent, "quantization", json_brief(c["quantization_config"], 200));
   for (const auto& [key, sub] : c.items()) {
     if (sub.is_object() && (key.size() > 7 && key.compare(key.size() - 7, 7, "_config") == 0) &&
         key != "quantization_config" && key != "rope_scaling") {
@@ -103,7 +105,7 @@ void inspect_dir(const std::string& dir, bool list) {
              ck.files().size() == 1 ? "" : "s");
   fmt::print("config:\n");
   print_config_summary(ck.config(), "  ");
-  if (!ck.generation_config().empty()) fmt::print("generation_config: {}\n", ck.generation_config().dump());
+  if (!ck.generation_config().empty()) fmt::print("generation_config: {}\n", json_brief(ck.generation_config(), 400));
   std::vector<std::pair<const SafetensorsEntry*, std::string>> rows;
   for (const auto& name : ck.names())
     rows.push_back({&ck.entry(name), std::filesystem::path(ck.file_of(name).path()).filename().string()});

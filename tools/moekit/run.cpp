@@ -2,6 +2,7 @@
 #include <fmt/core.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -10,6 +11,7 @@
 #include "moekit/error.h"
 #include "moekit/model.h"
 #include "moekit/safetensors.h"
+#include "parse.h"
 
 namespace moekit::cli {
 namespace {
@@ -18,27 +20,10 @@ struct RunOptions {
   std::string model, device = "cpu", dtype = "auto", experts, prompt_ids, dump_logits, decode_switch = "auto";
   int64_t max_new_tokens = 20, min_new_tokens = 0, top_k = 50, warmup = 0;
   double temperature = 1.0, top_p = 1.0;
-  uint64_t seed = 0;
-  bool sample = false, json = false, cuda_graph = false, quiet = false;
+  std::string seed = "0";
+  bool sample = false, json = false, cuda_graph = false, quiet = false, check_finite = false, no_check_finite = false;
+  std::vector<std::string> sampling_flags_given;  // --temperature, --top-k, --top-p, --seed
 };
-
-std::vector<int64_t> parse_ids(const std::string& text) {
-  std::vector<int64_t> ids;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    size_t used = 0;
-    int64_t v = 0;
-    try {
-      v = std::stoll(item, &used);
-    } catch (const std::exception&) { used = 0; }
-    MOEKIT_CHECK(used > 0 && used == item.size(), "--prompt-ids: '", item,
-                 "' is not an integer (expected a comma-separated list such as 1,2,3)");
-    ids.push_back(v);
-  }
-  MOEKIT_CHECK(!ids.empty(), "--prompt-ids: no token ids given");
-  return ids;
-}
 
 nlohmann::json map_json(const ExpertsMap& m) {
   nlohmann::json j = nlohmann::json::object();
@@ -58,7 +43,16 @@ void run(const RunOptions& o) {
   if (o.dtype != "auto") mo.dtype = parse_dtype(o.dtype);
   if (!o.experts.empty()) mo.experts_implementation = ExpertsImplementation::parse(o.experts);
   mo.cuda_graph = o.cuda_graph;
+  if (o.check_finite) mo.check_finite = true;
+  if (o.no_check_finite) mo.check_finite = false;
+  if (!o.sample && !o.sampling_flags_given.empty())
+    MOEKIT_FAIL(invalid_argument, o.sampling_flags_given.front(),
+                " only applies when sampling: add --sample (greedy decoding would ignore it)");
   const std::vector<int64_t> prompt = parse_ids(o.prompt_ids);
+  MOEKIT_CHECK(o.max_new_tokens >= 0, "--max-new-tokens must be >= 0, got ", o.max_new_tokens);
+  MOEKIT_CHECK(o.min_new_tokens >= 0, "--min-new-tokens must be >= 0, got ", o.min_new_tokens);
+  MOEKIT_CHECK(std::isfinite(o.temperature), "--temperature must be a finite number, got ", o.temperature);
+  MOEKIT_CHECK(std::isfinite(o.top_p), "--top-p must be a finite number, got ", o.top_p);
 
   GenerationConfig gc;
   gc.max_new_tokens = o.max_new_tokens;
@@ -67,7 +61,7 @@ void run(const RunOptions& o) {
   gc.temperature = float(o.temperature);
   gc.top_k = o.top_k;
   gc.top_p = float(o.top_p);
-  gc.seed = o.seed;
+  gc.seed = parse_seed(o.seed);
   gc.keep_prompt_logits = !o.dump_logits.empty();
   gc.decode_switch = o.decode_switch == "always"  ? DecodeSwitch::always
                      : o.decode_switch == "never" ? DecodeSwitch::never
@@ -139,10 +133,21 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--max-new-tokens", o->max_new_tokens, "tokens to generate at most (default 20)");
   cmd->add_option("--min-new-tokens", o->min_new_tokens, "EOS is suppressed before this many new tokens");
   cmd->add_flag("--sample", o->sample, "sample instead of greedy decoding");
-  cmd->add_option("--temperature", o->temperature, "sampling temperature (default 1)");
-  cmd->add_option("--top-k", o->top_k, "sampling: keep the k most likely tokens (default 50, 0 = off)");
-  cmd->add_option("--top-p", o->top_p, "sampling: nucleus probability (default 1 = off)");
-  cmd->add_option("--seed", o->seed, "sampling seed (default 0)");
+  // Sampling flags are refused without --sample rather than silently ignored.
+  auto sampling = [o](const char* flag) {
+    return [o, flag](const std::string&) {
+      o->sampling_flags_given.emplace_back(flag);
+      return std::string();
+    };
+  };
+  cmd->add_option("--temperature", o->temperature, "sampling temperature (default 1; needs --sample)")
+      ->check(CLI::Validator(sampling("--temperature"), "", ""));
+  cmd->add_option("--top-k", o->top_k, "sampling: keep the k most likely tokens (default 50, 0 = off; needs --sample)")
+      ->check(CLI::Validator(sampling("--top-k"), "", ""));
+  cmd->add_option("--top-p", o->top_p, "sampling: nucleus probability (default 1 = off; needs --sample)")
+      ->check(CLI::Validator(sampling("--top-p"), "", ""));
+  cmd->add_option("--seed", o->seed, "sampling seed, an integer in [0, 2^64 - 1] (default 0; needs --sample)")
+      ->check(CLI::Validator(sampling("--seed"), "", ""));
   cmd->add_option("--decode-switch", o->decode_switch,
                   "auto: grouped_mm -> batched_mm for decode steps on GPUs; always; never")
       ->check(CLI::IsMember({"auto", "always", "never"}));
@@ -154,6 +159,9 @@ void add_run_command(CLI::App& app) {
                 "record one decode step as a CUDA graph and replay it for the later tokens (CUDA devices; decode "
                 "backend batched_mm or grouped_mm)");
   cmd->add_flag("--quiet", o->quiet, "no progress messages on stderr");
+  auto* cf = cmd->add_flag("--check-finite", o->check_finite,
+                           "refuse weights holding NaN or Inf (default: on for checkpoints up to 4 GiB)");
+  cmd->add_flag("--no-check-finite", o->no_check_finite, "do not scan the weights for NaN or Inf")->excludes(cf);
   cmd->callback([o] { run(*o); });
 }
 

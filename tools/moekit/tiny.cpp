@@ -1,16 +1,18 @@
 // moekit tiny --arch ARCH --out DIR [--seed N] [--dtype f32|bf16|f16] [--shards N]: a small random
 // checkpoint in transformers' format.
+
 #include <fmt/core.h>
 
 #include "commands.h"
 #include "inspect.h"
+#include "parse.h"
 #include "tiny/tiny.h"
 
 namespace moekit::cli {
 void add_tiny_command(CLI::App& app) {
   struct Opts {
     std::string arch, out, dtype = "f32";
-    uint64_t seed = 0;
+    std::string seed = "0";
     int shards = 1;
     bool list = false;
   };
@@ -21,7 +23,7 @@ void add_tiny_command(CLI::App& app) {
   for (const auto& a : tiny_architectures()) archs += (archs.empty() ? "" : ", ") + a;
   cmd->add_option("--arch", o->arch, "model_type: " + archs);
   cmd->add_option("--out", o->out, "output folder (created when needed)");
-  cmd->add_option("--seed", o->seed, "random seed (the same seed writes the same bytes)");
+  cmd->add_option("--seed", o->seed, "random seed in [0, 2^64 - 1] (the same seed writes the same bytes)");
   cmd->add_option("--dtype", o->dtype, "weight dtype")->check(CLI::IsMember({"f32", "bf16", "f16"}));
   cmd->add_option("--shards", o->shards, "number of safetensors shards (> 1 writes model.safetensors.index.json)")
       ->check(CLI::Range(1, 99));
@@ -32,8 +34,8 @@ void add_tiny_command(CLI::App& app) {
       return;
     }
     if (o->arch.empty() || o->out.empty()) throw CLI::RequiredError("--arch and --out");
-    write_tiny_checkpoint(o->arch, o->out,
-                          TinyOptions{.seed = o->seed, .dtype = parse_dtype(o->dtype), .shards = o->shards});
+    write_tiny_checkpoint(
+        o->arch, o->out, TinyOptions{.seed = parse_seed(o->seed), .dtype = parse_dtype(o->dtype), .shards = o->shards});
     const tools::CheckpointTotals t = tools::checkpoint_totals(o->out);
     fmt::print("wrote {}: {} ({}), {} tensors, {} bytes in {} file{}, seed {}\n", o->out, o->arch, o->dtype,
                t.tensors, t.bytes, t.files, t.files == 1 ? "" : "s", o->seed);
