@@ -16,6 +16,7 @@ namespace moekit::cpu {
 namespace {
 
 constexpr int64_t kChunkK = 256;  // 2 panels x 256 k x 32 B = 16 KiB of B per pass
+constexpr int64_t kAhead = 4;     // B prefetch distance in 32-k steps
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
@@ -81,6 +82,15 @@ void block(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b
     }
   }
   for (int64_t k = k0; k < k1; k += 32) {
+    // The weights stream from memory when few rows share them: fetch the B tiles kAhead steps ahead.
+    if (k + kAhead * 32 < k1) {
+      const char* p0 = reinterpret_cast<const char*>(b0 + (k + kAhead * 32) * 16);
+      for (int l = 0; l < 1024; l += 64) _mm_prefetch(p0 + l, _MM_HINT_T0);
+      if (NP == 2) {
+        const char* p1 = reinterpret_cast<const char*>(b1 + (k + kAhead * 32) * 16);
+        for (int l = 0; l < 1024; l += 64) _mm_prefetch(p1 + l, _MM_HINT_T0);
+      }
+    }
     _tile_loadd(6, b0 + k * 16, 64);
     if (NP == 2) _tile_loadd(7, b1 + k * 16, 64);
     _tile_loadd(4, a + k, sa);
@@ -121,8 +131,10 @@ void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedB
   const uint16_t* b = w.data + (n0 / 16) * panel_stride;
   float* cb = c + n0;
   int cfg0 = -1, cfg1 = -1;
-  for (int64_t k0 = 0; k0 < w.kp; k0 += kChunkK) {
-    const int64_t k1 = k0 + kChunkK < w.kp ? k0 + kChunkK : w.kp;
+  // One row block reads each B tile once: no reuse to keep in L1, so all of k in one pass.
+  const int64_t chunk = m <= 32 ? w.kp : kChunkK;
+  for (int64_t k0 = 0; k0 < w.kp; k0 += chunk) {
+    const int64_t k1 = k0 + chunk < w.kp ? k0 + chunk : w.kp;
     const bool acc = k0 > 0;
     for (int64_t p = 0; p < panels; p += 2) {
       const bool two = p + 1 < panels;
