@@ -14,6 +14,7 @@ namespace {
 
 constexpr int kMR = 6, kNP = 4;  // register block: 6 rows x 4 panels = 24 accumulators of 32 zmm
 constexpr int64_t kChunkPairs = 128;  // k pairs per pass: 4 panels x 128 pairs x 64 B = 32 KiB of B in L1
+constexpr int64_t kAhead = 16;        // B prefetch distance (k pairs) when few rows share the weights
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
@@ -31,6 +32,12 @@ inline void micro(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t pan
       s[i][v] = acc ? _mm512_maskz_loadu_ps(v == NP - 1 ? last : __mmask16(0xFFFF), c + i * ldc + v * 16)
                     : _mm512_setzero_ps();
   for (int64_t q = q0; q < q1; ++q) {
+    // Few rows: the weights stream from memory; fetch each panel kAhead pairs (cache lines) ahead.
+    if (MR <= 2 && q + kAhead < q1) {
+#pragma GCC unroll 8
+      for (int v = 0; v < NP; ++v)
+        _mm_prefetch(reinterpret_cast<const char*>(b + v * panel_stride + (q + kAhead) * 32), _MM_HINT_T0);
+    }
     __m512bh bv[NP];
 #pragma GCC unroll 8
     for (int v = 0; v < NP; ++v) bv[v] = as_bh(_mm512_loadu_si512(b + v * panel_stride + q * 32));
@@ -75,8 +82,10 @@ void gemm_bf16_tile_avx512bf16(const uint16_t* a, int64_t lda, int64_t m, const 
       for (int64_t j = 0; j < n1 - n0; ++j) cb[i * ldc + j] = 0.0f;
     return;
   }
-  for (int64_t q0 = 0; q0 < pairs; q0 += kChunkPairs) {
-    const int64_t q1 = q0 + kChunkPairs < pairs ? q0 + kChunkPairs : pairs;
+  // One row block reads each panel once: all of k in one pass, each panel a sequential stream.
+  const int64_t chunk = m <= kMR ? pairs : kChunkPairs;
+  for (int64_t q0 = 0; q0 < pairs; q0 += chunk) {
+    const int64_t q1 = q0 + chunk < pairs ? q0 + chunk : pairs;
     const bool acc = q0 > 0;
     for (int64_t p = 0; p < panels; p += kNP) {  // a block of panels stays in L1 over all rows
       const int64_t np = panels - p < kNP ? panels - p : kNP;
