@@ -143,3 +143,20 @@ TEST(CpuGemmBf16, IsaWithoutBf16TileHasNone) {
     cpu::clear_isa_override();
   }
 }
+
+TEST(CpuGemmBf16, RowsToBf16RoundsLikeTheScalarConversionAndPads) {
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  const int64_t m = 3, k = 45, lds = 50, kp = cpu::packed_bf16_k(k);
+  std::vector<float> src(size_t(m * lds));
+  for (auto& v : src) v = dist(rng);
+  src[1] = NAN, src[2] = INFINITY, src[3] = -INFINITY, src[4] = bits_to_f32(0x3f808000u);  // a tie
+  src[5] = bits_to_f32(0x3f818000u), src[6] = bits_to_f32(0x7f7fffffu), src[7] = -0.0f;
+  std::vector<uint16_t> dst(size_t(m * kp), 0xABCD);
+  cpu::rows_to_bf16(src.data(), lds, m, k, dst.data(), kp);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < kp; ++j) {
+      const uint16_t want = j < k ? f32_to_bf16(src[size_t(i * lds + j)]) : 0;
+      ASSERT_EQ(dst[size_t(i * kp + j)], want) << "row " << i << " col " << j;
+    }
+}

@@ -242,7 +242,12 @@ void rows_to_bf16(const float* src, int64_t lds, int64_t m, int64_t k, uint16_t*
   for (int64_t i = 0; i < m; ++i) {
     const float* s = src + i * lds;
     uint16_t* d = dst + i * kp;
-    for (int64_t j = 0; j < k; ++j) d[j] = f32_to_bf16(s[j]);
+    for (int64_t j = 0; j < k; ++j) {  // f32_to_bf16 without branches, so that the loop vectorises
+      uint32_t b;
+      __builtin_memcpy(&b, s + j, 4);
+      const uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16, quiet = (b >> 16) | 0x40u;
+      d[j] = uint16_t((b & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+    }
     for (int64_t j = k; j < kp; ++j) d[j] = 0;
   }
 }

@@ -15,7 +15,7 @@
 namespace moekit::cpu {
 namespace {
 
-constexpr int64_t kChunkK = 256;  // 2 panels x 256 k x 32 B = 16 KiB of B per pass
+constexpr int64_t kChunkK = 1024;  // 2 panels x 1024 k x 32 B = 64 KiB of B per pass (L2)
 constexpr int64_t kAhead = 4;     // B prefetch distance in 32-k steps
 
 struct alignas(64) TileConfig {
