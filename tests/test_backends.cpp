@@ -241,7 +241,7 @@ TEST(Backends, SweepLargerShapesSampled) {
 // The CPU backends on every instruction set this CPU has (MOEKIT_CPU_ISA chooses one for a whole process).
 TEST(Backends, CpuEveryInstructionSet) {
   const std::vector<ProblemConfig> flags = flag_combinations();
-  for (const cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512}) {
+  for (const cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512, cpu::Isa::avx512bf16, cpu::Isa::amx}) {
     if (!cpu::isa_supported(isa)) {
       std::printf("ISA %s: NOT SUPPORTED on this CPU (not tested here)\n", cpu::isa_name(isa));
       continue;
@@ -406,7 +406,7 @@ TEST(CpuGemm, EveryIsaLayoutAndDtypeMatchesDouble) {
   const Dims dims[] = {{1, 1, 1},    {1, 37, 33},   {2, 16, 8},      {3, 130, 47},  {4, 65, 519},
                        {5, 33, 130}, {7, 129, 600}, {13, 200, 1030}, {250, 45, 31}, {6, 17, 9}};
   std::mt19937_64 rng(3);
-  for (const cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512}) {
+  for (const cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512, cpu::Isa::avx512bf16, cpu::Isa::amx}) {
     if (!cpu::isa_supported(isa)) continue;
     cpu::set_isa_override(isa);
     const cpu::GemmKernels& kern = cpu::gemm_kernels();

@@ -2,6 +2,7 @@
 // Memory-efficient and best for many tokens; capturable on CUDA. During GPU generation the decode steps
 // switch it to batched_mm (SPEC section 4).
 #include "backends/backends.h"
+#include "backends/cpu/common.h"
 
 namespace moekit {
 namespace {
@@ -15,6 +16,11 @@ class GroupedMmBackend final : public CpuCudaBackend {
   bool graph_capturable() const override { return true; }
   std::string_view decode_backend() const override { return "batched_mm"; }
   int default_rank() const override { return 2; }
+  // On the CPU: bf16 weights packed once for the bf16 tile (shared by the three CPU backends).
+  void prepare(const Experts& experts) const override {
+    if (experts.device().is_cpu()) cpu::prepare(experts);
+    else CpuCudaBackend::prepare(experts);
+  }
   void run(const Experts& experts, const ExpertsCall& call) const override {
     if (experts.device().is_cpu()) cpu::grouped_mm(experts, call);
     else cuda::run(name(), experts, call, MOEKIT_CUDA_PATH(run_grouped_mm));

@@ -3,7 +3,9 @@
 // (out, in) or [K, N] (transposed), in f32, bf16 or f16, converted on the fly.
 //
 // Micro-kernels exist per instruction set (gemm_scalar.cpp, gemm_avx2.cpp, gemm_avx512.cpp) and are picked at
-// run time. The ISA files include only this header: it must stay free of inline functions and templates, so
+// run time. Where the CPU has bf16 dot-pair instructions (AVX512-BF16 `vdpbf16ps`: gemm_avx512bf16.cpp; AMX tiles:
+// gemm_amx.cpp) a second entry multiplies bf16 rows by bf16 weights packed once into VNNI-pair panels
+// (PackedBf16), accumulating in f32. The ISA files include only this header: it must stay free of inline functions and templates, so
 // that no code compiled with AVX flags can be shared with (and picked by the linker for) portable code.
 #pragma once
 #include <cstdint>
@@ -14,7 +16,7 @@ enum class DType : uint8_t;  // moekit/dtype.h (not included: it has inline func
 
 namespace moekit::cpu {
 
-enum class Isa : uint8_t { scalar, avx2, avx512 };
+enum class Isa : uint8_t { scalar, avx2, avx512, avx512bf16, amx };
 enum class WType : uint8_t { f32, bf16, f16 };
 
 // One expert's projection: logical W [n out, k in]; stored [n, k] row-major, or [k, n] when transposed.
@@ -28,6 +30,23 @@ struct WeightMatrix {
 // The weight type of a dtype; throws not_supported for any but f32, bf16 and f16.
 WType weight_type(DType t);
 
+// bf16 weights packed for the dot-pair kernels: logical W [n, k] in panels of 16 columns (n), the k axis in pairs,
+// k padded with zeros to kp (a multiple of kPackK) and n to a multiple of 16. Element (j, k) sits at
+//   data[(j / 16) * kp * 16 + (k / 2) * 32 + (j % 16) * 2 + k % 2]
+// so that 16 consecutive k-pairs of a panel are one AMX B tile (16 rows of 64 bytes) and one k-pair of a panel is
+// one 512-bit vector for vdpbf16ps.
+constexpr int64_t kPackK = 32;
+struct PackedBf16 {
+  const uint16_t* data;
+  int64_t n, k, kp;
+};
+int64_t packed_bf16_k(int64_t k);                 // kp: k rounded up to kPackK
+int64_t packed_bf16_elems(int64_t n, int64_t k);  // uint16 elements of a packed copy of W [n, k]
+// Packs w (bf16, either layout) into dst (packed_bf16_elems(w.n, w.k) elements). Single-threaded.
+void pack_bf16(const WeightMatrix& w, uint16_t* dst);
+// dst[i, 0:kp) = bf16(src[i, 0:k)) rounded to nearest even, zero past k, for i < m (row strides lds, kp).
+void rows_to_bf16(const float* src, int64_t lds, int64_t m, int64_t k, uint16_t* dst, int64_t kp);
+
 struct GemmKernels {
   Isa isa;
   int64_t max_tile_n;    // widest column range [n0, n1) one gemm_tile call accepts
@@ -37,17 +56,30 @@ struct GemmKernels {
   // the result of an element depends only on m, K and the ISA (not on n0/n1 or on threads).
   void (*gemm_tile)(const float* a, int64_t lda, int64_t m, const WeightMatrix& w, int64_t n0, int64_t n1, float* c,
                     int64_t ldc, float* work);
+  // Null where the ISA has no bf16 dot-pair instructions. C[m, n0:n1) (row stride ldc) = A[m, kp] x W^T[:, n0:n1)
+  // with A bf16 (row stride lda >= w.kp, zero in [w.k, w.kp)) and W packed; n0 a multiple of 16. Overwrites C;
+  // accumulates in f32. Single-threaded; an element's result depends only on m, K and the ISA.
+  void (*gemm_bf16_tile)(const uint16_t* a, int64_t lda, int64_t m, const PackedBf16& w, int64_t n0, int64_t n1,
+                         float* c, int64_t ldc);
 };
 
 extern const GemmKernels kGemmScalar;  // gemm_scalar.cpp: portable, auto-vectorised
 extern const GemmKernels kGemmAvx2;    // gemm_avx2.cpp: AVX2 + FMA + F16C
 extern const GemmKernels kGemmAvx512;  // gemm_avx512.cpp: AVX-512 F/BW/VL/DQ + F16C
+// The bf16 tiles of gemm_avx512bf16.cpp (AVX512-BF16) and gemm_amx.cpp (AMX-BF16 tiles; rows below
+// kAmxMinRows go to the AVX512-BF16 tile). The avx512bf16 and amx ISAs are avx512 plus one of them.
+void gemm_bf16_tile_avx512bf16(const uint16_t* a, int64_t lda, int64_t m, const PackedBf16& w, int64_t n0, int64_t n1,
+                               float* c, int64_t ldc);
+void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedBf16& w, int64_t n0, int64_t n1,
+                        float* c, int64_t ldc);
+constexpr int64_t kAmxMinRows = 8;
 
 // Whether this CPU can run `isa` (and this build has it).
 bool isa_supported(Isa isa);
-const char* isa_name(Isa isa);  // "scalar", "avx2", "avx512"
+const char* isa_name(Isa isa);  // "scalar", "avx2", "avx512", "avx512bf16", "amx"
 
-// The kernels in use: the override when set, else MOEKIT_CPU_ISA (scalar | avx2 | avx512) when set, else the
+// The kernels in use: the override when set, else MOEKIT_CPU_ISA (scalar | avx2 | avx512 | avx512bf16 | amx) when
+// set, else the
 // best the CPU supports. Throws naming the value when MOEKIT_CPU_ISA is unknown or not supported here.
 const GemmKernels& gemm_kernels();
 // Forces an ISA (tests, benchmarks); throws when the CPU lacks it. clear_isa_override() restores the default.
@@ -57,5 +89,12 @@ void clear_isa_override();
 // C[m, N] = A[m, K] x W^T over all columns, split into column tiles run by OpenMP threads.
 void gemm(const GemmKernels& kernels, const float* a, int64_t lda, int64_t m, const WeightMatrix& w, float* c,
           int64_t ldc);
+// C[m, N] = A[m, kp] (bf16, as gemm_bf16_tile) x W^T over all columns, split into (row block, column block) tasks
+// run by OpenMP threads. kernels.gemm_bf16_tile must not be null.
+void gemm_bf16(const GemmKernels& kernels, const uint16_t* a, int64_t lda, int64_t m, const PackedBf16& w, float* c,
+               int64_t ldc);
+// The column and row block of one bf16 task (multiples of 16 and 32) for m rows: the blocks the backends split on.
+constexpr int64_t kBf16TileN = 128;
+int64_t bf16_tile_m(int64_t m);
 
 }  // namespace moekit::cpu

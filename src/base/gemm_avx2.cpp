@@ -42,6 +42,6 @@ constexpr int64_t kKC = 256, kMC = 240, kTileN = 128;
 }  // namespace avx2_kernels
 
 const GemmKernels kGemmAvx2 = {Isa::avx2, avx2_kernels::kTileN, avx2_kernels::kWorkFloats, avx2_kernels::kDirectMaxM,
-                               &avx2_kernels::gemm_tile};
+                               &avx2_kernels::gemm_tile, nullptr};
 
 }  // namespace moekit::cpu

@@ -48,6 +48,6 @@ constexpr int64_t kKC = 256, kMC = 240, kTileN = 128;
 }  // namespace avx512_kernels
 
 const GemmKernels kGemmAvx512 = {Isa::avx512, avx512_kernels::kTileN, avx512_kernels::kWorkFloats,
-                                 avx512_kernels::kDirectMaxM, &avx512_kernels::gemm_tile};
+                                 avx512_kernels::kDirectMaxM, &avx512_kernels::gemm_tile, nullptr};
 
 }  // namespace moekit::cpu

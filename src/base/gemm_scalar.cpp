@@ -67,6 +67,6 @@ constexpr int64_t kKC = 256, kMC = 240, kTileN = 128;
 }  // namespace scalar_kernels
 
 const GemmKernels kGemmScalar = {Isa::scalar, scalar_kernels::kTileN, scalar_kernels::kWorkFloats,
-                                 scalar_kernels::kDirectMaxM, &scalar_kernels::gemm_tile};
+                                 scalar_kernels::kDirectMaxM, &scalar_kernels::gemm_tile, nullptr};
 
 }  // namespace moekit::cpu

@@ -34,6 +34,28 @@ void batched_chunk(const Plan& p, const ExpertsCall& call) {
   FloatBuffer h1 = make_buffer(pairs * N1);  // [pairs, N1] first projection; gated activations in [:, :I]
   FloatBuffer y = make_buffer(pairs * H);    // [pairs, H] down outputs
   gather_rows(p, call, nullptr, T, x.get());
+  if (p.packed) {  // bf16 tile over the packed weights: one row per (pair, column block)
+    const int64_t kp1 = p.packed->kp1, kp2 = p.packed->kp2;
+    const Bf16Buffer xa = bf16_rows(x.get(), H, T, H, kp1);
+    const int64_t b1 = (N1 + kBf16TileN - 1) / kBf16TileN;
+    parallel_tasks(pairs * b1, 0, pairs * N1 * H, [&](int64_t task, float*) {
+      const int64_t j = task / b1, n0 = (task % b1) * kBf16TileN;
+      k.gemm_bf16_tile(xa.get() + pair_token[size_t(j)] * kp1, kp1, 1, p.first_packed(pair_expert[size_t(j)]), n0,
+                       std::min(N1, n0 + kBf16TileN), h1.get() + j * N1, N1);
+    });
+    parallel_for(pairs, 8, pairs * N1 * kGateCost,
+                 [&](int64_t j) { first_epilogue_row(p, pair_expert[size_t(j)], h1.get() + j * N1); });
+    const Bf16Buffer ha = bf16_rows(h1.get(), N1, pairs, p.I, kp2);
+    const int64_t b2 = (H + kBf16TileN - 1) / kBf16TileN;
+    parallel_tasks(pairs * b2, 0, pairs * H * p.I, [&](int64_t task, float*) {
+      const int64_t j = task / b2, n0 = (task % b2) * kBf16TileN, n1 = std::min(H, n0 + kBf16TileN);
+      const int64_t e = pair_expert[size_t(j)];
+      k.gemm_bf16_tile(ha.get() + j * kp2, kp2, 1, p.down_packed(e), n0, n1, y.get() + j * H, H);
+      down_epilogue(p, e, y.get() + j * H, H, 1, n0, n1);
+    });
+    combine(p, call, y.get(), H, row_of_pair.data());
+    return;
+  }
 
   const int64_t t1 = (N1 + k.max_tile_n - 1) / k.max_tile_n;
   parallel_tasks(pairs * t1, k.work_floats, pairs * N1 * H, [&](int64_t task, float* work) {

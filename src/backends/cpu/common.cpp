@@ -60,7 +60,46 @@ Plan make_plan(const Experts& experts, const ExpertsCall& call) {
   }
   p.act = call.hidden_states.dtype;
   p.kernels = &gemm_kernels();
+  if (p.act == DType::bf16 && p.wtype == WType::bf16 && p.kernels->gemm_bf16_tile) {
+    prepare(experts);
+    p.packed = &experts.state<PackedExperts>("cpu_packed", [] { return std::make_unique<PackedExperts>(); });
+    if (p.packed->w1.empty()) p.packed = nullptr;
+  }
   return p;
+}
+
+void prepare(const Experts& experts) {
+  const ExpertsWeights& w = experts.weights();
+  if (!experts.device().is_cpu() || w.first().dtype() != DType::bf16 || w.down_proj.dtype() != DType::bf16 ||
+      !isa_supported(Isa::avx512bf16))
+    return;
+  experts.state<PackedExperts>("cpu_packed", [&] {
+    const ExpertsSpec& s = experts.spec();
+    auto packed = std::make_unique<PackedExperts>();
+    const int64_t E = s.num_experts, H = s.hidden, I = s.intermediate, N1 = s.has_gate ? 2 * I : I;
+    packed->kp1 = packed_bf16_k(H);
+    packed->kp2 = packed_bf16_k(I);
+    packed->per1 = packed_bf16_elems(N1, H);
+    packed->per2 = packed_bf16_elems(H, I);
+    packed->w1.resize(size_t(E * packed->per1));
+    packed->w2.resize(size_t(E * packed->per2));
+    const auto* w1 = static_cast<const uint16_t*>(w.first().data());
+    const auto* w2 = static_cast<const uint16_t*>(w.down_proj.data());
+    parallel_for(2 * E, 1, 2 * E * N1 * H, [&](int64_t t) {
+      const int64_t e = t / 2;
+      if (t % 2 == 0)
+        pack_bf16({w1 + e * N1 * H, WType::bf16, N1, H, s.is_transposed}, packed->w1.data() + e * packed->per1);
+      else
+        pack_bf16({w2 + e * H * I, WType::bf16, H, I, s.is_transposed}, packed->w2.data() + e * packed->per2);
+    });
+    return packed;
+  });
+}
+
+Bf16Buffer bf16_rows(const float* src, int64_t lds, int64_t rows, int64_t k, int64_t kp) {
+  Bf16Buffer out(new uint16_t[size_t(std::max<int64_t>(rows * kp, 1))]);
+  parallel_for(rows, 16, rows * k, [&](int64_t i) { rows_to_bf16(src + i * lds, lds, 1, k, out.get() + i * kp, kp); });
+  return out;
 }
 
 void for_each_token_chunk(const ExpertsCall& call, int64_t floats_per_pair,

@@ -13,12 +13,23 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "base/gemm.h"
 #include "moekit/experts.h"
 #include "routing/routing.h"
 
 namespace moekit::cpu {
+
+// The experts' bf16 weights packed once for the dot-pair kernels (base/gemm.h PackedBf16), one copy per module
+// shared by the three CPU backends (state "cpu_packed"); made by prepare() where the CPU has a bf16 tile.
+struct PackedExperts : BackendState {
+  std::vector<uint16_t> w1, w2;  // expert e at e * per1 / e * per2
+  int64_t per1 = 0, per2 = 0, kp1 = 0, kp2 = 0;
+};
+
+// Packs bf16 experts when this CPU has a bf16 tile (AVX512-BF16 or AMX); nothing otherwise. Idempotent.
+void prepare(const Experts& experts);
 
 struct Plan {
   const ExpertsSpec* spec = nullptr;
@@ -31,6 +42,12 @@ struct Plan {
   const Tensor* b2 = nullptr;  // [E, H] or null
   DType act = DType::f32;      // activation dtype: intermediates are rounded to it
   const GemmKernels* kernels = nullptr;
+  // Set when the products run on the bf16 tile: bf16 weights and activations (every GEMM input is then exactly a
+  // bf16 value), a packed copy, and kernels with a bf16 tile.
+  const PackedExperts* packed = nullptr;
+
+  PackedBf16 first_packed(int64_t e) const { return {packed->w1.data() + e * packed->per1, N1, H, packed->kp1}; }
+  PackedBf16 down_packed(int64_t e) const { return {packed->w2.data() + e * packed->per2, H, I, packed->kp2}; }
 
   WeightMatrix first(int64_t e) const {
     return {static_cast<const uint8_t*>(w1) + size_t(e * N1 * H) * welem, wtype, N1, H, spec->is_transposed};
@@ -49,6 +66,10 @@ constexpr int64_t kGateCost = 8;
 // pair) stays bounded, and calls fn on each chunk's views.
 void for_each_token_chunk(const ExpertsCall& call, int64_t floats_per_pair,
                           const std::function<void(const ExpertsCall&)>& fn);
+
+// dst[i, 0:kp) = bf16(src[i, 0:k)), zero past k (all threads).
+using Bf16Buffer = std::unique_ptr<uint16_t[]>;
+Bf16Buffer bf16_rows(const float* src, int64_t lds, int64_t rows, int64_t k, int64_t kp);
 
 // Uninitialised float buffer.
 using FloatBuffer = std::unique_ptr<float[]>;

@@ -17,9 +17,19 @@ void eager_chunk(const Plan& p, const ExpertsCall& call) {
     float* x = xy.get() + r0 * H;
     float* h = h1.get() + r0 * N1;
     gather_rows(p, call, r.sorted_pairs.data() + r0, m, x);
-    gemm(*p.kernels, x, H, m, p.first(e), h, N1);
+    if (p.packed) {  // bf16 tile over the packed weights
+      const Bf16Buffer xa = bf16_rows(x, H, m, H, p.packed->kp1);
+      gemm_bf16(*p.kernels, xa.get(), p.packed->kp1, m, p.first_packed(e), h, N1);
+    } else {
+      gemm(*p.kernels, x, H, m, p.first(e), h, N1);
+    }
     parallel_for(m, 8, m * N1 * kGateCost, [&](int64_t i) { first_epilogue_row(p, e, h + i * N1); });
-    gemm(*p.kernels, h, N1, m, p.down(e), x, H);
+    if (p.packed) {
+      const Bf16Buffer ha = bf16_rows(h, N1, m, p.I, p.packed->kp2);
+      gemm_bf16(*p.kernels, ha.get(), p.packed->kp2, m, p.down_packed(e), x, H);
+    } else {
+      gemm(*p.kernels, h, N1, m, p.down(e), x, H);
+    }
     parallel_for(m, 8, m * H, [&](int64_t i) { down_epilogue(p, e, x + i * H, H, 1, 0, H); });
   }
   combine(p, call, xy.get(), H, r.position.data());

@@ -12,6 +12,7 @@ namespace {
 
 struct Tile {
   int64_t expert, n0, n1;
+  int64_t m0 = 0, m1 = 0;  // rows of the expert (bf16 tiles only; the f32 tiles take all rows)
 };
 
 // Column tiles of every active expert, largest experts first (they take longest).
@@ -25,6 +26,46 @@ std::vector<Tile> grouped_tiles(const ExpertRouting& r, int64_t n, int64_t tile_
   return tiles;
 }
 
+// bf16 tiles: (expert, row block, column block), largest experts first. Row blocks (bf16_tile_m) split the
+// experts that got many rows, so one popular expert does not leave the other threads idle at the end.
+std::vector<Tile> bf16_tiles(const ExpertRouting& r, int64_t n) {
+  std::vector<int64_t> experts = r.active_experts();
+  std::stable_sort(experts.begin(), experts.end(),
+                   [&](int64_t a, int64_t b) { return r.counts[size_t(a)] > r.counts[size_t(b)]; });
+  std::vector<Tile> tiles;
+  for (const int64_t e : experts) {
+    const int64_t m = r.counts[size_t(e)], tm = bf16_tile_m(m);
+    for (int64_t m0 = 0; m0 < m; m0 += tm)
+      for (int64_t n0 = 0; n0 < n; n0 += kBf16TileN)
+        tiles.push_back({e, n0, std::min(n, n0 + kBf16TileN), m0, std::min(m, m0 + tm)});
+  }
+  return tiles;
+}
+
+// The two projections on the bf16 tile over packed weights (Plan::packed).
+void grouped_bf16(const Plan& p, const ExpertRouting& r, float* xy, float* h1, const int64_t* row_expert) {
+  const int64_t rows = r.routed(), H = p.H, N1 = p.N1;
+  const GemmKernels& k = *p.kernels;
+  const int64_t kp1 = p.packed->kp1, kp2 = p.packed->kp2;
+  const Bf16Buffer xa = bf16_rows(xy, H, rows, H, kp1);
+  const std::vector<Tile> up = bf16_tiles(r, N1);
+  parallel_tasks(int64_t(up.size()), 0, rows * N1 * H, [&](int64_t i, float*) {
+    const Tile& t = up[size_t(i)];
+    const int64_t r0 = r.offsets[size_t(t.expert)] + t.m0;
+    k.gemm_bf16_tile(xa.get() + r0 * kp1, kp1, t.m1 - t.m0, p.first_packed(t.expert), t.n0, t.n1, h1 + r0 * N1, N1);
+  });
+  parallel_for(rows, 8, rows * N1 * kGateCost,
+               [&](int64_t i) { first_epilogue_row(p, row_expert[i], h1 + i * N1); });
+  const Bf16Buffer ha = bf16_rows(h1, N1, rows, p.I, kp2);
+  const std::vector<Tile> down = bf16_tiles(r, H);
+  parallel_tasks(int64_t(down.size()), 0, rows * H * p.I, [&](int64_t i, float*) {
+    const Tile& t = down[size_t(i)];
+    const int64_t r0 = r.offsets[size_t(t.expert)] + t.m0, m = t.m1 - t.m0;
+    k.gemm_bf16_tile(ha.get() + r0 * kp2, kp2, m, p.down_packed(t.expert), t.n0, t.n1, xy + r0 * H, H);
+    down_epilogue(p, t.expert, xy + r0 * H, H, m, t.n0, t.n1);
+  });
+}
+
 void grouped_chunk(const Plan& p, const ExpertsCall& call) {
   const ExpertRouting r = route_top_k(call.top_k_index.data, call.top_k_index.dtype, call.tokens(), call.top_k(), p.E);
   const int64_t rows = r.routed(), H = p.H, N1 = p.N1;
@@ -36,6 +77,11 @@ void grouped_chunk(const Plan& p, const ExpertsCall& call) {
     for (int64_t i = r.offsets[size_t(e)]; i < r.offsets[size_t(e + 1)]; ++i) row_expert[size_t(i)] = e;
 
   gather_rows(p, call, r.sorted_pairs.data(), rows, xy.get());
+  if (p.packed) {
+    grouped_bf16(p, r, xy.get(), h1.get(), row_expert.data());
+    combine(p, call, xy.get(), H, r.position.data());
+    return;
+  }
 
   const std::vector<Tile> up = grouped_tiles(r, N1, k.max_tile_n);
   parallel_tasks(int64_t(up.size()), k.work_floats, rows * N1 * H, [&](int64_t i, float* work) {

@@ -14,6 +14,7 @@
 #include "base/gemm.h"
 #include "bench/bench.h"
 #include "bench/random.h"
+#include "moekit/dtype.h"
 #include "moekit/interface.h"
 #ifdef MOEKIT_WITH_CUDA
 #include "bench/cuda_bench.h"
@@ -74,6 +75,40 @@ double cpu_blocked_gemm_gflops() {
       best = std::max(best, 2.0 * double(n) * n * n / s / 1e9);
     }
     if (spent > 0.6) break;  // large enough to be past the cache effects that matter
+  }
+  return best;
+}
+
+// Best GFLOP/s of the library's bf16 GEMM (base/gemm.h gemm_bf16 over packed weights, AMX where the CPU has it:
+// the best kernels this CPU runs) at sizes up to 2048^3; 0 where the CPU has no bf16 tile.
+double cpu_bf16_gemm_gflops() {
+  const cpu::GemmKernels* kern = nullptr;
+  for (const cpu::Isa isa : {cpu::Isa::amx, cpu::Isa::avx512bf16}) {
+    if (!cpu::isa_supported(isa)) continue;
+    cpu::set_isa_override(isa);
+    kern = &cpu::gemm_kernels();
+    cpu::clear_isa_override();
+    break;
+  }
+  if (!kern) return 0;
+  double best = 0;
+  for (int64_t n = 512; n <= 2048; n *= 2) {
+    const int64_t kp = cpu::packed_bf16_k(n);
+    std::vector<uint16_t> a(size_t(n * kp)), b(size_t(n * n)), packed(size_t(cpu::packed_bf16_elems(n, n)));
+    std::vector<float> c(size_t(n * n));
+    for (size_t i = 0; i < a.size(); ++i) a[i] = f32_to_bf16(normal_at(23, i));
+    for (size_t i = 0; i < b.size(); ++i) b[i] = f32_to_bf16(normal_at(24, i));
+    cpu::pack_bf16({b.data(), cpu::WType::bf16, n, n, false}, packed.data());
+    const cpu::PackedBf16 w{packed.data(), n, n, kp};
+    double spent = 0;
+    for (int rep = 0; rep < 4; ++rep) {
+      const auto t0 = Clock::now();
+      cpu::gemm_bf16(*kern, a.data(), kp, n, w, c.data(), n);
+      const double s = seconds_since(t0);
+      spent += s;
+      best = std::max(best, 2.0 * double(n) * n * n / s / 1e9);
+    }
+    if (spent > 0.6) break;
   }
   return best;
 }
@@ -173,13 +208,18 @@ Ceilings measure_ceilings(Device device) {
   if (device.is_cpu()) {
     c.card = fmt::format("{} ({} threads)", cpu_model_name(), omp_get_max_threads());
     c.cache_bytes = cpu_cache_bytes();
+    const double bf16 = cpu_bf16_gemm_gflops();
     const double blocked = cpu_blocked_gemm_gflops();
     const double grouped = cpu_grouped_mm_gflops();
-    c.peak_tflops = std::max(blocked, grouped) / 1e3;
+    c.peak_tflops = std::max({bf16, blocked, grouped}) / 1e3;
     c.bandwidth_gbps = cpu_copy_gbps(c.cache_bytes);
-    c.method = fmt::format("peak: best of a blocked f32 GEMM ({:.1f} GFLOP/s) and grouped_mm on one dense expert "
-                           "({:.1f} GFLOP/s); bandwidth: multi-threaded memcpy, read + write",
-                           blocked, grouped);
+    c.method = fmt::format("peak: best of the bf16 GEMM on packed weights ({}: {:.1f} GFLOP/s), a blocked f32 GEMM "
+                           "({:.1f} GFLOP/s) and grouped_mm on one dense expert ({:.1f} GFLOP/s); bandwidth: "
+                           "multi-threaded memcpy, read + write",
+                           cpu::isa_supported(cpu::Isa::amx)          ? "amx"
+                           : cpu::isa_supported(cpu::Isa::avx512bf16) ? "avx512bf16"
+                                                                      : "none here",
+                           bf16, blocked, grouped);
     return c;
   }
 #ifdef MOEKIT_WITH_CUDA

@@ -1,0 +1,110 @@
+// The bf16 tile on AVX512-BF16: vdpbf16ps multiplies a broadcast pair of A (two consecutive k of one row) by one
+// k-pair of a packed panel (16 columns x 2) and adds both products into 16 f32 lanes. Compiled with the avx512
+// flags plus -mavx512bf16.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "base/gemm.h"
+
+namespace moekit::cpu {
+namespace {
+
+constexpr int kMR = 6, kNP = 4;  // register block: 6 rows x 4 panels = 24 accumulators of 32 zmm
+constexpr int64_t kChunkPairs = 128;  // k pairs per pass: 4 panels x 128 pairs x 64 B = 32 KiB of B in L1
+constexpr int64_t kAhead = 16;        // B prefetch distance (k pairs) when few rows share the weights
+
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+inline __mmask16 cols_mask(int64_t cols) { return cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1u); }
+
+// C[MR, NP panels] (acc ? += : =) A[MR, pairs q0..q1) x B; `last` masks the columns of the last panel.
+template <int MR, int NP>
+inline void micro(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t panel_stride, int64_t q0, int64_t q1,
+                  float* c, int64_t ldc, bool acc, __mmask16 last) {
+  __m512 s[MR][NP];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int v = 0; v < NP; ++v)
+      s[i][v] = acc ? _mm512_maskz_loadu_ps(v == NP - 1 ? last : __mmask16(0xFFFF), c + i * ldc + v * 16)
+                    : _mm512_setzero_ps();
+  for (int64_t q = q0; q < q1; ++q) {
+    // Few rows: the weights stream from memory; fetch each panel kAhead pairs (cache lines) ahead.
+    if (MR <= 2 && q + kAhead < q1) {
+#pragma GCC unroll 8
+      for (int v = 0; v < NP; ++v)
+        _mm_prefetch(reinterpret_cast<const char*>(b + v * panel_stride + (q + kAhead) * 32), _MM_HINT_T0);
+    }
+    __m512bh bv[NP];
+#pragma GCC unroll 8
+    for (int v = 0; v < NP; ++v) bv[v] = as_bh(_mm512_loadu_si512(b + v * panel_stride + q * 32));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      __builtin_memcpy(&pair, a + i * lda + 2 * q, 4);
+      const __m512bh av = as_bh(_mm512_set1_epi32(pair));
+#pragma GCC unroll 8
+      for (int v = 0; v < NP; ++v) s[i][v] = _mm512_dpbf16_ps(s[i][v], av, bv[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int v = 0; v < NP; ++v)
+      _mm512_mask_storeu_ps(c + i * ldc + v * 16, v == NP - 1 ? last : __mmask16(0xFFFF), s[i][v]);
+}
+
+template <int MR>
+void micro_np(int64_t np, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t panel_stride, int64_t q0,
+              int64_t q1, float* c, int64_t ldc, bool acc, __mmask16 last) {
+  switch (np) {
+    case 4: micro<MR, 4>(a, lda, b, panel_stride, q0, q1, c, ldc, acc, last); break;
+    case 3: micro<MR, 3>(a, lda, b, panel_stride, q0, q1, c, ldc, acc, last); break;
+    case 2: micro<MR, 2>(a, lda, b, panel_stride, q0, q1, c, ldc, acc, last); break;
+    default: micro<MR, 1>(a, lda, b, panel_stride, q0, q1, c, ldc, acc, last); break;
+  }
+}
+
+}  // namespace
+
+void gemm_bf16_tile_avx512bf16(const uint16_t* a, int64_t lda, int64_t m, const PackedBf16& w, int64_t n0, int64_t n1,
+                               float* c, int64_t ldc) {
+  if (m <= 0 || n1 <= n0) return;
+  const int64_t panel_stride = w.kp * 16, panels = (n1 - n0 + 15) / 16, last_cols = n1 - n0 - (panels - 1) * 16;
+  const uint16_t* b = w.data + (n0 / 16) * panel_stride;
+  float* cb = c + n0;
+  const int64_t pairs = w.kp / 2;
+  if (pairs == 0) {
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n1 - n0; ++j) cb[i * ldc + j] = 0.0f;
+    return;
+  }
+  // One row block reads each panel once: all of k in one pass, each panel a sequential stream.
+  const int64_t chunk = m <= kMR ? pairs : kChunkPairs;
+  for (int64_t q0 = 0; q0 < pairs; q0 += chunk) {
+    const int64_t q1 = q0 + chunk < pairs ? q0 + chunk : pairs;
+    const bool acc = q0 > 0;
+    for (int64_t p = 0; p < panels; p += kNP) {  // a block of panels stays in L1 over all rows
+      const int64_t np = panels - p < kNP ? panels - p : kNP;
+      const __mmask16 last = cols_mask(p + np == panels ? last_cols : 16);
+      const uint16_t* bp = b + p * panel_stride;
+      for (int64_t i = 0; i < m; i += kMR) {
+        const uint16_t* ai = a + i * lda;
+        float* ci = cb + i * ldc + p * 16;
+        switch (m - i < kMR ? m - i : kMR) {
+          case 6: micro_np<6>(np, ai, lda, bp, panel_stride, q0, q1, ci, ldc, acc, last); break;
+          case 5: micro_np<5>(np, ai, lda, bp, panel_stride, q0, q1, ci, ldc, acc, last); break;
+          case 4: micro_np<4>(np, ai, lda, bp, panel_stride, q0, q1, ci, ldc, acc, last); break;
+          case 3: micro_np<3>(np, ai, lda, bp, panel_stride, q0, q1, ci, ldc, acc, last); break;
+          case 2: micro_np<2>(np, ai, lda, bp, panel_stride, q0, q1, ci, ldc, acc, last); break;
+          default: micro_np<1>(np, ai, lda, bp, panel_stride, q0, q1, ci, ldc, acc, last); break;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace moekit::cpu
