@@ -14,6 +14,7 @@
 #include "test_util.h"
 #include "text/regex.h"
 #include "text/unicode.h"
+#include "tiny/tiny.h"
 
 using namespace moekit;
 using nlohmann::json;
@@ -85,8 +86,14 @@ TEST(Tokenizer, RandomStringsMatchTheTokenizersPackage) {
   {
     std::ofstream(tmp + "/strings.json") << strings.dump();
   }
-  for (const char* fam : kFamilies) {
-    const std::string file = tok_dir() + "/" + fam + ".tokenizer.json";
+  {
+    std::ofstream(tmp + "/tiny.tokenizer.json") << tiny_tokenizer(160).dump();
+  }
+  std::vector<std::string> files;
+  for (const char* fam : kFamilies) files.push_back(tok_dir() + "/" + fam + ".tokenizer.json");
+  files.push_back(tmp + "/tiny.tokenizer.json");
+  for (const std::string& file : files) {
+    const std::string fam = file;
     const std::string cmd = "python3 -c \"import json,sys; from tokenizers import Tokenizer; t=Tokenizer.from_file(sys.argv[1]); "
                             "s=json.load(open(sys.argv[2])); json.dump([t.encode(x).ids for x in s], open(sys.argv[3],'w'))\" '" +
                             file + "' '" + tmp + "/strings.json' '" + tmp + "/ids.json'";
