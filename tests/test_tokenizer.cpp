@@ -108,6 +108,17 @@ TEST(Tokenizer, RandomStringsMatchTheTokenizersPackage) {
   }
 }
 
+// The tiny checkpoints' tokenizer (string merges "a b"), with the ids the tokenizers package gives.
+TEST(Tokenizer, TinyCheckpointTokenizer) {
+  const Tokenizer tok = Tokenizer::from_json(tiny_tokenizer(160).dump(), "tiny");
+  EXPECT_EQ(tok.vocab_size(), 160);
+  EXPECT_EQ(ids_str(tok.encode("The experts of a model, h\xC3\xA9llo 123\n")),
+            "123,128,129,119,147,13,1,73,77,77,80,1,18,19,20,0");  // bytes outside the vocabulary are dropped
+  EXPECT_EQ(tok.decode({123, 128, 159}), "The experts<|endoftext|>");
+  EXPECT_EQ(tok.decode({123, 128, 159}, true), "The experts");
+  EXPECT_THROW(tiny_tokenizer(90), Error);
+}
+
 TEST(Tokenizer, BadInputGivesClearErrors) {
   const Tokenizer tok = Tokenizer::from_file(tok_dir() + "/qwen2.tokenizer.json");
   try {

@@ -519,6 +519,8 @@ struct Tokenizer::Impl {
   std::optional<int64_t> unk;
   std::string continuing_subword_prefix, end_of_word_suffix;
   std::vector<AddedToken> added;
+  std::unordered_map<uint32_t, std::vector<size_t>> added_by_first;  // first code point -> added tokens
+  std::vector<Cps> added_cps;
   std::vector<Normalizer> normalizers;
   std::vector<PreTokenizer> pre_tokenizers;
   std::vector<Decoder> decoders;
@@ -626,14 +628,17 @@ struct Tokenizer::Impl {
       p.at_start = at_start && lo == 0;
       out.push_back({std::move(p), -1});
     };
-    std::vector<Cps> contents;
-    for (const AddedToken& a : added) contents.push_back(cps_of(a.content));
     while (i < t.size()) {
       size_t best = SIZE_MAX, best_len = 0;
-      for (size_t k = 0; k < added.size(); ++k) {
+      const auto cand = added_by_first.find(t[i]);
+      if (cand == added_by_first.end()) {
+        ++i;
+        continue;
+      }
+      for (size_t k : cand->second) {
         const AddedToken& a = added[k];
-        if (a.normalized != normalized_pass || contents[k].empty()) continue;
-        const Cps& c = contents[k];
+        if (a.normalized != normalized_pass) continue;
+        const Cps& c = added_cps[k];
         if (c.size() <= best_len || i + c.size() > t.size() || !std::equal(c.begin(), c.end(), t.begin() + long(i)))
           continue;
         if (a.single_word && ((i > 0 && is_word_char(t[i - 1])) ||
@@ -783,6 +788,8 @@ Tokenizer Tokenizer::from_json(const std::string& text_json, const std::string& 
                    s.boolean_or(a, "single_word", where, false)};
       set_token(t.content, t.id);
       m.is_special[size_t(t.id)] = t.special;
+      m.added_cps.push_back(cps_of(t.content));
+      if (!m.added_cps.back().empty()) m.added_by_first[m.added_cps.back()[0]].push_back(m.added.size());
       m.added.push_back(std::move(t));
     }
   }
