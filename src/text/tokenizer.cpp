@@ -4,14 +4,15 @@
 #include "moekit/tokenizer.h"
 
 #include <algorithm>
+#include <cctype>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <queue>
 #include <sstream>
 #include <unordered_map>
-#include <unordered_set>
-#include <variant>
 
 #include "moekit/error.h"
 #include "regex.h"

@@ -2,6 +2,7 @@
 // over the printable ASCII bytes and the newline, with merges learnt from a short built-in text so that the
 // vocabulary fills the model's vocab_size exactly, and <|endoftext|> as the last id.
 #include <algorithm>
+#include <cctype>
 #include <map>
 #include <string>
 #include <vector>
