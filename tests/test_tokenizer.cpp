@@ -158,6 +158,22 @@ TEST(Tokenizer, BadInputGivesClearErrors) {
   fails_with(R"({"model": {"type": "BPE", "vocab": {"a": 0}}, "normalizer": {"type": "NFKD"}})", "NFKD");
   fails_with(R"({"model": {"type": "BPE", "vocab": {"a": 0}}, "added_tokens": [{"content": "x"}]})",
              "added_tokens[0]");
+  fails_with(R"({"model": {"type": "BPE", "vocab": {"a": 2000000000}}})", "out of range");
+  // Truncated and corrupted files: an Error, never a crash.
+  std::ifstream f(tok_dir() + "/llama.tokenizer.json");
+  const std::string good((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  for (size_t cut = 1; cut < good.size(); cut += good.size() / 23)
+    EXPECT_THROW(Tokenizer::from_json(good.substr(0, cut)), Error) << cut;
+  std::mt19937 rng(7);
+  for (int k = 0; k < 40; ++k) {
+    std::string bad = good;
+    for (int m = 0; m < 3; ++m) bad[rng() % bad.size()] = "\"{}[],:0x\xC3"[rng() % 12];
+    try {
+      const Tokenizer t = Tokenizer::from_json(bad);
+      t.decode(t.encode("Hello <s> world \xF0\x9F\x98\x80 123"));
+    } catch (const Error&) {
+    }
+  }
   try {
     Tokenizer::from_pretrained(::testing::TempDir());
     FAIL() << "expected an error";

@@ -38,6 +38,7 @@ class Tokenizer {
   std::string id_to_token(int64_t id) const;
 
  private:
+  static Tokenizer parse_tokenizer(const std::string& json, const std::string& source);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

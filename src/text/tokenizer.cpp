@@ -28,6 +28,8 @@ namespace {
 
 // ---- tokenizer.json access with errors that name the field --------------------------------------------
 
+constexpr int64_t kMaxId = int64_t(1) << 24;  // ids and counts in tokenizer.json (vocabularies are ~2^18)
+
 struct Src {
   std::string name;
   [[noreturn]] void fail(const std::string& where, const std::string& what) const {
@@ -55,7 +57,7 @@ struct Src {
   int64_t integer(const json& v, const std::string& where) const {
     if (!v.is_number_integer()) fail(where, "expected an integer, got " + v.dump());
     const int64_t i = v.get<int64_t>();
-    if (i < 0 || i > (int64_t(1) << 31)) fail(where, "token id " + std::to_string(i) + " out of range");
+    if (i < 0 || i >= kMaxId) fail(where, std::to_string(i) + " is out of range [0, " + std::to_string(kMaxId) + ")");
     return i;
   }
 };
@@ -709,6 +711,14 @@ Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
 }
 
 Tokenizer Tokenizer::from_json(const std::string& text_json, const std::string& source) {
+  try {
+    return parse_tokenizer(text_json, source);
+  } catch (const nlohmann::json::exception& e) {  // a shape the field checks did not foresee
+    MOEKIT_FAIL(io, source, ": malformed tokenizer.json: ", e.what());
+  }
+}
+
+Tokenizer Tokenizer::parse_tokenizer(const std::string& text_json, const std::string& source) {
   const Src s{source};
   json j;
   try {
@@ -812,9 +822,11 @@ Tokenizer Tokenizer::from_json(const std::string& text_json, const std::string& 
     };
     if (pt == "Sequence") {
       const json& list = s.at(p, "processors", where);
+      if (!list.is_array()) s.fail(where + ".processors", "expected an array");
       for (size_t i = 0; i < list.size(); ++i) post(list[i], where + ".processors[" + std::to_string(i) + "]");
     } else if (pt == "TemplateProcessing") {
       const json& single = s.at(p, "single", where);
+      if (!single.is_array()) s.fail(where + ".single", "expected an array");
       const json& specials = p.contains("special_tokens") ? p.at("special_tokens") : json::object();
       bool seen_seq = false;
       for (size_t i = 0; i < single.size(); ++i) {
