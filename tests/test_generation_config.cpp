@@ -155,6 +155,18 @@ TEST(TextCli, TokenizeAndRunWithAPrompt) {
 
   r = run_cli(base + " --prompt 'a' --prompt-ids 1,2");
   EXPECT_NE(r.status, 0);
+  // A tokenizer smaller than the model's vocabulary: ids it lacks are left out of the text.
+  write_file(dir + "/tokenizer.json", tiny_tokenizer(100).dump());
+  const Tokenizer small = Tokenizer::from_pretrained(dir);
+  r = run_cli(base + " --json --prompt-ids " + list, false);
+  ASSERT_EQ(r.status, 0) << r.out;
+  j = nlohmann::json::parse(r.out);
+  std::vector<int64_t> known;
+  for (int64_t t : j["generated_ids"].get<std::vector<int64_t>>())
+    if (t < 100) known.push_back(t);
+  EXPECT_EQ(j["text"], small.decode(known));
+  EXPECT_FALSE(small.contains(100));
+  EXPECT_EQ(run_cli(base + " --prompt-ids " + list, false).status, 0);
   fs::remove(dir + "/tokenizer.json");
   r = run_cli(base + " --prompt 'hello'");
   EXPECT_NE(r.status, 0);

@@ -34,6 +34,8 @@ class Tokenizer {
   // Vocabulary size including added tokens (one past the largest id).
   int64_t vocab_size() const;
   std::optional<int64_t> token_to_id(const std::string& token) const;
+  // Whether id names a token (a model's vocab_size is often larger than its tokenizer's).
+  bool contains(int64_t id) const;
   // Throws Error (invalid_argument) for an unknown id.
   std::string id_to_token(int64_t id) const;
 

@@ -915,6 +915,10 @@ std::string Tokenizer::decode(const std::vector<int64_t>& ids, bool skip_special
   return s;
 }
 
+bool Tokenizer::contains(int64_t id) const {
+  return id >= 0 && size_t(id) < impl_->has_id.size() && impl_->has_id[size_t(id)];
+}
+
 int64_t Tokenizer::vocab_size() const { return int64_t(impl_->id_to_token.size()); }
 
 std::optional<int64_t> Tokenizer::token_to_id(const std::string& token) const {

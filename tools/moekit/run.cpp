@@ -119,12 +119,19 @@ void run(const RunOptions& o) {
   warm.keep_prompt_logits = false;
   for (int64_t i = 0; i < o.warmup; ++i) model.generate(prompt, warm);
 
-  // The new text, printed as it comes (held back while it ends in an incomplete UTF-8 sequence).
+  // The new text, printed as it comes (held back while it ends in an incomplete UTF-8 sequence). Ids the
+  // tokenizer lacks (a model's vocabulary is often padded beyond it) are left out of the text.
+  auto text_of = [&](const std::vector<int64_t>& ids) {
+    std::vector<int64_t> known;
+    for (int64_t t : ids)
+      if (tokenizer->contains(t)) known.push_back(t);
+    return tokenizer->decode(known);
+  };
   std::vector<int64_t> generated;
   std::string shown;
   const bool stream = tokenizer && !o.json;
   auto show = [&](bool final) {
-    const std::string t = tokenizer->decode(generated);
+    const std::string t = text_of(generated);
     const bool partial = t.size() >= 3 && t.compare(t.size() - 3, 3, "\xEF\xBF\xBD") == 0;
     if ((partial && !final) || t.size() < shown.size() || t.compare(0, shown.size(), shown) != 0) return;
     fmt::print("{}", t.substr(shown.size()));
@@ -135,7 +142,7 @@ void run(const RunOptions& o) {
     fmt::print("model          {} ({}, {}, {})\n", o.model, model.config().text.model_type, dtype_name(model.dtype()),
                model.device().to_string());
     fmt::print("prompt         {} tokens: {}\n", prompt.size(), ids_text(prompt));
-    fmt::print("prompt text    {}\n", tokenizer->decode(prompt));
+    fmt::print("prompt text    {}\n", text_of(prompt));
     fmt::print("text           ");
     std::fflush(stdout);
     gc.on_token = [&](int64_t tok) {
@@ -158,7 +165,7 @@ void run(const RunOptions& o) {
   if (o.json) {
     nlohmann::json j;
     j["generated_ids"] = r.tokens;
-    if (tokenizer) j["text"] = tokenizer->decode(r.tokens);
+    if (tokenizer) j["text"] = text_of(r.tokens);
     j["experts_implementation"] = map_json(model.get_experts_implementation());
     j["phases"] = {{"prefill", map_json(r.prefill_experts)}, {"decode", map_json(r.decode_experts)}};
     j["timings"] = {{"load_ms", load_ms},
