@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# make demo: a tiny random checkpoint written by `moekit tiny`, greedy generation with every experts
-# backend that runs on this machine's CPU (the tokens must be identical), timings per backend, and the
-# backends table.
+# make demo: a tiny random checkpoint written by `moekit tiny` (with its tokenizer.json), greedy generation
+# from a text prompt with every experts backend that runs on this machine's CPU (the tokens must be
+# identical), timings per backend, the generated text (random weights: gibberish), and the backends table.
 #   scripts/demo.sh [BUILD_DIR]
 #   MOEKIT_DEMO_ARCH   model_type of the checkpoint (default qwen3_moe; `moekit tiny --list` lists them)
 #   MOEKIT_DEMO_DIR    where the checkpoint is written (default BUILD_DIR/demo)
@@ -11,7 +11,7 @@ MOEKIT="$BUILD/bin/moekit"
 ARCH=${MOEKIT_DEMO_ARCH:-qwen3_moe}
 WORK=${MOEKIT_DEMO_DIR:-$BUILD/demo}
 CKPT="$WORK/$ARCH"
-PROMPT="1,17,42,7,99,3,150,64,23,5,88,12"
+PROMPT="The experts of a mixture of experts model"
 NEW_TOKENS=32
 
 step() { echo "[demo] $*" >&2; }
@@ -31,7 +31,7 @@ field() {  # field NAME JSON: a number from the JSON line
 
 echo
 echo "moekit demo: greedy generation on a tiny $ARCH checkpoint ($CKPT)"
-echo "prompt ids: $PROMPT; $NEW_TOKENS new tokens; timings after one warm-up run"
+echo "prompt: \"$PROMPT\" ($("$MOEKIT" tokenize --model "$CKPT" --text "$PROMPT" | tr , ' ')); $NEW_TOKENS new tokens; timings after one warm-up run"
 echo
 printf '%-14s %12s %12s %12s\n' "backend" "prefill ms" "decode ms" "tokens/s"
 FIRST_IDS=""
@@ -39,7 +39,7 @@ SAME=yes
 declare -A IDS
 for be in "${BACKENDS[@]}"; do
   step "generating with $be ..."
-  json=$("$MOEKIT" run --quiet --model "$CKPT" --prompt-ids "$PROMPT" --max-new-tokens "$NEW_TOKENS" \
+  json=$("$MOEKIT" run --quiet --model "$CKPT" --prompt "$PROMPT" --max-new-tokens "$NEW_TOKENS" \
     --min-new-tokens "$NEW_TOKENS" --experts "$be" --warmup 1 --json) || fail "moekit run failed with backend $be"
   ids=$(sed -E 's/.*"generated_ids":\[([^]]*)\].*/\1/' <<<"$json")
   IDS[$be]=$ids
@@ -55,6 +55,10 @@ else
   echo "generated ids DIFFER between backends:"
   for be in "${BACKENDS[@]}"; do printf '  %-12s %s\n' "$be" "${IDS[$be]//,/ }"; done
 fi
+echo
+echo "generated text (${BACKENDS[0]}, streamed as generated; the weights are random):"
+"$MOEKIT" run --quiet --model "$CKPT" --prompt "$PROMPT" --max-new-tokens "$NEW_TOKENS" --min-new-tokens "$NEW_TOKENS" \
+  --experts "${BACKENDS[0]}" | sed -n 's/^text           /  /p'
 echo
 echo "experts backends on this machine (moekit backends):"
 "$MOEKIT" backends

@@ -92,6 +92,9 @@ struct GenerationConfig {
   float temperature = 1.0f;
   int64_t top_k = 50;  // 0: off
   float top_p = 1.0f;  // 1: off
+  // Logits of tokens already in the sequence (prompt and new tokens) divided by this when positive,
+  // multiplied when negative (transformers' RepetitionPenaltyLogitsProcessor); 1: off. Greedy too.
+  float repetition_penalty = 1.0f;
   uint64_t seed = 0;
   // Stop tokens; default: the checkpoint's eos_token_id (generation_config.json, else config.json).
   std::optional<std::vector<int64_t>> eos_token_ids;
@@ -104,6 +107,11 @@ struct GenerationConfig {
 
   void validate() const;
   std::string to_string() const;
+
+  // The defaults above with DIR/generation_config.json's do_sample, temperature, top_k, top_p,
+  // repetition_penalty, max_new_tokens and eos_token_id over them, as transformers' generate starts from
+  // (a folder without the file gives the defaults). Throws Error (io) naming a malformed field.
+  static GenerationConfig from_pretrained(const std::string& dir);
 };
 
 struct GenerationResult {

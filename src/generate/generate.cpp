@@ -20,6 +20,7 @@ void GenerationConfig::validate() const {
     MOEKIT_CHECK(top_k >= 0, "top_k must be >= 0 (0 = off), got ", top_k);
     MOEKIT_CHECK(top_p > 0 && top_p <= 1, "top_p must be in (0, 1], got ", top_p);
   }
+  MOEKIT_CHECK(repetition_penalty > 0, "repetition_penalty must be > 0 (1 = off), got ", repetition_penalty);
 }
 
 std::string GenerationConfig::to_string() const {
@@ -28,6 +29,7 @@ std::string GenerationConfig::to_string() const {
      << ", .do_sample=" << (do_sample ? "true" : "false");
   if (do_sample)
     os << ", .temperature=" << temperature << ", .top_k=" << top_k << ", .top_p=" << top_p << ", .seed=" << seed;
+  if (repetition_penalty != 1.0f) os << ", .repetition_penalty=" << repetition_penalty;
   if (eos_token_ids) {
     os << ", .eos_token_ids={";
     for (size_t i = 0; i < eos_token_ids->size(); ++i) os << (i ? ", " : "") << (*eos_token_ids)[i];
@@ -95,9 +97,12 @@ GenerationResult Model::generate(const std::vector<int64_t>& prompt, const Gener
   const int64_t total = checked_add(int64_t(prompt.size()), gc.max_new_tokens, "generate: prompt + max_new_tokens");
   impl_->reserve(cache, std::min(total, int64_t(prompt.size()) + kUpfrontTokens));
   generate::TokenSampler sampler(gc);
+  std::vector<int64_t> history;  // for the repetition penalty
+  if (gc.repetition_penalty != 1.0f) history = prompt;
   auto pick = [&](std::vector<float> logits) {
     const bool too_early = int64_t(res.tokens.size()) < gc.min_new_tokens;
-    const int64_t tok = sampler.next(logits, too_early ? eos : std::vector<int64_t>{});
+    const int64_t tok = sampler.next(logits, too_early ? eos : std::vector<int64_t>{}, history);
+    if (gc.repetition_penalty != 1.0f) history.push_back(tok);
     res.tokens.push_back(tok);
     if (gc.on_token) gc.on_token(tok);
     return tok;

@@ -13,10 +13,20 @@ TokenSampler::TokenSampler(const GenerationConfig& config) : config_(config), rn
 
 double TokenSampler::uniform() { return double(rng_() >> 11) * (1.0 / 9007199254740992.0); }
 
-int64_t TokenSampler::next(std::vector<float>& logits, const std::vector<int64_t>& suppress) {
+int64_t TokenSampler::next(std::vector<float>& logits, const std::vector<int64_t>& suppress,
+                           const std::vector<int64_t>& history) {
   const int64_t V = int64_t(logits.size());
   MOEKIT_CHECK(V > 0, "cannot choose a token from empty logits");
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  if (config_.repetition_penalty != 1.0f) {  // each distinct token of the sequence once
+    seen_.assign(size_t(V), false);
+    for (int64_t id : history) {
+      if (id < 0 || id >= V || seen_[size_t(id)]) continue;
+      seen_[size_t(id)] = true;
+      float& l = logits[size_t(id)];
+      l = l < 0 ? l * config_.repetition_penalty : l / config_.repetition_penalty;
+    }
+  }
   for (int64_t id : suppress)
     if (id >= 0 && id < V) logits[size_t(id)] = kNegInf;
   if (!config_.do_sample) {

@@ -9,4 +9,5 @@ void add_tiny_command(CLI::App& app);      // tiny.cpp
 void add_run_command(CLI::App& app);       // run.cpp
 void add_inspect_command(CLI::App& app);   // inspect.cpp
 void add_bench_command(CLI::App& app);     // bench.cpp
+void add_tokenize_command(CLI::App& app);  // tokenize.cpp
 }  // namespace moekit::cli

@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   moekit::cli::add_run_command(app);
   moekit::cli::add_inspect_command(app);
   moekit::cli::add_bench_command(app);
+  moekit::cli::add_tokenize_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

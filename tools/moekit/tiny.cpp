@@ -18,7 +18,7 @@ void add_tiny_command(CLI::App& app) {
   };
   auto o = std::make_shared<Opts>();
   auto* cmd = app.add_subcommand("tiny", "write a small random checkpoint in transformers' format (config.json, "
-                                         "generation_config.json, safetensors)");
+                                         "generation_config.json, tokenizer.json, safetensors)");
   std::string archs;
   for (const auto& a : tiny_architectures()) archs += (archs.empty() ? "" : ", ") + a;
   cmd->add_option("--arch", o->arch, "model_type: " + archs);

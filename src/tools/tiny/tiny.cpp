@@ -340,6 +340,8 @@ void write_tiny_checkpoint(const std::string& arch, const std::string& dir, cons
   for (const char* k : {"bos_token_id", "eos_token_id", "pad_token_id"})
     if (config.contains(k) && !config[k].is_null()) gen[k] = config[k];
   write_json(d / "generation_config.json", gen);
+  const nlohmann::json& text_config = config.contains("text_config") ? config["text_config"] : config;
+  write_json(d / "tokenizer.json", tiny_tokenizer(get_int(text_config, "vocab_size")));
 
   std::vector<std::pair<std::string, Tensor>> tensors;
   uint64_t total_bytes = 0, total_params = 0;

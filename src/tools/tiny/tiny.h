@@ -20,7 +20,8 @@ struct TinyOptions {
 // gpt_oss and qwen3_vl_moe (multimodal: the MoE backbone in text_config, a small vision tower).
 std::vector<std::string> tiny_architectures();
 
-// Writes DIR/config.json and generation_config.json as transformers saves them for that model_type,
+// Writes DIR/config.json, generation_config.json and tokenizer.json (tiny_tokenizer) as transformers saves
+// them for that model_type,
 // and the weights with the tensor names and layouts of published checkpoints (per-expert
 // experts.{e}.gate_proj/up_proj/down_proj, Mixtral's w1/w2/w3, gpt-oss's fused transposed experts
 // with biases, Qwen3-VL-MoE's fused [E, H, 2I] / [E, I, H]). Values: normal-ish with std 0.15
@@ -28,6 +29,10 @@ std::vector<std::string> tiny_architectures();
 // Creates DIR when needed; replaces an earlier checkpoint's weight files there.
 void write_tiny_checkpoint(const std::string& arch, const std::string& dir, uint64_t seed);
 void write_tiny_checkpoint(const std::string& arch, const std::string& dir, const TinyOptions& options);
+
+// A byte-level BPE tokenizer.json of exactly vocab_size ids (the printable ASCII bytes and newline, merges
+// learnt from a short built-in text, <|endoftext|> last); write_tiny_checkpoint writes it beside the weights.
+nlohmann::json tiny_tokenizer(int64_t vocab_size);
 
 // The config.json written for arch (dtype float32); throws not_found listing the known ones.
 nlohmann::json tiny_config(const std::string& arch);
