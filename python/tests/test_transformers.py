@@ -85,3 +85,41 @@ def test_unknown_gate_is_not_implemented():
     m = OddExperts(cfg)
     with pytest.raises(NotImplementedError, match="own gate"):
         m(torch.randn(3, 4), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
+
+
+def test_decode_switch_map_and_cpu_generation_keeps_the_map():
+    assert mt.decode_experts_implementation({"": "moekit_grouped_mm", "text_config": "eager"}) == {
+        "": "moekit_batched_mm", "text_config": "eager"}
+    assert mt.decode_experts_implementation({"": "grouped_mm"}) == {"": "grouped_mm"}
+    model, config = load("qwen3_moe", "moekit_grouped_mm")
+    seen = []
+    from transformers.integrations.moe import ExpertsInterface
+
+    grouped = ExpertsInterface._global_mapping["moekit_grouped_mm"]
+
+    def spy(self, *args):
+        seen.append(self.config._experts_implementation)
+        return grouped(self, *args)
+
+    ExpertsInterface.register("moekit_grouped_mm", spy)
+    try:
+        with torch.no_grad():
+            model.generate(prompt(config), max_new_tokens=3, do_sample=False)
+    finally:
+        ExpertsInterface.register("moekit_grouped_mm", grouped)
+    # On the CPU nothing switches: every call, prefill and decode, ran moekit_grouped_mm.
+    assert seen and set(seen) == {"moekit_grouped_mm"}
+    assert model.get_experts_implementation()[""] == "moekit_grouped_mm"
+
+
+def test_decode_switch_on_a_gpu_model_and_restore_on_error(monkeypatch):
+    model, _ = load("qwen3_moe", "moekit_grouped_mm")
+    # The switch looks at model.device only: present the model as a GPU one for this check.
+    monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
+    with model._optimize_model_for_decode():
+        assert model.get_experts_implementation()[""] == "moekit_batched_mm"
+    assert model.get_experts_implementation()[""] == "moekit_grouped_mm"
+    with pytest.raises(RuntimeError, match="boom"):
+        with model._optimize_model_for_decode():
+            raise RuntimeError("boom")
+    assert model.get_experts_implementation()[""] == "moekit_grouped_mm"

@@ -10,16 +10,18 @@ transformers' own backends read: ``has_gate``, ``has_bias``, ``is_transposed``, 
 ``gate_up_proj`` / ``up_proj`` / ``down_proj`` and their ``*_bias``, the activation (``config.hidden_act``)
 and the gate (the default ``act(gate) * up``, or gpt-oss' clamped SwiGLU with ``alpha`` and ``limit``).
 The moekit module is built once per Experts module and rebuilt when its weights change (new tensors,
-dtype or device).
+dtype or device). During generation on a GPU, ``moekit_grouped_mm`` switches to ``moekit_batched_mm`` for
+the decode steps, as transformers does for its own ``grouped_mm`` (SPEC section 4).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import moekit
 
-__all__ = ["register", "registered_names", "experts_forward_for"]
+__all__ = ["register", "registered_names", "experts_forward_for", "decode_experts_implementation"]
 
 # moekit backend -> transformers name. Only backends that run in this build are registered.
 _PREFIX = "moekit_"
@@ -118,6 +120,38 @@ def registered_names() -> list[str]:
     return names
 
 
+def decode_experts_implementation(implementation: dict) -> dict:
+    """The map of experts implementations for the decode steps of GPU generation (SPEC section 4):
+    ``moekit_grouped_mm`` becomes ``moekit_batched_mm``; other values stay."""
+    return {k: _PREFIX + "batched_mm" if v == _PREFIX + "grouped_mm" else v for k, v in implementation.items()}
+
+
+def _install_decode_switch() -> None:
+    """Extends transformers' decode-step switch (grouped_mm -> batched_mm after the prefill, on a GPU) to
+    moekit's names; the original map is restored when generation ends, also on an error."""
+    from transformers.generation.utils import GenerationMixin
+
+    original = getattr(GenerationMixin, "_optimize_model_for_decode", None)
+    if original is None or getattr(original, "_moekit_decode_switch", False):
+        return
+
+    @contextlib.contextmanager
+    def _optimize_model_for_decode(self: Any):
+        before = self.get_experts_implementation()
+        switch = self.device.type != "cpu" and (_PREFIX + "grouped_mm") in before.values()
+        if switch:
+            self.set_experts_implementation(decode_experts_implementation(before))
+        try:
+            with original(self):
+                yield
+        finally:
+            if switch:
+                self.set_experts_implementation(before)
+
+    _optimize_model_for_decode._moekit_decode_switch = True
+    GenerationMixin._optimize_model_for_decode = _optimize_model_for_decode
+
+
 def register() -> list[str]:
     """Registers ``moekit_eager``, ``moekit_batched_mm``, ``moekit_grouped_mm`` (and ``moekit_deepgemm``,
     ``moekit_sonicmoe`` where this build runs them) into transformers' ``ExpertsInterface``; returns the
@@ -127,4 +161,5 @@ def register() -> list[str]:
     names = registered_names()
     for name in names:
         ExpertsInterface.register(name, experts_forward_for(name[len(_PREFIX):]))
+    _install_decode_switch()
     return names
