@@ -30,14 +30,9 @@ $(BUILD)/build.ninja:
 build: deps $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j $(JOBS)
 
-# The C++ suite (GoogleTest, and the installed package's consumer), then the Python suite. The C++ suite
-# runs with the virtual environment first on PATH, so that its tests that load checkpoints in transformers
-# run too.
-test: build python
-	cd $(BUILD) && PATH=$(abspath $(VENV))/bin:$$PATH ctest --output-on-failure -j $(JOBS)
-	cd python/tests && $(abspath $(VENV))/bin/python -m pytest -q -rs
+# The C++ suite (GoogleTest, the installed package's consumer, the CLI's output), then the Python suite.
+test: test-cpp test-python
 
-# The C++ suite alone, with whatever python3 is on PATH.
 test-cpp: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
