@@ -94,6 +94,14 @@ std::string command_line(const BenchArgs& a, const bench::BenchOptions& o) {
 // `--json -`: standard output. A path that exists and is not a regular file (/dev/stdout, a FIFO, a
 // device) is written in place; only a regular file is replaced atomically through a temporary file in
 // its folder, so a reader never sees half a report and a special file is never renamed over.
+// Whether `path` exists and is something other than a regular file or a folder (a FIFO, a device).
+bool is_special_file(const std::string& path) {
+  std::error_code ec;
+  const auto st = std::filesystem::status(path, ec);
+  return !ec && std::filesystem::exists(st) && !std::filesystem::is_regular_file(st) &&
+         !std::filesystem::is_directory(st);
+}
+
 void write_json(const std::string& path, const nlohmann::json& j) {
   const std::string text = j.dump(1) + "\n";
   if (path == "-") {
@@ -169,7 +177,7 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--graph-max-tokens", a->graph_max_tokens, "graph replays only up to this many tokens");
   cmd->add_option("--routing", a->routing, "uniform or skewed (Zipf-like) top-k routing")
       ->check(CLI::IsMember({"uniform", "skewed"}))->capture_default_str();
-  cmd->add_option("--json", a->json, "write the records as JSON (rewritten after each shape); - for standard output");
+  cmd->add_option("--json", a->json, "write the records as JSON (a regular file: rewritten after each shape); - for standard output");
   cmd->add_option("--plot", a->plot, "write a PNG plot of time vs tokens (gnuplot); one per shape");
   cmd->add_option("--warmup", a->warmup, "warm-up calls")->check(CLI::NonNegativeNumber)->capture_default_str();
   cmd->add_option("--iters", a->iters, "at most this many timed calls")->check(CLI::PositiveNumber)->capture_default_str();
@@ -193,12 +201,13 @@ void add_bench_command(CLI::App& app) {
     const bench::Ceilings ceilings = a->peak_tflops > 0 ? bench::given_ceilings(o.device, a->peak_tflops, a->bandwidth_gbps)
                                                         : bench::measure_ceilings(o.device);
     ProgressBar bar(!a->quiet);
-    // `--json -` keeps standard output for the JSON alone: the table goes to stderr, and the report is
-    // written once, at the end.
+    // `--json -` keeps standard output for the JSON alone: the table goes to stderr. A stream (standard
+    // output, a FIFO, a device) gets the report once, at the end; a regular file is rewritten after each shape.
     const bool json_stdout = a->json == "-";
+    const bool json_once = json_stdout || is_special_file(a->json);
     FILE* text_out = json_stdout ? stderr : stdout;
     auto on_shape = [&](const bench::BenchReport& partial) {
-      if (!a->json.empty() && !json_stdout) write_json(a->json, bench::report_to_json(partial, o, command));
+      if (!a->json.empty() && !json_once) write_json(a->json, bench::report_to_json(partial, o, command));
     };
     const bench::BenchReport report = bench::run_bench(o, ceilings, std::ref(bar), on_shape);
     fmt::print(text_out, "{}", bench::format_table(report, o));
