@@ -2,14 +2,21 @@
 BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
-APT_PACKAGES := cmake ninja-build g++ libgtest-dev nlohmann-json3-dev libcli11-dev libfmt-dev libomp-dev gnuplot-nox
+APT_PACKAGES := cmake ninja-build g++ libgtest-dev nlohmann-json3-dev libcli11-dev libfmt-dev libomp-dev gnuplot-nox \
+                pkg-config python3 python3-venv python3-dev
+# The Python tests' environment: a virtual environment with torch, transformers and pytest from PyPI, and
+# moekit built into it by `pip install .` (CPU-only extension: the tests run on the CPU).
+PYTHON ?= python3
+VENV ?= $(BUILD)/venv
+PY_PACKAGES := torch transformers safetensors pytest scikit-build-core nanobind
+PIP_INSTALL_FLAGS ?= -C cmake.define.MOEKIT_CUDA=OFF
 
 FUZZ_BUILD ?= build-fuzz
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS := safetensors config experts_case cli_parsers
 FUZZ_APT_PACKAGES := clang libclang-rt-14-dev libomp-14-dev
 
-.PHONY: all deps build test demo sanitize bench clean fuzz fuzz-deps
+.PHONY: all deps build test test-cpp test-python python-env python demo sanitize bench clean fuzz fuzz-deps
 
 all: build
 
@@ -28,8 +35,28 @@ $(BUILD)/build.ninja:
 build: deps $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j $(JOBS)
 
-test: build
+# The C++ suite (GoogleTest, the installed package's consumer, the CLI's output), then the Python suite.
+test: test-cpp test-python
+
+test-cpp: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# The virtual environment with the Python tests' dependencies (PyPI), made once.
+$(VENV)/.deps: | deps
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q $(PY_PACKAGES)
+	touch $@
+
+python-env: $(VENV)/.deps
+
+# moekit's Python package into that environment (incremental: the CMake build stays in $(BUILD)/python).
+python: python-env
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(VENV)/bin/pip install -q --no-build-isolation \
+	  -C build-dir=$(BUILD)/python $(PIP_INSTALL_FLAGS) .
+
+test-python: python
+	cd python/tests && $(abspath $(VENV))/bin/python -m pytest -q -rs
 
 demo: build
 	./scripts/demo.sh $(BUILD)

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 
 #include <fmt/core.h>
@@ -90,14 +91,46 @@ std::string command_line(const BenchArgs& a, const bench::BenchOptions& o) {
   return s;
 }
 
+// `--json -`: standard output. A path that exists and is not a regular file (/dev/stdout, a FIFO, a
+// device) is written in place; only a regular file is replaced atomically through a temporary file in
+// its folder, so a reader never sees half a report and a special file is never renamed over.
+// Whether `path` exists and is something other than a regular file or a folder (a FIFO, a device).
+bool is_special_file(const std::string& path) {
+  std::error_code ec;
+  const auto st = std::filesystem::status(path, ec);
+  return !ec && std::filesystem::exists(st) && !std::filesystem::is_regular_file(st) &&
+         !std::filesystem::is_directory(st);
+}
+
 void write_json(const std::string& path, const nlohmann::json& j) {
+  const std::string text = j.dump(1) + "\n";
+  if (path == "-") {
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
+    return;
+  }
+  std::error_code ec;
+  const auto st = std::filesystem::status(path, ec);
+  if (!ec && std::filesystem::exists(st) && !std::filesystem::is_regular_file(st)) {
+    MOEKIT_CHECK_CODE(!std::filesystem::is_directory(st), io, "--json: '", path, "' is a directory");
+    std::ofstream f(path);
+    f << text;
+    f.flush();
+    MOEKIT_CHECK_CODE(f.good(), io, "--json: cannot write '", path, "'");
+    return;
+  }
   const std::string tmp = path + ".tmp";
   {
     std::ofstream f(tmp);
     MOEKIT_CHECK_CODE(f.good(), io, "--json: cannot write '", path, "'");
-    f << j.dump(1) << "\n";
+    f << text;
+    f.flush();
+    MOEKIT_CHECK_CODE(f.good(), io, "--json: cannot write '", path, "'");
   }
-  MOEKIT_CHECK_CODE(std::rename(tmp.c_str(), path.c_str()) == 0, io, "--json: cannot write '", path, "'");
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    MOEKIT_FAIL(io, "--json: cannot write '", path, "'");
+  }
 }
 
 // On a terminal: a bar redrawn in place; elsewhere (logs): one line per case. Shown once the run
@@ -144,7 +177,7 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--graph-max-tokens", a->graph_max_tokens, "graph replays only up to this many tokens");
   cmd->add_option("--routing", a->routing, "uniform or skewed (Zipf-like) top-k routing")
       ->check(CLI::IsMember({"uniform", "skewed"}))->capture_default_str();
-  cmd->add_option("--json", a->json, "write the records as JSON (rewritten after each shape)");
+  cmd->add_option("--json", a->json, "write the records as JSON (a regular file: rewritten after each shape); - for standard output");
   cmd->add_option("--plot", a->plot, "write a PNG plot of time vs tokens (gnuplot); one per shape");
   cmd->add_option("--warmup", a->warmup, "warm-up calls")->check(CLI::NonNegativeNumber)->capture_default_str();
   cmd->add_option("--iters", a->iters, "at most this many timed calls")->check(CLI::PositiveNumber)->capture_default_str();
@@ -168,26 +201,31 @@ void add_bench_command(CLI::App& app) {
     const bench::Ceilings ceilings = a->peak_tflops > 0 ? bench::given_ceilings(o.device, a->peak_tflops, a->bandwidth_gbps)
                                                         : bench::measure_ceilings(o.device);
     ProgressBar bar(!a->quiet);
+    // `--json -` keeps standard output for the JSON alone: the table goes to stderr. A stream (standard
+    // output, a FIFO, a device) gets the report once, at the end; a regular file is rewritten after each shape.
+    const bool json_stdout = a->json == "-";
+    const bool json_once = json_stdout || is_special_file(a->json);
+    FILE* text_out = json_stdout ? stderr : stdout;
     auto on_shape = [&](const bench::BenchReport& partial) {
-      if (!a->json.empty()) write_json(a->json, bench::report_to_json(partial, o, command));
+      if (!a->json.empty() && !json_once) write_json(a->json, bench::report_to_json(partial, o, command));
     };
     const bench::BenchReport report = bench::run_bench(o, ceilings, std::ref(bar), on_shape);
-    fmt::print("{}", bench::format_table(report, o));
-    fmt::print("\ncommand: {}\n", command);
+    fmt::print(text_out, "{}", bench::format_table(report, o));
+    fmt::print(text_out, "\ncommand: {}\n", command);
     if (!a->json.empty()) {
       write_json(a->json, bench::report_to_json(report, o, command));
-      fmt::print("json: {}\n", a->json);
+      if (!json_stdout) fmt::print("json: {}\n", a->json);
     }
     if (!a->plot.empty()) {
       for (const auto& s : o.shapes) {
         const std::string path = bench::plot_path_for(a->plot, s, o.shapes.size());
         try {
           bench::write_plot(report, o, s, path);
-          fmt::print("plot: {}\n", path);
+          fmt::print(text_out, "plot: {}\n", path);
         } catch (const Error& e) {
           // One shape with nothing to plot should not hide the others' plots.
           if (e.code() != ErrorCode::not_supported || o.shapes.size() == 1) throw;
-          fmt::print("plot: {} skipped: {}\n", path, e.what());
+          fmt::print(text_out, "plot: {} skipped: {}\n", path, e.what());
         }
       }
     }

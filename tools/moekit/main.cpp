@@ -3,9 +3,11 @@
 
 #include "commands.h"
 #include "moekit/error.h"
+#include "moekit/version.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"moekit: Mixture-of-Experts experts backends, model runtime and benchmarks"};
+  app.set_version_flag("--version", "moekit " MOEKIT_VERSION_STRING);
   app.require_subcommand(1);
   moekit::cli::add_backends_command(app);
   moekit::cli::add_check_command(app);

@@ -1,0 +1,68 @@
+# CTest script: installs this build into a temporary prefix, then configures, builds and runs the
+# out-of-tree consumer (tests/consumer) against it with find_package(moekit), and checks moekit.pc.
+#   cmake -DBUILD_DIR=... -DSOURCE_DIR=... -DWORK_DIR=... [-DGENERATOR=...] -P consumer_test.cmake
+foreach(v BUILD_DIR SOURCE_DIR WORK_DIR)
+  if(NOT DEFINED ${v})
+    message(FATAL_ERROR "consumer_test.cmake: ${v} is not set")
+  endif()
+endforeach()
+file(REMOVE_RECURSE ${WORK_DIR})
+set(prefix ${WORK_DIR}/prefix)
+
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    string(REPLACE ";" " " cmd "${ARGN}")
+    message(FATAL_ERROR "failed (${rc}): ${cmd}")
+  endif()
+endfunction()
+
+run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix} --component moekit_development)
+run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix} --component moekit_runtime)
+foreach(f include/moekit/moekit.h include/moekit/version.h)
+  if(NOT EXISTS ${prefix}/${f})
+    message(FATAL_ERROR "not installed: ${f}")
+  endif()
+endforeach()
+file(GLOB_RECURSE configs ${prefix}/*/moekitConfig.cmake ${prefix}/*/moekitConfigVersion.cmake ${prefix}/*/moekit.pc)
+list(LENGTH configs n)
+if(NOT n EQUAL 3)
+  message(FATAL_ERROR "expected moekitConfig.cmake, moekitConfigVersion.cmake and moekit.pc under ${prefix}, found: ${configs}")
+endif()
+
+# The public headers include no third-party or internal header.
+file(GLOB headers ${prefix}/include/moekit/*.h)
+foreach(h ${headers})
+  file(STRINGS ${h} includes REGEX "^[ \t]*#[ \t]*include")
+  foreach(line ${includes})
+    if(line MATCHES "\"" AND NOT line MATCHES "\"moekit/")
+      message(FATAL_ERROR "${h} includes a non-public header: ${line}")
+    endif()
+    if(line MATCHES "<(nlohmann|fmt|CLI|cuda|omp)")
+      message(FATAL_ERROR "${h} includes a third-party header: ${line}")
+    endif()
+  endforeach()
+endforeach()
+
+set(gen)
+if(DEFINED GENERATOR AND NOT GENERATOR STREQUAL "")
+  set(gen -G ${GENERATOR})
+endif()
+run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${WORK_DIR}/build ${gen}
+    -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix})
+run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
+run(${WORK_DIR}/build/moekit_consumer)
+
+# pkg-config, where the tool is there: the flags it gives name the installed prefix.
+find_program(PKG_CONFIG pkg-config)
+if(PKG_CONFIG)
+  file(GLOB_RECURSE pc ${prefix}/*/moekit.pc)
+  get_filename_component(pcdir ${pc} DIRECTORY)
+  execute_process(COMMAND ${CMAKE_COMMAND} -E env PKG_CONFIG_PATH=${pcdir} ${PKG_CONFIG} --cflags --libs moekit
+                  OUTPUT_VARIABLE flags RESULT_VARIABLE rc OUTPUT_STRIP_TRAILING_WHITESPACE)
+  if(NOT rc EQUAL 0 OR NOT flags MATCHES "-lmoekit")
+    message(FATAL_ERROR "pkg-config --cflags --libs moekit failed: ${flags}")
+  endif()
+  message(STATUS "pkg-config: ${flags}")
+endif()
+message(STATUS "consumer OK")
