@@ -17,25 +17,10 @@
 
 using namespace moekit;
 using namespace moekit::bench;
+using moekit::test::CliResult;
+using moekit::test::run_cli;
 
 namespace {
-
-struct CliResult {
-  int code = -1;
-  std::string output;  // stdout and stderr
-};
-
-CliResult run_cli(const std::string& args) {
-  CliResult r;
-  FILE* p = popen((std::string(MOEKIT_CLI) + " " + args + " 2>&1").c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
 
 std::string temp_path(const std::string& name) {
   return ::testing::TempDir() + "moekit_bench_" + std::to_string(::getpid()) + "_" + name;
@@ -192,12 +177,12 @@ TEST(BenchCli, TinyCpuRunWritesJsonAndPlot) {
   const CliResult r = run_cli("bench --dims 64,32,8,2 --tokens 1,5 --backends all --device cpu --dtype bf16 "
                               "--peak-tflops 0.05 --bandwidth-gbps 10 --iters 3 --min-iters 2 --min-time 0 --quiet "
                               "--json " + json_path + plot_arg);
-  ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_NE(r.output.find("median_us"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("deepgemm"), std::string::npos) << "skipped backends are listed: " << r.output;
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("median_us"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("deepgemm"), std::string::npos) << "skipped backends are listed: " << r.out;
 
   std::ifstream in(json_path);
-  ASSERT_TRUE(in.good()) << r.output;
+  ASSERT_TRUE(in.good()) << r.out;
   const nlohmann::json j = nlohmann::json::parse(in);
   for (const char* k : {"card", "peak_tflops", "copy_tbps", "records", "skipped", "command", "date"})
     EXPECT_TRUE(j.contains(k)) << k;
@@ -229,7 +214,7 @@ TEST(BenchCli, TinyCpuRunWritesJsonAndPlot) {
   }
   if (gnuplot_available()) {
     std::ifstream png(png_path, std::ios::binary);
-    ASSERT_TRUE(png.good()) << r.output;
+    ASSERT_TRUE(png.good()) << r.out;
     char magic[4] = {};
     png.read(magic, 4);
     EXPECT_EQ(std::string(magic + 1, 3), "PNG");
@@ -257,6 +242,6 @@ TEST(BenchCli, BadArgumentsAreRejectedClearly) {
   for (const auto& b : cases) {
     const CliResult r = run_cli("bench " + b.args + " --quiet");
     EXPECT_NE(r.code, 0) << b.args;
-    EXPECT_NE(r.output.find(b.expect), std::string::npos) << b.args << " -> " << r.output;
+    EXPECT_NE(r.out.find(b.expect), std::string::npos) << b.args << " -> " << r.out;
   }
 }

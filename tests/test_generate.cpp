@@ -15,6 +15,8 @@
 
 namespace fs = std::filesystem;
 using namespace moekit;
+using moekit::test::CliResult;
+using moekit::test::run_cli;
 
 namespace {
 
@@ -185,23 +187,6 @@ TEST(DecodeSwitch, MapIsRestoredWhenAUserBackendThrowsDuringDecode) {
 
 // ---- moekit run ----
 
-struct CliResult {
-  int status;
-  std::string out;
-};
-
-CliResult run_cli(const std::string& args) {
-  const std::string cmd = std::string(MOEKIT_CLI) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return {-1, ""};
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int st = pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
-}
-
 std::string ids_arg(const std::vector<int64_t>& ids) {
   std::string s;
   for (int64_t t : ids) s += (s.empty() ? "" : ",") + std::to_string(t);
@@ -217,7 +202,7 @@ TEST(RunCommand, JsonLineHasTokensMapsAndTimings) {
   const CliResult r =
       run_cli("run --quiet --model " + dir + " --prompt-ids " + ids_arg(kPrompt) +
               " --max-new-tokens 20 --min-new-tokens 20 --experts =eager --json --dump-logits " + logits.string());
-  ASSERT_EQ(r.status, 0) << r.out;
+  ASSERT_EQ(r.code, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["generated_ids"].get<std::vector<int64_t>>(), expect);
   EXPECT_EQ(j["experts_implementation"], nlohmann::json({{"", "eager"}}));
@@ -234,19 +219,19 @@ TEST(RunCommand, JsonLineHasTokensMapsAndTimings) {
 TEST(RunCommand, BadArgumentsFailWithClearMessages) {
   const std::string base = "run --quiet --model " + model_dir("qwen3_moe");
   CliResult r = run_cli(base + " --prompt-ids 1,2,3 --experts no_such_backend");
-  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("grouped_mm"), std::string::npos) << r.out;
   r = run_cli(base + " --prompt-ids 1,x,3");
-  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("'x'"), std::string::npos) << r.out;
   r = run_cli(base + " --prompt-ids 1,2,3 --cuda-graph");
-  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("CUDA"), std::string::npos) << r.out;
   r = run_cli(base + " --prompt-ids 1,2,3 --experts text_config=eager");
-  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("text_config"), std::string::npos) << r.out;
   r = run_cli(base + " --prompt-ids 1,2,3 --max-new-tokens 3 --sample --seed 7 --top-k 5");
-  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("generated      3 tokens"), std::string::npos) << r.out;
 }
 

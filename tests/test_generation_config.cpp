@@ -17,26 +17,11 @@
 #include "tiny/tiny.h"
 
 using namespace moekit;
+using moekit::test::CliResult;
+using moekit::test::run_cli;
 namespace fs = std::filesystem;
 
 namespace {
-
-struct CliResult {
-  int status;
-  std::string out;
-};
-
-CliResult run_cli(const std::string& args, bool with_stderr = true) {
-  const std::string cmd = std::string(MOEKIT_CLI) + " " + args + (with_stderr ? " 2>&1" : " 2>/dev/null");
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return {-1, ""};
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int st = pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
-}
 
 // A tiny qwen3_moe checkpoint (with tokenizer.json) in a fresh folder.
 std::string tiny_dir(const std::string& name) {
@@ -95,7 +80,7 @@ TEST(GenerationConfig, RunUsesTheFileUnlessFlagsOverride) {
   const std::string dir = tiny_dir("run");
   const std::string base = "run --quiet --json --model " + dir + " --prompt-ids 5,17,99,3 --max-new-tokens 12";
   auto ids = [](const CliResult& r) {
-    EXPECT_EQ(r.status, 0) << r.out;
+    EXPECT_EQ(r.code, 0) << r.out;
     return nlohmann::json::parse(r.out)["generated_ids"].get<std::vector<int64_t>>();
   };
   const auto greedy = ids(run_cli(base, false));
@@ -122,7 +107,7 @@ TEST(TextCli, TokenizeAndRunWithAPrompt) {
   EXPECT_EQ(tok.decode(ids), text);
 
   CliResult r = run_cli("tokenize --model " + dir + " --text '" + text + "' --json");
-  ASSERT_EQ(r.status, 0) << r.out;
+  ASSERT_EQ(r.code, 0) << r.out;
   auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["ids"].get<std::vector<int64_t>>(), ids);
   EXPECT_EQ(j["text"], text);
@@ -133,16 +118,16 @@ TEST(TextCli, TokenizeAndRunWithAPrompt) {
   r = run_cli("tokenize --model " + dir + " --ids " + list);
   EXPECT_EQ(r.out, text + "\n");
   r = run_cli("tokenize --model " + dir + " --ids 1,999");
-  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("999"), std::string::npos) << r.out;
   r = run_cli("tokenize --model " + dir);
-  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("--text"), std::string::npos) << r.out;
 
   // --prompt gives what --prompt-ids gives for its ids; the text is decoded and in --json.
   const std::string base = "run --quiet --model " + dir + " --max-new-tokens 8 --min-new-tokens 8";
   r = run_cli(base + " --json --prompt '" + text + "'", false);
-  ASSERT_EQ(r.status, 0) << r.out;
+  ASSERT_EQ(r.code, 0) << r.out;
   j = nlohmann::json::parse(r.out);
   const auto gen = j["generated_ids"].get<std::vector<int64_t>>();
   EXPECT_EQ(j["text"], tok.decode(gen));
@@ -150,26 +135,26 @@ TEST(TextCli, TokenizeAndRunWithAPrompt) {
   EXPECT_EQ(nlohmann::json::parse(r.out)["generated_ids"].get<std::vector<int64_t>>(), gen);
   write_file(dir + "/prompt.txt", text);
   r = run_cli(base + " --prompt-file " + dir + "/prompt.txt", false);
-  ASSERT_EQ(r.status, 0) << r.out;
+  ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("text           " + tok.decode(gen) + "\n"), std::string::npos) << r.out;
 
   r = run_cli(base + " --prompt 'a' --prompt-ids 1,2");
-  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.code, 0);
   // A tokenizer smaller than the model's vocabulary: ids it lacks are left out of the text.
   write_file(dir + "/tokenizer.json", tiny_tokenizer(100).dump());
   const Tokenizer small = Tokenizer::from_pretrained(dir);
   r = run_cli(base + " --json --prompt-ids " + list, false);
-  ASSERT_EQ(r.status, 0) << r.out;
+  ASSERT_EQ(r.code, 0) << r.out;
   j = nlohmann::json::parse(r.out);
   std::vector<int64_t> known;
   for (int64_t t : j["generated_ids"].get<std::vector<int64_t>>())
     if (t < 100) known.push_back(t);
   EXPECT_EQ(j["text"], small.decode(known));
   EXPECT_FALSE(small.contains(100));
-  EXPECT_EQ(run_cli(base + " --prompt-ids " + list, false).status, 0);
+  EXPECT_EQ(run_cli(base + " --prompt-ids " + list, false).code, 0);
   fs::remove(dir + "/tokenizer.json");
   r = run_cli(base + " --prompt 'hello'");
-  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("no tokenizer.json"), std::string::npos) << r.out;
   fs::remove_all(dir);
 }

@@ -28,6 +28,8 @@
 using namespace moekit;
 using moekit::test::error_of;
 using moekit::test::TempDir;
+using moekit::test::CliResult;
+using moekit::test::run_cli;
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
@@ -38,23 +40,6 @@ constexpr double kSlowdown = 20;  // sanitizer builds
 #else
 constexpr double kSlowdown = 1;
 #endif
-
-struct CliResult {
-  int code;
-  std::string out;
-};
-
-CliResult run_cli(const std::string& args) {
-  const std::string cmd = std::string(MOEKIT_CLI) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return {-1, ""};
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int st = pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
-}
 
 bool has(const std::string& text, const std::string& what) { return text.find(what) != std::string::npos; }
 

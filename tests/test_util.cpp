@@ -1,4 +1,8 @@
 #include "test_util.h"
+
+#include <sys/wait.h>
+
+#include <cstdio>
 #include "experts_case.h"
 
 #include <algorithm>
@@ -93,6 +97,19 @@ void random_routing(int64_t T, int64_t K, int64_t E, DType index_dtype, DType we
     index = idx;
   }
   weights = w.to(weight_dtype);
+}
+
+CliResult run_cli(const std::string& args, bool with_stderr) {
+  const std::string cmd = std::string(MOEKIT_CLI) + " " + args + (with_stderr ? " 2>&1" : " 2>/dev/null");
+  CliResult r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
 }
 
 }  // namespace moekit::test

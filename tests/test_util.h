@@ -35,6 +35,14 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+// The moekit CLI (MOEKIT_CLI) run with `args` through the shell: its exit status (-1 when it did not exit)
+// and what it printed on stdout, with stderr merged in (`with_stderr`) or discarded.
+struct CliResult {
+  int code = -1;
+  std::string out;
+};
+CliResult run_cli(const std::string& args, bool with_stderr = true);
+
 // Normal(0, std) values in `dtype` on the CPU.
 Tensor randn(const Shape& shape, DType dtype, std::mt19937_64& rng, double std = 1.0);
 // Fills a CPU or CUDA tensor with NaN (floating types) so unwritten outputs are caught.
