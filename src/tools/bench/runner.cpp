@@ -188,7 +188,7 @@ class ShapeRunner {
     std::vector<int64_t> popularity(static_cast<size_t>(shape_.num_experts));
     std::iota(popularity.begin(), popularity.end(), 0);
     std::shuffle(popularity.begin(), popularity.end(), std::mt19937_64(opt_.seed * 7 + 5));
-    const double tol = opt_.tolerance > 0 ? opt_.tolerance : (opt_.dtype == DType::f32 ? 1e-5 : 1e-2);
+    const double tol = opt_.tolerance > 0 ? opt_.tolerance : experts_tolerance(opt_.dtype);
 
     // Inputs and reference rows per token count, made on first use and shared by every backend.
     std::map<int64_t, TokenData> data;
