@@ -142,9 +142,10 @@ CheckpointTotals checkpoint_totals(const std::string& dir) {
 
 std::string cpu_gemm_summary() {
   std::string have;
-  for (const cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512})
+  for (const cpu::Isa isa :
+       {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512, cpu::Isa::avx512bf16, cpu::Isa::amx})
     if (cpu::isa_supported(isa)) have += std::string(have.empty() ? "" : ", ") + cpu::isa_name(isa);
-  return fmt::format("{} (this CPU runs {}; MOEKIT_CPU_ISA=scalar|avx2|avx512 picks one)",
+  return fmt::format("{} (this CPU runs {}; MOEKIT_CPU_ISA=scalar|avx2|avx512|avx512bf16|amx picks one)",
                      cpu::isa_name(cpu::gemm_kernels().isa), have);
 }
 
