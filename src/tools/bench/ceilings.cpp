@@ -178,6 +178,23 @@ void require_cuda_device(Device device) {
                     " CUDA devices found (none, or the driver cannot be loaded); use --device cpu");
 }
 
+// The card's name and its last-level cache (CPU: model and threads, L3; CUDA: the device, L2).
+void describe_device(Device device, Ceilings& c) {
+  if (device.is_cpu()) {
+    c.card = fmt::format("{} ({} threads)", cpu_model_name(), omp_get_max_threads());
+    c.cache_bytes = cpu_cache_bytes();
+    return;
+  }
+#ifdef MOEKIT_WITH_CUDA
+  require_cuda_device(device);
+  const cuda::CardInfo info = cuda::card_info(device.index);
+  c.card = info.name;
+  c.cache_bytes = info.l2_bytes;
+#else
+  MOEKIT_FAIL(not_supported, "device ", device.to_string(), ": moekit was built without CUDA");
+#endif
+}
+
 }  // namespace
 
 Ceilings given_ceilings(Device device, double peak_tflops, double bandwidth_gbps) {
@@ -187,27 +204,14 @@ Ceilings given_ceilings(Device device, double peak_tflops, double bandwidth_gbps
   c.peak_tflops = peak_tflops;
   c.bandwidth_gbps = bandwidth_gbps;
   c.method = "given on the command line";
-  if (device.is_cpu()) {
-    c.card = fmt::format("{} ({} threads)", cpu_model_name(), omp_get_max_threads());
-    c.cache_bytes = cpu_cache_bytes();
-    return c;
-  }
-#ifdef MOEKIT_WITH_CUDA
-  require_cuda_device(device);
-  const cuda::CardInfo info = cuda::card_info(device.index);
-  c.card = info.name;
-  c.cache_bytes = info.l2_bytes;
+  describe_device(device, c);
   return c;
-#else
-  MOEKIT_FAIL(not_supported, "device ", device.to_string(), ": moekit was built without CUDA");
-#endif
 }
 
 Ceilings measure_ceilings(Device device) {
   Ceilings c;
+  describe_device(device, c);
   if (device.is_cpu()) {
-    c.card = fmt::format("{} ({} threads)", cpu_model_name(), omp_get_max_threads());
-    c.cache_bytes = cpu_cache_bytes();
     const double bf16 = cpu_bf16_gemm_gflops();
     const double blocked = cpu_blocked_gemm_gflops();
     const double grouped = cpu_grouped_mm_gflops();
@@ -223,10 +227,6 @@ Ceilings measure_ceilings(Device device) {
     return c;
   }
 #ifdef MOEKIT_WITH_CUDA
-  require_cuda_device(device);
-  const cuda::CardInfo info = cuda::card_info(device.index);
-  c.card = info.name;
-  c.cache_bytes = info.l2_bytes;
   c.peak_tflops = cuda::gemm_bf16_tflops(device.index, 8192);
   c.bandwidth_gbps = cuda::copy_gbps(device.index, size_t(2) << 30);
   c.method = "peak: cuBLAS bf16 GEMM 8192^3 on random data; bandwidth: 2 GiB device-to-device copy, read + write";
