@@ -22,19 +22,14 @@ void run_batched_mm(const CallContext& c) {
     return;
   }
   const int64_t P = c.pairs;
-  auto carve = [&](Carver& w, int32_t*& pair_expert, void*& act, float*& y) {
-    pair_expert = w.take<int32_t>(P);
-    act = w.take_bytes(P * c.inter * k::elem_bytes(c.type));  // [P, I]
-    y = w.take<float>(P * c.hidden);                         // [P, H] f32
-  };
   int32_t* pair_expert = nullptr;
   void* act = nullptr;
   float* y = nullptr;
-  Carver measure;
-  carve(measure, pair_expert, act, y);
-  c.ws->reserve(measure.size());
-  Carver w(c.ws->arena());
-  carve(w, pair_expert, act, y);
+  carve_workspace(*c.ws, [&](Carver& w) {
+    pair_expert = w.take<int32_t>(P);
+    act = w.take_bytes(P * c.inter * k::elem_bytes(c.type));  // [P, I]
+    y = w.take<float>(P * c.hidden);                         // [P, H] f32
+  });
 
   check_launch(k::route_validate(c.call.top_k_index.data, c.index_type, c.tokens, int(c.top_k), c.experts_count,
                                  pair_expert, c.ws->error(), c.stream),

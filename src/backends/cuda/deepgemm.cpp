@@ -48,19 +48,14 @@ void run_deepgemm(const CallContext& c) {
   int32_t *row_base = nullptr, *pair_row_l = nullptr;
   void *xl = nullptr, *act = nullptr;
   float* y = nullptr;
-  auto carve = [&](Carver& w) {
+  carve_workspace(*c.ws, [&](Carver& w) {
     take_routing(w, r, P, E);
     row_base = w.take<int32_t>(E + 1);
     pair_row_l = w.take<int32_t>(P);
     xl = w.take_bytes(rows * c.hidden * row_bytes);  // [rows, H] padded per expert
     act = w.take_bytes(rows * c.inter * row_bytes);  // [rows, I]
     y = w.take<float>(rows * c.hidden);              // [rows, H] f32
-  };
-  Carver measure;
-  carve(measure);
-  c.ws->reserve(measure.size());
-  Carver w(c.ws->arena());
-  carve(w);
+  });
   r.error = c.ws->error();
 
   check_launch(k::route_sort(c.call.top_k_index.data, c.index_type, c.tokens, int(c.top_k), int(E), kTile, r, c.stream),

@@ -41,21 +41,16 @@ void run_eager(const CallContext& c) {
   const int64_t P = c.pairs, E = c.experts_count, H = c.hidden, I = c.inter, N1 = c.n1;
   const int eb = k::elem_bytes(c.type);
 
-  auto carve = [&](Carver& w, k::RoutingBuffers& r, void*& xs, float*& h1, void*& act, float*& y) {
+  k::RoutingBuffers r;
+  void *xs = nullptr, *act = nullptr;
+  float *h1 = nullptr, *y = nullptr;
+  carve_workspace(*c.ws, [&](Carver& w) {
     take_routing(w, r, P, E);
     xs = w.take_bytes(P * H * eb);  // [P, H] gathered rows
     h1 = w.take<float>(P * N1);     // [P, N1] first projection, f32
     act = w.take_bytes(P * I * eb);  // [P, I]
     y = w.take<float>(P * H);        // [P, H] second projection, f32
-  };
-  k::RoutingBuffers r;
-  void *xs = nullptr, *act = nullptr;
-  float *h1 = nullptr, *y = nullptr;
-  Carver measure;
-  carve(measure, r, xs, h1, act, y);
-  c.ws->reserve(measure.size());
-  Carver w(c.ws->arena());
-  carve(w, r, xs, h1, act, y);
+  });
   r.error = c.ws->error();
 
   check_launch(k::route_sort(c.call.top_k_index.data, c.index_type, c.tokens, int(c.top_k), int(E), 1, r, c.stream),

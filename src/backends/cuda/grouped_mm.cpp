@@ -83,20 +83,15 @@ void run_grouped_mm(const CallContext& c) {
                        (c.type == k::Elem::bf16 || c.type == k::Elem::f16);
 
   void* xs = nullptr;  // [P, H] gathered rows (TMA path)
-  auto carve = [&](Carver& w, k::RoutingBuffers& r, void*& act, float*& y) {
+  k::RoutingBuffers r;
+  void* act = nullptr;
+  float* y = nullptr;
+  carve_workspace(*c.ws, [&](Carver& w) {
     take_routing(w, r, P, E);
     act = w.take_bytes(P * c.inter * k::elem_bytes(c.type));  // [P, I] sorted rows
     y = w.take<float>(P * c.hidden);                         // [P, H] sorted rows, f32
     if (use_tma) xs = w.take_bytes(P * c.hidden * k::elem_bytes(c.type));
-  };
-  k::RoutingBuffers r;
-  void* act = nullptr;
-  float* y = nullptr;
-  Carver measure;
-  carve(measure, r, act, y);
-  c.ws->reserve(measure.size());
-  Carver w(c.ws->arena());
-  carve(w, r, act, y);
+  });
   r.error = c.ws->error();
 
   check_launch(k::route_sort(c.call.top_k_index.data, c.index_type, c.tokens, int(c.top_k), int(E), tile_m, r,

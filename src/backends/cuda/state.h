@@ -54,6 +54,17 @@ class Carver {
   size_t offset_ = 0;
 };
 
+// Sizes a call's buffers with `carve(Carver&)` on a measuring carver, grows `ws` to fit, then carves them
+// from its arena (the same calls, so the same offsets).
+template <class Carve>
+void carve_workspace(StreamWorkspace& ws, Carve&& carve) {
+  Carver measure;
+  carve(measure);
+  ws.reserve(measure.size());
+  Carver w(ws.arena());
+  carve(w);
+}
+
 // The routing buffers of a call of P pairs over E experts (route_sort's outputs and scratch), carved from `w`;
 // the error word is the workspace's and is set by the caller.
 inline void take_routing(Carver& w, kernels::RoutingBuffers& r, int64_t P, int64_t E) {
