@@ -10,7 +10,10 @@ Also reported: how many leading greedy tokens the two agree on (bf16 rounding di
 generations may part).
 
   python3 scripts/model_bench.py --moekit build-gpu/bin/moekit [--layers 4] [--prompt 128] [--new 64]
-                                 [--json out.json]
+                                 [--batch-sizes 1,8,32] [--json out.json]
+
+--batch-sizes: also B prompts at once (random, --prompt tokens each): transformers' batched generate against
+`moekit run --prompts-file --batch B`; throughput = B x (new tokens - 1) over the decode time.
 """
 import argparse, json, os, statistics, subprocess, sys, tempfile, time
 
@@ -43,6 +46,66 @@ def hf_generate(model, prompt, new_tokens):
     return time.perf_counter() - t0, out[0, prompt.shape[1]:].tolist()
 
 
+def hf_generate_batch(model, prompts, new_tokens):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, out[:, prompts.shape[1]:].tolist()
+
+
+def batch_rows(a, model, ckpt, sizes):
+    """B sequences at once: transformers' batched generate against moekit run --prompts-file --batch B."""
+    rows = []
+    g = torch.Generator().manual_seed(2)
+    for b in sizes:
+        prompts = torch.randint(0, a.vocab, (b, a.prompt), generator=g)
+        hf_tokens = None
+        if model is not None:
+            for impl in ["grouped_mm", "batched_mm"]:
+                model.set_experts_implementation(impl)
+                try:
+                    hf_generate_batch(model, prompts.cuda(), 2)  # warm-up
+                    t1 = statistics.median(hf_generate_batch(model, prompts.cuda(), 1)[0] for _ in range(a.repeats))
+                    runs = [hf_generate_batch(model, prompts.cuda(), a.new) for _ in range(a.repeats)]
+                except torch.OutOfMemoryError as e:  # batched_mm gathers every token's expert weights
+                    torch.cuda.empty_cache()
+                    print(f"batch {b:3d} transformers {impl:11s} out of memory: {str(e).splitlines()[0]}", flush=True)
+                    continue
+                decode_s = max(statistics.median(r[0] for r in runs) - t1, 1e-9)
+                hf_tokens = hf_tokens or runs[0][1]
+                rows.append(dict(engine="transformers", experts=impl, graph=False, batch=b, prefill_ms=t1 * 1e3,
+                                 decode_ms=decode_s * 1e3, tokens_per_s=b * (a.new - 1) / decode_s))
+                print(f"batch {b:3d} transformers {impl:11s} prefill {t1 * 1e3:8.1f} ms  decode "
+                      f"{b * (a.new - 1) / decode_s:9.1f} tok/s", flush=True)
+        path = os.path.join(os.path.dirname(ckpt), f"prompts_{b}.jsonl")
+        with open(path, "w") as f:
+            for p in prompts.tolist():
+                f.write(json.dumps({"ids": p}) + "\n")
+        for graph in [False, True]:
+            cmd = [a.moekit, "run", "--model", ckpt, "--device", "cuda", "--dtype", "bf16", "--prompts-file", path,
+                   "--batch", str(b), "--max-new-tokens", str(a.new), "--min-new-tokens", str(a.new), "--json",
+                   "--quiet", "--warmup", "1"] + (["--cuda-graph"] if graph else [])
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            if p.returncode != 0:
+                print(f"moekit batch {b} graph={graph} failed:\n{p.stderr[-2000:]}", flush=True)
+                continue
+            js = [json.loads(line) for line in p.stdout.strip().splitlines()]
+            t = js[0]["timings"]
+            new = sum(len(j["generated_ids"]) - 1 for j in js)
+            agree = [leading_agreement(j["generated_ids"], h) for j, h in zip(js, hf_tokens or [])]
+            rows.append(dict(engine="moekit", experts="grouped_mm", graph=graph, batch=b, prefill_ms=t["prefill_ms"],
+                             decode_ms=t["decode_ms"], tokens_per_s=new * 1e3 / t["decode_ms"],
+                             phases=js[0]["phases"], replays=js[0]["cuda_graph"]["replays"],
+                             agree_leading_min=min(agree) if agree else None))
+            print(f"batch {b:3d} moekit grouped_mm graph={int(graph)} prefill {t['prefill_ms']:8.1f} ms  decode "
+                  f"{new * 1e3 / t['decode_ms']:9.1f} tok/s  ({t['decode_ms'] / max(1, a.new - 1) * 1e3:.0f} us per "
+                  f"step, replays {js[0]['cuda_graph']['replays']}, agree with transformers >= "
+                  f"{min(agree) if agree else '-'} leading tokens)", flush=True)
+    return rows
+
+
 def leading_agreement(a, b):
     n = 0
     for x, y in zip(a, b):
@@ -60,8 +123,11 @@ def main():
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch-sizes", default="", help="e.g. 1,8,32: batched generation too")
+    ap.add_argument("--batch-only", action="store_true", help="only the --batch-sizes rows")
     ap.add_argument("--json")
     a = ap.parse_args()
+    sizes = [int(x) for x in a.batch_sizes.split(",") if x]
 
     tmp = tempfile.mkdtemp(prefix="moekit_model_bench_")
     ckpt = os.path.join(tmp, "qwen3_moe_30b_shapes")
@@ -72,6 +138,13 @@ def main():
     prompt_ids = torch.randint(0, a.vocab, (1, a.prompt), generator=g)
     prompt = prompt_ids.cuda()
     rows = []
+    batch = batch_rows(a, model, ckpt, sizes) if sizes else []
+    if a.batch_only:
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(dict(layers=a.layers, vocab=a.vocab, prompt=a.prompt, new=a.new, batch_rows=batch), f,
+                          indent=1)
+        return 0
 
     for impl in ["grouped_mm", "batched_mm", "eager"]:
         model.set_experts_implementation(impl)
@@ -116,7 +189,8 @@ def main():
               f"{r['tokens_per_s']:13.1f} {r['vs_best_transformers']:10.2f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(layers=a.layers, vocab=a.vocab, prompt=a.prompt, new=a.new, rows=rows), f, indent=1)
+            json.dump(dict(layers=a.layers, vocab=a.vocab, prompt=a.prompt, new=a.new, rows=rows, batch_rows=batch),
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,13 @@ class ExpertsImplementation {
 
 std::string experts_map_to_string(const ExpertsMap& m);  // {"": "grouped_mm", "text_config": "eager"}
 
+// How far loading is: the decoder's tensors read so far (and their bytes as the checkpoint stores them) out
+// of all it reads.
+struct LoadProgress {
+  int64_t tensors = 0, total_tensors = 0;
+  uint64_t bytes = 0, total_bytes = 0;
+};
+
 struct ModelOptions {
   Device device = Device::cpu();
   // f32 | bf16 | f16 (weights converted at load); default: the checkpoint's dtype when it is one of them, else f32.
@@ -57,6 +64,9 @@ struct ModelOptions {
   // Refuse weights holding NaN or Inf (one pass over the decoder's tensors at load). Default: on for
   // checkpoints up to 4 GiB, else off with a warning on stderr.
   std::optional<bool> check_finite;
+  // Called as the weights are read (after each tensor, and once at the end with tensors == total_tensors);
+  // may throw to abort the load. The CLI prints it on a terminal (`moekit run --progress` elsewhere).
+  std::function<void(const LoadProgress&)> on_load_progress;
 
   std::string to_string() const;
 };
@@ -104,6 +114,9 @@ struct GenerationConfig {
   bool keep_prompt_logits = false;  // fills GenerationResult::prompt_logits
   // Called after each new token (also the first); may throw to abort (the map is restored).
   std::function<void(int64_t token)> on_token;
+  // generate_batch: called after each new token of sequence `sequence` (its index among the prompts); may
+  // throw to abort. on_token is not called there.
+  std::function<void(size_t sequence, int64_t token)> on_sequence_token;
 
   void validate() const;
   std::string to_string() const;
@@ -122,6 +135,7 @@ struct GenerationResult {
   double prefill_ms = 0, decode_ms = 0;
   int64_t decode_steps = 0;
   int64_t graph_replays = 0;    // decode steps replayed from a CUDA graph (ModelOptions::cuda_graph)
+  int64_t batch_size = 1;       // generate_batch: the sequences generated together (prefill_ms and decode_ms are theirs)
   double tokens_per_s() const;  // new tokens after the first, per second of decode
   Tensor prompt_logits;         // [prompt_len, vocab] f32 (keep_prompt_logits)
 };
@@ -158,6 +172,15 @@ class Model {
   Tensor logits(const std::vector<int64_t>& input_ids);
 
   GenerationResult generate(const std::vector<int64_t>& prompt, const GenerationConfig& config = {});
+  // Several prompts of any lengths at once, each with its own KV cache, sampler (seeded with config.seed)
+  // and stop conditions (EOS, min/max_new_tokens): one prefill over all the prompts' tokens (the experts
+  // see T = their sum), then decode steps of one token per unfinished sequence (T = those sequences). With
+  // ModelOptions::cuda_graph a decode step is recorded per batch-size bucket (the next power of two; the
+  // slots of finished sequences keep running, unused, until the unfinished ones fit a smaller bucket).
+  // Results in the prompts' order; each gets the tokens generate(prompt) gives up to the rounding of
+  // differently sized matrix products. keep_prompt_logits is refused.
+  std::vector<GenerationResult> generate_batch(const std::vector<std::vector<int64_t>>& prompts,
+                                               const GenerationConfig& config = {});
 
   struct Impl;
   Impl& impl() { return *impl_; }

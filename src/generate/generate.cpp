@@ -67,6 +67,22 @@ std::vector<float> row(const Tensor& logits, int64_t r, int64_t position) {
                       "); the weights or the config (rms_norm_eps, rope theta, ...) give NaN or Inf");
   return std::vector<float>(p, p + V);
 }
+// The decode steps' map: decode_experts_implementation over the prefill map (validated by a trial switch,
+// then back to the prefill map), else decode_switch's rule.
+ExpertsMap decode_map(Model& model, const GenerationConfig& gc, const ExpertsMap& prefill) {
+  if (!gc.decode_experts_implementation) return decode_experts_map(prefill, model.device(), gc.decode_switch);
+  model.set_experts_implementation(*gc.decode_experts_implementation);
+  ExpertsMap out = model.get_experts_implementation();
+  model.set_experts_implementation(prefill);
+  return out;
+}
+
+// The batch size bucket a graphed decode step of n sequences runs at: the next power of two.
+int64_t bucket(int64_t n) {
+  int64_t b = 1;
+  while (b < n) b *= 2;
+  return b;
+}
 }  // namespace
 
 GenerationResult Model::generate(const std::vector<int64_t>& prompt, const GenerationConfig& gc) {
@@ -77,15 +93,7 @@ GenerationResult Model::generate(const std::vector<int64_t>& prompt, const Gener
 
   ExpertsMapGuard guard(*this);  // restores the map however generation ends
   res.prefill_experts = guard.saved();
-  res.decode_experts = gc.decode_experts_implementation
-                           ? ExpertsMap()
-                           : decode_experts_map(res.prefill_experts, device(), gc.decode_switch);
-  if (gc.decode_experts_implementation) {
-    // Validated and merged with the current map by a trial switch, then back to the prefill map.
-    set_experts_implementation(*gc.decode_experts_implementation);
-    res.decode_experts = get_experts_implementation();
-    set_experts_implementation(res.prefill_experts);
-  }
+  res.decode_experts = decode_map(*this, gc, res.prefill_experts);
   if (gc.max_new_tokens == 0 && !gc.keep_prompt_logits) return res;
   const bool graphs = impl_->options.cuda_graph && device().is_cuda();
   if (graphs) impl_->require_capturable_experts(res.decode_experts);
@@ -134,6 +142,123 @@ GenerationResult Model::generate(const std::vector<int64_t>& prompt, const Gener
   }
   res.decode_ms = ms_since(t0);
   res.graph_replays = impl_->graph_replays - replays0;
+  return res;
+}
+
+std::vector<GenerationResult> Model::generate_batch(const std::vector<std::vector<int64_t>>& prompts,
+                                                   const GenerationConfig& gc) {
+  gc.validate();
+  MOEKIT_CHECK(!prompts.empty(), "generate_batch: no prompts; give at least one");
+  MOEKIT_CHECK(!gc.keep_prompt_logits, "generate_batch: keep_prompt_logits applies to generate (one sequence)");
+  for (size_t i = 0; i < prompts.size(); ++i)
+    MOEKIT_CHECK(!prompts[i].empty(), "generate_batch: prompt ", i, " is empty; give at least one token id");
+  const std::vector<int64_t> eos = gc.eos_token_ids.value_or(impl_->config.eos_token_ids);
+  const size_t B = prompts.size();
+  std::vector<GenerationResult> res(B);
+
+  ExpertsMapGuard guard(*this);  // restores the map however generation ends
+  const ExpertsMap prefill = guard.saved(), decode = decode_map(*this, gc, prefill);
+  for (GenerationResult& r : res) {
+    r.prefill_experts = prefill;
+    r.decode_experts = decode;
+    r.batch_size = int64_t(B);
+  }
+  if (gc.max_new_tokens == 0) return res;
+  const bool graphs = impl_->options.cuda_graph && device().is_cuda();
+  if (graphs) impl_->require_capturable_experts(decode);
+
+  struct Sequence {
+    KvCache cache;
+    generate::TokenSampler sampler;
+    std::vector<int64_t> history;  // for the repetition penalty
+    int64_t last = -1;             // the last new token: the next step's input
+    bool done = false;
+  };
+  std::vector<Sequence> seqs;
+  seqs.reserve(B);
+  for (size_t i = 0; i < B; ++i) {
+    seqs.push_back(Sequence{KvCache(), generate::TokenSampler(gc), {}, -1, false});
+    const int64_t n = int64_t(prompts[i].size());
+    const int64_t total = checked_add(n, gc.max_new_tokens, "generate_batch: prompt + max_new_tokens");
+    impl_->reserve(seqs[i].cache, std::min(total, n + kUpfrontTokens));
+    if (gc.repetition_penalty != 1.0f) seqs[i].history = prompts[i];
+  }
+  // Sequence i's next token from row r of the logits; true when it is finished.
+  auto step = [&](size_t i, const Tensor& logits, int64_t r) {
+    Sequence& q = seqs[i];
+    GenerationResult& out = res[i];
+    const bool too_early = int64_t(out.tokens.size()) < gc.min_new_tokens;
+    std::vector<float> l = row(logits, r, q.cache.length() - 1);
+    const int64_t tok = q.sampler.next(l, too_early ? eos : std::vector<int64_t>{}, q.history);
+    if (gc.repetition_penalty != 1.0f) q.history.push_back(tok);
+    out.tokens.push_back(tok);
+    q.last = tok;
+    if (gc.on_sequence_token) gc.on_sequence_token(i, tok);
+    if (std::find(eos.begin(), eos.end(), tok) != eos.end())
+      out.stopped_on_eos = q.done = true;
+    else if (int64_t(out.tokens.size()) >= gc.max_new_tokens)
+      q.done = true;
+  };
+
+  auto t0 = std::chrono::steady_clock::now();
+  {
+    std::vector<KvCache*> caches;
+    for (Sequence& q : seqs) caches.push_back(&q.cache);
+    const Tensor logits = impl_->forward_batch(prompts, caches);
+    for (size_t i = 0; i < B; ++i) step(i, logits, int64_t(i));
+  }
+  const double prefill_ms = ms_since(t0);
+  for (GenerationResult& r : res) r.prefill_ms = prefill_ms;
+
+  if (decode != prefill) set_experts_implementation(decode);
+  t0 = std::chrono::steady_clock::now();
+  const int64_t replays0 = impl_->graph_replays;
+  KvCache pad;                  // the cache of the slots that fill a graphed step up to its bucket
+  std::vector<int64_t> slots;   // graphs: the sequence in each slot, -1 for padding
+  while (true) {
+    std::vector<size_t> active;
+    for (size_t i = 0; i < B; ++i)
+      if (!seqs[i].done) active.push_back(i);
+    if (active.empty()) break;
+    if (graphs) {
+      // The slots change only when the unfinished sequences fit a smaller bucket (or on the first step).
+      if (slots.empty() || bucket(int64_t(active.size())) < int64_t(slots.size())) {
+        slots.assign(size_t(bucket(int64_t(active.size()))), -1);
+        for (size_t s = 0; s < active.size(); ++s) slots[s] = int64_t(active[s]);
+      }
+      std::vector<int64_t> tokens;
+      std::vector<KvCache*> caches;
+      std::vector<bool> advance;
+      for (int64_t i : slots) {
+        tokens.push_back(i < 0 ? 0 : seqs[size_t(i)].last);
+        caches.push_back(i < 0 ? &pad : &seqs[size_t(i)].cache);
+        advance.push_back(i >= 0 && !seqs[size_t(i)].done);
+      }
+      const Tensor logits = impl_->decode_batch_graphed(tokens, caches, advance);
+      for (size_t s = 0; s < slots.size(); ++s)
+        if (advance[s]) {
+          ++res[size_t(slots[s])].decode_steps;
+          step(size_t(slots[s]), logits, int64_t(s));
+        }
+    } else {
+      std::vector<std::vector<int64_t>> ids;
+      std::vector<KvCache*> caches;
+      for (size_t i : active) {
+        ids.push_back({seqs[i].last});
+        caches.push_back(&seqs[i].cache);
+      }
+      const Tensor logits = impl_->forward_batch(ids, caches);
+      for (size_t a = 0; a < active.size(); ++a) {
+        ++res[active[a]].decode_steps;
+        step(active[a], logits, int64_t(a));
+      }
+    }
+  }
+  const double decode_ms = ms_since(t0);
+  for (GenerationResult& r : res) {
+    r.decode_ms = decode_ms;
+    r.graph_replays = impl_->graph_replays - replays0;
+  }
   return res;
 }
 

@@ -24,6 +24,23 @@ class TensorReader {
   TensorReader(const Checkpoint& ckpt, DType dtype, Device device, bool dry = false)
       : ck_(ckpt), dtype_(dtype), device_(device), dry_(dry) {}
 
+  // Reports each tensor read (not in a dry reader) to `fn`, out of what the dry reader `plan` read.
+  void report_to(const std::function<void(const LoadProgress&)>& fn, const TensorReader& plan) {
+    fn_ = fn;
+    progress_ = LoadProgress{};
+    for (const std::string& name : plan.read_) {
+      ++progress_.total_tensors;
+      progress_.total_bytes += ck_.get(name).nbytes();
+    }
+  }
+  void finish() const {
+    if (!fn_) return;
+    LoadProgress p = progress_;
+    p.tensors = p.total_tensors;
+    p.bytes = p.total_bytes;
+    fn_(p);
+  }
+
   bool dry() const { return dry_; }
   const std::vector<std::string>& read() const { return read_; }
 
@@ -56,6 +73,11 @@ class TensorReader {
       return {};
     }
     if (dry_) read_.push_back(name);
+    if (fn_ && !dry_) {
+      progress_.tensors = std::min(progress_.tensors + 1, progress_.total_tensors);
+      progress_.bytes = std::min(progress_.bytes + t.nbytes(), progress_.total_bytes);
+      fn_(progress_);
+    }
     return t;
   }
   // Peak memory stays near the checkpoint's size: once a tensor is copied, its mapped pages go.
@@ -92,6 +114,8 @@ class TensorReader {
   Device device_;
   bool dry_ = false;
   std::vector<std::string> missing_, wrong_, read_;
+  std::function<void(const LoadProgress&)> fn_;
+  LoadProgress progress_;
   size_t missing_count_ = 0, wrong_count_ = 0;
 };
 
@@ -396,7 +420,8 @@ void check_finite_weights(const Checkpoint& ck, const std::vector<std::string>& 
 }
 
 Weights load_weights(const Checkpoint& ck, TextConfig& c, DType dtype, Device device,
-                     const std::string& experts_implementation, std::optional<bool> check_finite) {
+                     const std::string& experts_implementation, std::optional<bool> check_finite,
+                     const std::function<void(const LoadProgress&)>& progress) {
   check_config_against_checkpoint(ck, c);
   // Everything checked on the zero-copy checkpoint tensors before anything is converted or allocated.
   TensorReader dry(ck, dtype, device, /*dry=*/true);
@@ -411,7 +436,10 @@ Weights load_weights(const Checkpoint& ck, TextConfig& c, DType dtype, Device de
                  printable(ck.dir()).c_str(), double(checkpoint_bytes(ck)) / 1e9);
   }
   TensorReader r(ck, dtype, device);
-  return read_weights(r, ck, c, experts_implementation);
+  if (progress) r.report_to(progress, dry);
+  Weights w = read_weights(r, ck, c, experts_implementation);
+  r.finish();
+  return w;
 }
 
 namespace {

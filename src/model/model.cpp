@@ -176,7 +176,8 @@ Model Model::from_pretrained(const std::string& dir, const ModelOptions& options
   const std::string decoder_choice = requested.at(im->decoder_key);
 
   const Checkpoint ck = Checkpoint::open(dir);
-  im->weights = model::load_weights(ck, im->config.text, im->dtype, dev, decoder_choice, options.check_finite);
+  im->weights = model::load_weights(ck, im->config.text, im->dtype, dev, decoder_choice, options.check_finite,
+                                    options.on_load_progress);
   const TextConfig& c = im->config.text;
   im->rope = model::make_rope(c.rope, c.head_dim, c.max_position_embeddings);
   im->rope.interleaved = c.mla && c.rope_interleave;

@@ -64,11 +64,21 @@ struct Weights {
 // (check_finite: default on for checkpoints up to kFiniteCheckDefaultBytes, else a warning) that the
 // weights read hold no NaN or Inf, then converts.
 Weights load_weights(const Checkpoint& ckpt, TextConfig& c, DType dtype, Device device,
-                     const std::string& experts_implementation, std::optional<bool> check_finite = std::nullopt);
+                     const std::string& experts_implementation, std::optional<bool> check_finite = std::nullopt,
+                     const std::function<void(const LoadProgress&)>& progress = {});
 constexpr uint64_t kFiniteCheckDefaultBytes = 4ull << 30;
 uint64_t checkpoint_bytes(const Checkpoint& ckpt);
 // Throws Error(invalid_argument) naming the first tensor (and element) with a NaN or Inf.
 void check_finite_weights(const Checkpoint& ckpt, const std::vector<std::string>& names);
+
+// One sequence of a forward over several: its new tokens are rows [begin, begin + n) of the step, at
+// positions pos.. of its own KV cache, whose first kv_rows rows the attention is given (>= pos + n).
+struct Segment {
+  KvCache::State* cache;
+  int64_t begin, n;
+  Position pos;
+  int64_t kv_rows;
+};
 
 }  // namespace moekit::model
 
@@ -97,15 +107,18 @@ class OwnedStream {
 
 // One decode step recorded as a CUDA graph, and what it was recorded against: replays are valid while the
 // cache's buffers, the scratch memory and the experts map stay the same.
+// A step of B sequences (B slots, each with its own cache) is recorded as one graph: the key holds every
+// slot's buffers in order, so a graph serves one batch size (bucket) over the same caches.
 struct DecodeGraph {
-  std::vector<const void*> cache;  // every layer's key and value buffers
-  int64_t capacity = 0;
+  std::vector<const void*> cache;  // every slot's layers' key and value buffers, then the step's inputs
+  std::vector<int64_t> capacity;   // per slot
   uint64_t scratch_epoch = 0;
   ExpertsMap experts;
   bool warmed = false;  // one uncaptured step with this key ran (sizes the workspaces)
   std::unique_ptr<model::StepGraph> graph;
-  Tensor logits;  // [1, V] f32 on the device, written by each replay
-  bool matches(const KvCache::State& st, uint64_t epoch, const ExpertsMap& m) const;
+  Tensor logits;  // [B, V] f32 on the device, written by each replay
+  static std::vector<const void*> key(const std::vector<KvCache::State*>& slots, const void* io);
+  bool matches(const std::vector<KvCache::State*>& slots, const void* io, uint64_t epoch, const ExpertsMap& m) const;
 };
 
 struct Model::Impl {
@@ -122,7 +135,7 @@ struct Model::Impl {
   std::string decoder_key;  // the map entry that drives the decoder's experts ("" or "text_config")
 
   model::Scratch scratch;
-  Tensor step_io;  // [2] i64 on the device: the token and position of a graphed decode step
+  Tensor step_io;  // [2B] i64 on the device: the tokens, then the positions, of a graphed decode step
   DecodeGraph decode_graph;
   int64_t graph_replays = 0;
 
@@ -135,6 +148,14 @@ struct Model::Impl {
   // One decode step through the CUDA graph of decode steps (recorded on first use and whenever the cache
   // buffers, scratch memory or experts map changed); logits [1, V] f32 on the CPU.
   Tensor decode_step_graphed(int64_t token, KvCache& cache);
+  // One new token for each of several sequences (prefill of ragged prompts when the token lists are longer):
+  // one forward whose experts call has T = all tokens; logits [sequences, V] f32 on the CPU (each one's last
+  // position). Every cache's length grows by its tokens.
+  Tensor forward_batch(const std::vector<std::vector<int64_t>>& ids, const std::vector<KvCache*>& caches);
+  // One decode step of B slots through the CUDA graph recorded for them (as decode_step_graphed). Slots
+  // whose `advance` is false (padding, finished sequences) run at their cache's length without growing it.
+  Tensor decode_batch_graphed(const std::vector<int64_t>& tokens, const std::vector<KvCache*>& caches,
+                              const std::vector<bool>& advance);
   void reserve(KvCache& cache, int64_t tokens) const;
   // Throws Error(not_supported) when the decoder's backend in `map` cannot be recorded in a CUDA graph.
   void require_capturable_experts(const ExpertsMap& map) const;
@@ -144,6 +165,9 @@ struct Model::Impl {
   // Enqueues the decoder over `ids` ([T] i64 on the device) at position `pos` on the current stream; the
   // cache's length is left to the caller. Returns the logits [n, V] f32 in scratch memory.
   Tensor forward_device(const TensorView& ids, model::Position pos, KvCache& cache, bool all_logits);
+  // The same over several sequences (rows of `ids` by `segs`); logits [n, V]: every row (all_logits, one
+  // sequence) or each sequence's last row.
+  Tensor forward_segments(const TensorView& ids, const std::vector<model::Segment>& segs, bool all_logits);
 };
 
 }  // namespace moekit

@@ -2,14 +2,19 @@
 // and generates; with the checkpoint's tokenizer.json the new text is printed as it is generated.
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <sstream>
+
+#include <unistd.h>
 
 #include "commands.h"
 #include "moekit/error.h"
@@ -23,17 +28,68 @@ namespace {
 
 struct RunOptions {
   std::string model, device = "cpu", dtype = "auto", experts, prompt_ids, dump_logits, decode_switch = "auto";
-  std::string prompt, prompt_file;
-  int64_t max_new_tokens = 20, min_new_tokens = 0, top_k = 50, warmup = 0;
+  std::string prompt, prompt_file, prompts_file;
+  int64_t max_new_tokens = 20, min_new_tokens = 0, top_k = 50, warmup = 0, batch = 8;
   double temperature = 1.0, top_p = 1.0, repetition_penalty = 1.0;
   std::string seed = "0";
   bool sample = false, greedy = false, json = false, cuda_graph = false, quiet = false, check_finite = false,
-       no_check_finite = false;
+       no_check_finite = false, progress = false;
   // Options given on the command line (the others keep generation_config.json's values).
   bool set_max_new_tokens = false, set_temperature = false, set_top_k = false, set_top_p = false,
        set_repetition_penalty = false, set_seed = false, set_prompt = false, set_prompt_file = false,
-       set_prompt_ids = false;
+       set_prompt_ids = false, set_prompts_file = false;
 };
+
+// One prompt of a --prompts-file: its text (empty for ids) and ids (empty until tokenized).
+struct FilePrompt {
+  std::string text;
+  std::vector<int64_t> ids;
+  bool is_text = false;
+};
+
+// --prompts-file: one prompt per non-blank line, either plain text or a JSON object with "text" (a string)
+// or "ids" (an array of integers). Errors name the line.
+std::vector<FilePrompt> read_prompts_file(const std::string& path) {
+  std::error_code ec;
+  MOEKIT_CHECK_CODE(std::filesystem::is_regular_file(path, ec), not_found, "--prompts-file: '", printable(path),
+                    "' is not a regular file");
+  std::ifstream f(path, std::ios::binary);
+  MOEKIT_CHECK_CODE(f.good(), not_found, "--prompts-file: cannot open '", printable(path), "'");
+  std::vector<FilePrompt> out;
+  std::string line;
+  for (int64_t no = 1; std::getline(f, line); ++no) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.find_first_not_of(" \t") == std::string::npos) continue;
+    const std::string where = fmt::format("--prompts-file {} line {}", printable(path), no);
+    if (line[line.find_first_not_of(" \t")] != '{') {
+      out.push_back({line, {}, true});
+      continue;
+    }
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      MOEKIT_FAIL(invalid_argument, where, ": not a JSON object (", e.what(), ")");
+    }
+    MOEKIT_CHECK(j.is_object() && (j.contains("text") != j.contains("ids")), where,
+                 ": a JSON line needs one of \"text\" or \"ids\"");
+    if (j.contains("text")) {
+      MOEKIT_CHECK(j["text"].is_string(), where, ": \"text\" must be a string");
+      out.push_back({j["text"].get<std::string>(), {}, true});
+      continue;
+    }
+    MOEKIT_CHECK(j["ids"].is_array() && !j["ids"].empty(), where, ": \"ids\" must be a non-empty array of integers");
+    FilePrompt p;
+    for (size_t i = 0; i < j["ids"].size(); ++i) {
+      const auto& v = j["ids"][i];
+      MOEKIT_CHECK(v.is_number_integer(), where, ": \"ids\"[", i, "] is not an integer");
+      p.ids.push_back(v.get<int64_t>());
+    }
+    out.push_back(std::move(p));
+  }
+  MOEKIT_CHECK(!out.empty(), "--prompts-file ", printable(path), ": no prompts (every line is blank)");
+  return out;
+}
 
 std::string read_prompt_file(const std::string& path) {
   std::error_code ec;
@@ -58,6 +114,95 @@ std::string ids_text(const std::vector<int64_t>& ids) {
   return s;
 }
 
+// The text of ids, leaving out those the tokenizer lacks (a model's vocabulary is often padded beyond it).
+std::string known_text(const Tokenizer& tok, const std::vector<int64_t>& ids) {
+  std::vector<int64_t> known;
+  for (int64_t t : ids)
+    if (tok.contains(t)) known.push_back(t);
+  return tok.decode(known);
+}
+
+// --prompts-file: the prompts in batches of --batch, one generate_batch each; per sequence one JSON line
+// (--json) or its text / ids, in the file's order.
+void run_batches(const RunOptions& o, Model& model, const GenerationConfig& gc, const std::vector<FilePrompt>& prompts,
+                 const std::optional<Tokenizer>& tokenizer, double load_ms) {
+  const size_t B = size_t(o.batch);
+  for (int64_t i = 0; i < o.warmup; ++i) {
+    std::vector<std::vector<int64_t>> ids;
+    for (size_t k = 0; k < std::min(B, prompts.size()); ++k) ids.push_back(prompts[k].ids);
+    model.generate_batch(ids, gc);
+  }
+  for (size_t first = 0; first < prompts.size(); first += B) {
+    std::vector<std::vector<int64_t>> ids;
+    for (size_t k = first; k < std::min(first + B, prompts.size()); ++k) ids.push_back(prompts[k].ids);
+    if (!o.quiet)
+      fmt::print(stderr, "moekit run: sequences {}..{} of {} ...\n", first, first + ids.size() - 1, prompts.size());
+    const std::vector<GenerationResult> rs = model.generate_batch(ids, gc);
+    for (size_t k = 0; k < rs.size(); ++k) {
+      const GenerationResult& r = rs[k];
+      const FilePrompt& p = prompts[first + k];
+      if (o.json) {
+        nlohmann::json j;
+        j["index"] = first + k;
+        if (p.is_text) j["prompt"] = p.text;
+        j["prompt_ids"] = p.ids;
+        j["generated_ids"] = r.tokens;
+        if (tokenizer) j["text"] = known_text(*tokenizer, r.tokens);
+        j["stopped_on_eos"] = r.stopped_on_eos;
+        j["batch_size"] = r.batch_size;
+        j["phases"] = {{"prefill", map_json(r.prefill_experts)}, {"decode", map_json(r.decode_experts)}};
+        j["timings"] = {{"load_ms", load_ms},
+                        {"prefill_ms", r.prefill_ms},
+                        {"decode_ms", r.decode_ms},
+                        {"tokens_per_s", r.tokens_per_s()}};
+        j["cuda_graph"] = {{"enabled", model.options().cuda_graph}, {"replays", r.graph_replays}};
+        fmt::print("{}\n", j.dump());
+      } else {
+        fmt::print("[{}] {}{}\n", first + k,
+                   tokenizer ? printable(known_text(*tokenizer, r.tokens), 1 << 20) : ids_text(r.tokens),
+                   r.stopped_on_eos ? "  (stopped on EOS)" : "");
+      }
+    }
+    if (!o.json && !rs.empty() && !o.quiet)
+      fmt::print(stderr, "moekit run: batch of {}: prefill {:.2f} ms, decode {:.2f} ms ({} steps){}\n", rs.size(),
+                 rs[0].prefill_ms, rs[0].decode_ms,
+                 std::max_element(rs.begin(), rs.end(),
+                                  [](const auto& a, const auto& b) { return a.decode_steps < b.decode_steps; })
+                     ->decode_steps,
+                 model.options().cuda_graph ? fmt::format(", {} replayed from a CUDA graph", rs[0].graph_replays)
+                                            : std::string());
+    std::fflush(stdout);
+  }
+}
+
+// Loading progress on stderr: rewritten in place on a terminal, else (--progress) a line per tenth.
+std::function<void(const LoadProgress&)> load_progress_printer(bool terminal) {
+  auto last = std::make_shared<std::chrono::steady_clock::time_point>();
+  auto tenth = std::make_shared<int64_t>(-1);
+  auto finished = std::make_shared<bool>(false);
+  return [=](const LoadProgress& p) {
+    const bool done = p.tensors == p.total_tensors;
+    if (*finished) return;
+    *finished = done;
+    const bool gb = p.total_bytes >= 1000000000;
+    const std::string text =
+        fmt::format("moekit run: loading {:.2f} / {:.2f} {}, {} / {} tensors", double(p.bytes) / (gb ? 1e9 : 1e6),
+                    double(p.total_bytes) / (gb ? 1e9 : 1e6), gb ? "GB" : "MB", p.tensors, p.total_tensors);
+    if (terminal) {
+      const auto now = std::chrono::steady_clock::now();
+      if (!done && now - *last < std::chrono::milliseconds(100)) return;
+      *last = now;
+      fmt::print(stderr, "\r{}{}", text, done ? "\n" : "");
+    } else {
+      const int64_t t = p.total_bytes ? int64_t(10 * p.bytes / p.total_bytes) : 10;
+      if (t == *tenth) return;
+      *tenth = t;
+      fmt::print(stderr, "{}\n", text);
+    }
+    std::fflush(stderr);
+  };
+}
+
 void run(const RunOptions& o) {
   ModelOptions mo;
   mo.device = Device::parse(o.device);
@@ -66,17 +211,32 @@ void run(const RunOptions& o) {
   mo.cuda_graph = o.cuda_graph;
   if (o.check_finite) mo.check_finite = true;
   if (o.no_check_finite) mo.check_finite = false;
-  MOEKIT_CHECK(int(o.set_prompt) + int(o.set_prompt_file) + int(o.set_prompt_ids) == 1,
-               "run: give one of --prompt TEXT, --prompt-file FILE or --prompt-ids 1,2,3");
+  const bool terminal = ::isatty(STDERR_FILENO) == 1;
+  if (o.progress || (terminal && !o.quiet)) mo.on_load_progress = load_progress_printer(terminal);
+  MOEKIT_CHECK(int(o.set_prompt) + int(o.set_prompt_file) + int(o.set_prompt_ids) + int(o.set_prompts_file) == 1,
+               "run: give one of --prompt TEXT, --prompt-file FILE, --prompt-ids 1,2,3 or --prompts-file FILE");
+  MOEKIT_CHECK(o.batch >= 1, "--batch must be >= 1, got ", o.batch);
+  std::vector<FilePrompt> file_prompts;
+  if (o.set_prompts_file) {
+    MOEKIT_CHECK(o.dump_logits.empty(), "--dump-logits applies to one prompt, not --prompts-file");
+    file_prompts = read_prompts_file(o.prompts_file);
+  }
   std::optional<Tokenizer> tokenizer;
-  const bool text_prompt = o.set_prompt || o.set_prompt_file;
+  const bool text_prompt = o.set_prompt || o.set_prompt_file ||
+                           std::any_of(file_prompts.begin(), file_prompts.end(), [](const auto& p) { return p.is_text; });
   if (text_prompt || std::filesystem::exists(std::filesystem::path(o.model) / "tokenizer.json")) {
     if (text_prompt && !std::filesystem::exists(std::filesystem::path(o.model) / "tokenizer.json"))
-      MOEKIT_FAIL(not_found, "run: '", o.model, "' has no tokenizer.json, so --prompt",
-                  o.set_prompt_file ? "-file" : "", " cannot be tokenized; give --prompt-ids 1,2,3 instead");
+      MOEKIT_FAIL(not_found, "run: '", o.model, "' has no tokenizer.json, so ",
+                  o.set_prompts_file ? "the text lines of --prompts-file" : o.set_prompt_file ? "--prompt-file" : "--prompt",
+                  " cannot be tokenized; give token ids instead (--prompt-ids 1,2,3, or {\"ids\": [1, 2, 3]} lines)");
     tokenizer = Tokenizer::from_pretrained(o.model);
   }
-  const std::vector<int64_t> prompt = o.set_prompt_ids ? parse_ids(o.prompt_ids)
+  for (size_t i = 0; i < file_prompts.size(); ++i) {
+    if (file_prompts[i].is_text) file_prompts[i].ids = tokenizer->encode(file_prompts[i].text);
+    MOEKIT_CHECK(!file_prompts[i].ids.empty(), "--prompts-file: prompt ", i, " has no tokens");
+  }
+  const std::vector<int64_t> prompt = o.set_prompts_file ? file_prompts[0].ids
+                                      : o.set_prompt_ids ? parse_ids(o.prompt_ids)
                                       : tokenizer->encode(o.set_prompt ? o.prompt : read_prompt_file(o.prompt_file));
   MOEKIT_CHECK(!prompt.empty(), "run: the prompt has no tokens");
   MOEKIT_CHECK(o.max_new_tokens >= 0, "--max-new-tokens must be >= 0, got ", o.max_new_tokens);
@@ -116,6 +276,7 @@ void run(const RunOptions& o) {
     fmt::print(stderr, "moekit run: loaded {} ({}, {}, {}) in {:.0f} ms; generating up to {} tokens ...\n", o.model,
                model.config().text.model_type, dtype_name(model.dtype()), model.device().to_string(), load_ms,
                gc.max_new_tokens);
+  if (o.set_prompts_file) return run_batches(o, model, gc, file_prompts, tokenizer, load_ms);
   GenerationConfig warm = gc;
   warm.keep_prompt_logits = false;
   for (int64_t i = 0; i < o.warmup; ++i) model.generate(prompt, warm);
@@ -210,8 +371,12 @@ void add_run_command(CLI::App& app) {
   auto* prompt = cmd->add_option("--prompt", o->prompt, "prompt text (tokenized with the checkpoint's tokenizer.json)");
   auto* prompt_file = cmd->add_option("--prompt-file", o->prompt_file, "file whose contents are the prompt text");
   auto* prompt_ids = cmd->add_option("--prompt-ids", o->prompt_ids, "prompt token ids, comma-separated (e.g. 1,2,3)");
-  prompt->excludes(prompt_file)->excludes(prompt_ids);
-  prompt_file->excludes(prompt_ids);
+  auto* prompts_file = cmd->add_option("--prompts-file", o->prompts_file,
+                                       "many prompts: one per line, text or JSON {\"text\": ...} / {\"ids\": [...]}");
+  cmd->add_option("--batch", o->batch, "--prompts-file: sequences generated together (default 8)");
+  prompt->excludes(prompt_file)->excludes(prompt_ids)->excludes(prompts_file);
+  prompt_file->excludes(prompt_ids)->excludes(prompts_file);
+  prompt_ids->excludes(prompts_file);
   auto* max_new = cmd->add_option("--max-new-tokens", o->max_new_tokens,
                                   "tokens to generate at most (default: generation_config.json's, else 20)");
   cmd->add_option("--min-new-tokens", o->min_new_tokens, "EOS is suppressed before this many new tokens");
@@ -233,12 +398,15 @@ void add_run_command(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_flag("--json", o->json,
                 "print one JSON line: generated_ids, text (with a tokenizer.json), experts_implementation, phases, "
-                "timings");
+                "timings (--prompts-file: one line per sequence, JSONL)");
   cmd->add_option("--dump-logits", o->dump_logits, "write the prompt's logits [prompt_len, vocab] f32 (safetensors)");
   cmd->add_flag("--cuda-graph", o->cuda_graph,
                 "record one decode step as a CUDA graph and replay it for the later tokens (CUDA devices; decode "
                 "backend batched_mm or grouped_mm)");
   cmd->add_flag("--quiet", o->quiet, "no progress messages on stderr");
+  cmd->add_flag("--progress", o->progress,
+                "loading progress (bytes and tensors) on stderr also when it is not a terminal (on a terminal: "
+                "unless --quiet)");
   auto* cf = cmd->add_flag("--check-finite", o->check_finite,
                            "refuse weights holding NaN or Inf (default: on for checkpoints up to 4 GiB)");
   cmd->add_flag("--no-check-finite", o->no_check_finite, "do not scan the weights for NaN or Inf")->excludes(cf);
@@ -246,6 +414,7 @@ void add_run_command(CLI::App& app) {
     o->set_prompt = prompt->count() > 0;
     o->set_prompt_file = prompt_file->count() > 0;
     o->set_prompt_ids = prompt_ids->count() > 0;
+    o->set_prompts_file = prompts_file->count() > 0;
     o->set_max_new_tokens = max_new->count() > 0;
     o->set_temperature = temperature->count() > 0;
     o->set_top_k = top_k->count() > 0;
