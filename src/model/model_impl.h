@@ -123,8 +123,9 @@ struct DecodeGraph {
 
 struct Model::Impl {
   // Declared first, destroyed last: the work of everything below runs on them. Decode graphs are recorded
-  // and replayed on a stream of their own, whose workspaces (experts, layer ops) only ever serve one-token
-  // steps: a longer prefill on `stream` cannot grow (move) a buffer that a recorded graph points to.
+  // and replayed on a stream of their own, whose workspaces (experts, layer ops) only ever serve graphed
+  // decode steps: a longer prefill on `stream` cannot grow (move) a buffer that a recorded graph points to,
+  // and a step of a larger batch first runs uncaptured (growing them) and then records a new graph.
   std::unique_ptr<OwnedStream> stream, graph_stream;
   ModelConfig config;
   ModelOptions options;
