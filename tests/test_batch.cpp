@@ -249,6 +249,9 @@ TEST(RunCommand, BadPromptsFilesFailNamingTheLine) {
   EXPECT_NE(r.out.find("--batch"), std::string::npos) << r.out;
   r = with(R"({"ids": [1]})", " --prompt-ids 1,2");
   EXPECT_NE(r.code, 0);
+  r = test::run_cli(base + " --prompt-ids 1,2 --batch 2");  // --batch belongs to --prompts-file
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("--prompts-file"), std::string::npos) << r.out;
   r = test::run_cli(base + " --prompts-file " + tmp.file("missing"));
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("missing"), std::string::npos) << r.out;

@@ -373,7 +373,8 @@ void add_run_command(CLI::App& app) {
   auto* prompt_ids = cmd->add_option("--prompt-ids", o->prompt_ids, "prompt token ids, comma-separated (e.g. 1,2,3)");
   auto* prompts_file = cmd->add_option("--prompts-file", o->prompts_file,
                                        "many prompts: one per line, text or JSON {\"text\": ...} / {\"ids\": [...]}");
-  cmd->add_option("--batch", o->batch, "--prompts-file: sequences generated together (default 8)");
+  cmd->add_option("--batch", o->batch, "--prompts-file: sequences generated together (default 8)")
+      ->needs(prompts_file);
   prompt->excludes(prompt_file)->excludes(prompt_ids)->excludes(prompts_file);
   prompt_file->excludes(prompt_ids)->excludes(prompts_file);
   prompt_ids->excludes(prompts_file);
