@@ -60,6 +60,21 @@ echo "generated text (${BACKENDS[0]}, streamed as generated; the weights are ran
 "$MOEKIT" run --quiet --model "$CKPT" --prompt "$PROMPT" --max-new-tokens "$NEW_TOKENS" --min-new-tokens "$NEW_TOKENS" \
   --experts "${BACKENDS[0]}" | sed -n 's/^text           /  /p'
 echo
+# Several prompts at once (one prefill over all of them, then one experts call per step for every unfinished
+# sequence); the demo prompt's tokens must be the ones it gets alone.
+BATCH_FILE="$WORK/prompts.txt"
+printf '%s\n' "$PROMPT" "Hello" "A longer prompt about routing tokens to experts, one batch at a time" \
+  '{"ids": [1, 2, 3]}' >"$BATCH_FILE"
+step "generating 4 prompts together (--prompts-file --batch 4) ..."
+batch=$("$MOEKIT" run --quiet --model "$CKPT" --prompts-file "$BATCH_FILE" --batch 4 --max-new-tokens "$NEW_TOKENS" \
+  --min-new-tokens "$NEW_TOKENS" --experts "${BACKENDS[0]}" --json) || fail "moekit run --prompts-file failed"
+batch_ids=$(head -n 1 <<<"$batch" | sed -E 's/.*"generated_ids":\[([^]]*)\].*/\1/')
+batch_ms=$(field decode_ms "$(head -n 1 <<<"$batch")")
+echo "4 prompts in one batch ($BATCH_FILE, ${BACKENDS[0]}): decode $(awk -v ms="$batch_ms" -v n="$NEW_TOKENS" \
+  'BEGIN { printf "%.1f", 4 * (n - 1) * 1000 / ms }') tokens/s in all; the first prompt's tokens are" \
+  "$([ "$batch_ids" = "${IDS[${BACKENDS[0]}]}" ] && echo "identical to" || echo "DIFFERENT from") its own run's"
+[ "$batch_ids" = "${IDS[${BACKENDS[0]}]}" ] || fail "batched generation gave other tokens than generating alone"
+echo
 echo "experts backends on this machine (moekit backends):"
 "$MOEKIT" backends
 [ "$SAME" = yes ] || fail "backends generated different tokens"
