@@ -182,7 +182,8 @@ TEST(CudaGraph, CaptureOnAStreamThatNeverRanAForward) {
     ProblemConfig cfg = cuda_case();
     cfg.K = 2;
     cfg.idt = DType::i32;
-    const Experts dev = make_problem(cfg, 6).experts.to(Device::cuda(0));
+    const ExpertsProblem base = make_problem(cfg, 6);
+    const Experts dev = base.experts.to(Device::cuda(0));
     if (!ExpertsInterface::global().get(b)->supports(dev, DType::bf16)) continue;
     cudaStream_t capture = nullptr;
     ASSERT_EQ(cudaStreamCreateWithFlags(&capture, cudaStreamNonBlocking), cudaSuccess);
@@ -197,7 +198,11 @@ TEST(CudaGraph, CaptureOnAStreamThatNeverRanAForward) {
     for (int i = 0; i < 2; ++i) {
       Recorded& r = graphs[i];
       cfg.T = tokens[i];
-      r.p = make_problem(cfg, 20 + i);
+      r.p.config = cfg;
+      r.p.experts = base.experts;  // the module's weights, new inputs
+      std::mt19937_64 rng(20 + i);
+      make_inputs(cfg, rng, r.p);
+      r.p.reference = reference_forward(r.p.experts, r.p.hidden_states, r.p.top_k_index, r.p.top_k_weights);
       r.x = r.p.hidden_states.to(dev.device());
       r.idx = r.p.top_k_index.to(dev.device());
       r.w = r.p.top_k_weights.to(dev.device());
@@ -217,6 +222,7 @@ TEST(CudaGraph, CaptureOnAStreamThatNeverRanAForward) {
     for (int round = 0; round < 2; ++round)
       for (Recorded& r : graphs) {
         poison(r.out);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // `capture` does not wait for the default stream
         ASSERT_EQ(cudaGraphLaunch(r.exec, capture), cudaSuccess);
         ASSERT_EQ(cudaStreamSynchronize(capture), cudaSuccess);
         EXPECT_EQ(compare_with_reference(r.p, r.out.to(Device::cpu())), "")
