@@ -15,5 +15,8 @@ if(MOEKIT_SHARED)
 endif()
 nanobind_add_module(_moekit NB_STATIC ${PROJECT_SOURCE_DIR}/python/src/moekit_python.cpp)
 target_link_libraries(_moekit PRIVATE moekit)
+# Everything linked from archives (libmoekit, the static CUDA runtime) stays inside the module and binds there:
+# nothing is exported for torch's libraries to interpose, or to interpose on theirs.
+target_link_options(_moekit PRIVATE -Wl,--exclude-libs,ALL)
 target_compile_options(_moekit PRIVATE ${MOEKIT_WARNINGS})
 install(TARGETS _moekit LIBRARY DESTINATION moekit COMPONENT python)

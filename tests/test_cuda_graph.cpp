@@ -171,3 +171,69 @@ TEST(CudaGraph, MovedGraphStillReplays) {
     EXPECT_EQ(out.shape(), (Shape{3, 64})) << b;
   }
 }
+
+// A forward recorded on a stream it never ran on, in global capture mode, after a warm-up on another stream
+// (what torch.cuda.graph does): the stream's workspace is made during the capture, grows during a second,
+// larger capture on the same stream, and both graphs replay right afterwards, the first one included.
+TEST(CudaGraph, CaptureOnAStreamThatNeverRanAForward) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+#ifdef MOEKIT_WITH_CUDA
+  for (const std::string& b : cuda_backends(true)) {
+    ProblemConfig cfg = cuda_case();
+    cfg.K = 2;
+    cfg.idt = DType::i32;
+    const ExpertsProblem base = make_problem(cfg, 6);
+    const Experts dev = base.experts.to(Device::cuda(0));
+    if (!ExpertsInterface::global().get(b)->supports(dev, DType::bf16)) continue;
+    cudaStream_t capture = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&capture, cudaStreamNonBlocking), cudaSuccess);
+    struct Recorded {
+      ExpertsProblem p;
+      Tensor x, idx, w, out;
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+    };
+    std::vector<Recorded> graphs(2);
+    const int64_t tokens[2] = {3, 500};  // the second needs a larger workspace than the first
+    for (int i = 0; i < 2; ++i) {
+      Recorded& r = graphs[i];
+      cfg.T = tokens[i];
+      r.p.config = cfg;
+      r.p.experts = base.experts;  // the module's weights, new inputs
+      std::mt19937_64 rng(20 + i);
+      make_inputs(cfg, rng, r.p);
+      r.p.reference = reference_forward(r.p.experts, r.p.hidden_states, r.p.top_k_index, r.p.top_k_weights);
+      r.x = r.p.hidden_states.to(dev.device());
+      r.idx = r.p.top_k_index.to(dev.device());
+      r.w = r.p.top_k_weights.to(dev.device());
+      r.out = Tensor::zeros({cfg.T, cfg.H}, DType::bf16, dev.device());
+      const ExpertsCall call{r.x.view(), r.idx.view(), r.w.view(), r.out.view(), capture};
+      dev.forward_with(b, ExpertsCall{r.x.view(), r.idx.view(), r.w.view(), r.out.view(), nullptr});  // warm-up
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ASSERT_EQ(cudaStreamBeginCapture(capture, cudaStreamCaptureModeGlobal), cudaSuccess);
+      try {
+        dev.forward_with(b, call);
+      } catch (const Error& e) {
+        ADD_FAILURE() << b << " T=" << cfg.T << ": " << e.what();
+      }
+      ASSERT_EQ(cudaStreamEndCapture(capture, &r.graph), cudaSuccess) << b;
+      ASSERT_EQ(cudaGraphInstantiate(&r.exec, r.graph, 0), cudaSuccess) << b;
+    }
+    for (int round = 0; round < 2; ++round)
+      for (Recorded& r : graphs) {
+        poison(r.out);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // `capture` does not wait for the default stream
+        ASSERT_EQ(cudaGraphLaunch(r.exec, capture), cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(capture), cudaSuccess);
+        EXPECT_EQ(compare_with_reference(r.p, r.out.to(Device::cpu())), "")
+            << b << " T=" << r.p.config.T << " round " << round;
+      }
+    EXPECT_NO_THROW(check_experts_errors(dev, capture));
+    for (Recorded& r : graphs) {
+      (void)cudaGraphExecDestroy(r.exec);
+      (void)cudaGraphDestroy(r.graph);
+    }
+    ASSERT_EQ(cudaStreamDestroy(capture), cudaSuccess);
+  }
+#endif
+}

@@ -4,8 +4,10 @@
     experts = moekit.Experts(gate_up_proj, down_proj, activation="silu")
     out = experts(hidden_states, top_k_index, top_k_weights)
 
-Tensors (CPU or CUDA) are passed to the C++ library through DLPack without copies; CUDA work runs on torch's
-current stream. moekit's errors arrive as ValueError (invalid arguments, unknown names), NotImplementedError
+Tensors (CPU or CUDA, float32 / bfloat16 / float16) are passed to the C++ library through DLPack without copies
+or stream synchronisation; CUDA work runs on torch's current stream of the tensors' device, so it works under
+``torch.no_grad()`` and inside ``torch.cuda.graph`` capture for the capturable backends (batched_mm,
+grouped_mm, deepgemm; not eager, which synchronises with the host). moekit's errors arrive as ValueError (invalid arguments, unknown names), NotImplementedError
 (a backend that cannot run these experts here), OSError and RuntimeError, with moekit's message.
 """
 
@@ -38,6 +40,25 @@ def _current_stream(t: Any) -> int:
 
         return torch.cuda.current_stream(t.device).cuda_stream
     return 0
+
+
+def _dl(t: Any) -> Any:
+    """A DLPack capsule of a torch tensor (the same memory), else the object itself. torch's ``__dlpack__``
+    may order the current stream against the default one (an event per tensor, which also breaks graph
+    capture); the capsule does no stream work: moekit runs on the current stream itself."""
+    if getattr(t, "requires_grad", False):
+        t = t.detach()  # inference only: the forward never records a graph for autograd
+    to_dlpack = _torch_to_dlpack(t)
+    return to_dlpack(t) if to_dlpack is not None else t
+
+
+def _torch_to_dlpack(t: Any) -> Any:
+    mod = type(t).__module__
+    if not mod.startswith("torch"):
+        return None
+    import torch.utils.dlpack
+
+    return torch.utils.dlpack.to_dlpack
 
 
 class Experts:
@@ -96,8 +117,9 @@ class Experts:
         params = {name: _detach(t) for name, t in tensors.items() if t is not None}
         has_bias = any(name.endswith("_bias") for name in params)
         self._params = params  # the C++ module wraps their memory
+        self.device = getattr(down_proj, "device", None)
         self._module = _moekit.Experts(
-            params, num_experts, hidden, intermediate, activation, has_gate, has_bias, is_transposed,
+            {name: _dl(t) for name, t in params.items()}, num_experts, hidden, intermediate, activation, has_gate, has_bias, is_transposed,
             is_concatenated, gate, float(alpha), float(limit), implementation)
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden, intermediate
 
@@ -125,11 +147,21 @@ class Experts:
             import torch
 
             out = torch.empty(hidden_states.shape, dtype=hidden_states.dtype, device=hidden_states.device)
-        self._module.forward_into(_detach(hidden_states), _detach(top_k_index), _detach(top_k_weights),
-                                  _detach(out), _current_stream(hidden_states), implementation)
+        self._module.forward_into(_dl(hidden_states), _dl(top_k_index), _dl(top_k_weights), _dl(out),
+                                  _current_stream(hidden_states), implementation)
         return out
 
     __call__ = forward
+
+    def check_errors(self) -> None:
+        """On CUDA, out-of-range expert ids are dropped on the device (that slot adds nothing) and recorded:
+        this waits for torch's current stream and raises ValueError naming the first one since the last
+        check. A no-op for CPU experts, whose ids are checked before every call."""
+        if getattr(self.device, "type", "cpu") != "cuda":
+            return
+        import torch
+
+        self._module.check_errors(torch.cuda.current_stream(self.device).cuda_stream)
 
     def clear_state(self) -> None:
         """Drops every backend's cached state (repacked weights, workspaces)."""

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "moekit/cuda_graph.h"
 #include "moekit/moekit.h"
 #include "moekit/version.h"
 
@@ -185,6 +186,14 @@ NB_MODULE(_moekit, m) {
              return nb::make_tuple(s.ok, s.reason);
            },
            nb::arg("backend"), nb::arg("act_dtype"))
+      .def("check_errors",
+           [](const PyExperts& e, uintptr_t stream) {
+             nb::gil_scoped_release release;
+             moekit::check_experts_errors(e.experts(), reinterpret_cast<moekit::Stream>(stream));
+           },
+           nb::arg("stream") = 0,
+           "Waits for `stream`, then raises ValueError naming the first out-of-range expert id that CUDA "
+           "forwards on that stream dropped since the last check (no-op for CPU experts).")
       .def_prop_ro("spec", [](const PyExperts& e) { return e.experts().spec().to_string(); })
       .def("clear_state", [](const PyExperts& e) { e.experts().clear_state(); });
 

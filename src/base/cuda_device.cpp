@@ -65,6 +65,10 @@ bool stream_is_capturing(cudaStream_t stream) {
   return status != cudaStreamCaptureStatusNone;
 }
 
+RelaxedCaptureMode::RelaxedCaptureMode() { MOEKIT_CUDA_CALL(cudaThreadExchangeStreamCaptureMode(&previous_)); }
+
+RelaxedCaptureMode::~RelaxedCaptureMode() { (void)cudaThreadExchangeStreamCaptureMode(&previous_); }
+
 DeviceBuffer::DeviceBuffer(size_t bytes, int device) : bytes_(bytes), device_(device) {
   if (bytes == 0) return;
   DeviceGuard guard(device);

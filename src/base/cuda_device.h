@@ -43,6 +43,20 @@ class DeviceGuard {
 // Whether work enqueued on `stream` is being recorded into a CUDA graph.
 bool stream_is_capturing(cudaStream_t stream);
 
+// Lets this thread allocate (cudaMalloc) while one of its streams is being recorded into a graph, even when
+// the capture was begun in global mode (torch.cuda.graph's default): the thread's capture mode is relaxed for
+// the scope, as torch's own allocator does. Memory so allocated must outlive the graphs that use it.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode();
+  ~RelaxedCaptureMode();
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  cudaStreamCaptureMode previous_ = cudaStreamCaptureModeRelaxed;
+};
+
 // cudaMalloc'd bytes on one device.
 class DeviceBuffer {
  public:

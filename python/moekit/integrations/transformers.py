@@ -23,9 +23,9 @@ import moekit
 
 __all__ = ["register", "registered_names", "experts_forward_for", "decode_experts_implementation"]
 
-# moekit backend -> transformers name. Only backends that run in this build are registered.
+# moekit backend -> transformers name: "moekit_" + the name. Which backends are registered is asked of moekit's
+# registry (the ones that run in this build on this machine), not listed here.
 _PREFIX = "moekit_"
-_BACKENDS = ("eager", "batched_mm", "grouped_mm", "deepgemm", "sonicmoe")
 
 
 def _gate_kind(module: Any) -> str:
@@ -107,17 +107,12 @@ def experts_forward_for(backend: str) -> Callable:
 
 
 def registered_names() -> list[str]:
-    """The ``moekit_*`` names this build registers: moekit's backends that run here (CPU, or CUDA when a
-    device is present)."""
-    names = []
-    info = {b["name"]: b for b in moekit.backends()}
-    for name in _BACKENDS:
-        b = info.get(name)
-        if b is None:
-            continue
-        if b["available_cpu"] or b["available_cuda"]:
-            names.append(_PREFIX + name)
-    return names
+    """The ``moekit_*`` names this build registers, in moekit's registry order: every backend that runs here
+    (on the CPU, or on CUDA device 0 when one is present) and can be chosen per call (load-time-only
+    backends are left out). A GPU build on a Hopper card has ``moekit_deepgemm`` (and ``moekit_sonicmoe``
+    where that backend is built) besides ``moekit_eager``, ``moekit_batched_mm`` and ``moekit_grouped_mm``."""
+    return [_PREFIX + b["name"] for b in moekit.backends()
+            if (b["available_cpu"] or b["available_cuda"]) and not b["load_time_only"]]
 
 
 def decode_experts_implementation(implementation: dict) -> dict:

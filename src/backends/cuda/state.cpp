@@ -4,31 +4,44 @@
 
 namespace moekit::cuda {
 
-StreamWorkspace::StreamWorkspace(int device, cudaStream_t stream)
-    : device_(device), stream_(stream), host_(kHostBytes) {
-  error_ = DeviceBuffer(sizeof(unsigned long long), device);
+StreamWorkspace::StreamWorkspace(int device, cudaStream_t stream) : device_(device), stream_(stream) {
   DeviceGuard guard(device);
+  {
+    RelaxedCaptureMode relaxed;
+    error_ = DeviceBuffer(sizeof(unsigned long long), device);
+  }
+  if (stream_is_capturing(stream)) captured_ = true;
   MOEKIT_CUDA_CALL(cudaMemsetAsync(error_.data(), 0xff, sizeof(unsigned long long), stream));  // kNoRoutingError
+}
+
+void* StreamWorkspace::host() {
+  if (!host_) host_ = std::make_unique<PinnedBuffer>(kHostBytes);
+  return host_->data();
 }
 
 void StreamWorkspace::reserve(size_t bytes) {
   if (bytes <= arena_.size()) return;
-  MOEKIT_CHECK_CODE(!stream_is_capturing(stream_), runtime, "the CUDA experts workspace needs ", bytes,
-                    " bytes but has ", arena_.size(),
-                    " during graph capture: run one forward with these shapes on the stream before capturing "
-                    "(ExpertsGraph does this)");
+  const size_t rounded = (bytes + (size_t(2) << 20) - 1) / (size_t(2) << 20) * (size_t(2) << 20);
+  if (stream_is_capturing(stream_)) captured_ = true;
+  if (captured_) {
+    // Recorded graphs read and write the old arena at each replay: it stays, and nothing can wait here
+    // while the stream is being recorded.
+    DeviceBuffer grown;
+    {
+      RelaxedCaptureMode relaxed;
+      grown = DeviceBuffer(rounded, device_);
+    }
+    if (arena_.size() > 0) retired_.push_back(std::move(arena_));
+    arena_ = std::move(grown);
+    return;
+  }
   // Earlier calls on this stream may still use the old arena.
   MOEKIT_CUDA_CALL(cudaStreamSynchronize(stream_));
   arena_ = DeviceBuffer();
-  const size_t rounded = (bytes + (size_t(2) << 20) - 1) / (size_t(2) << 20) * (size_t(2) << 20);
   arena_ = DeviceBuffer(rounded, device_);
 }
 
 StreamWorkspace& CudaState::workspace(cudaStream_t stream, int device) {
-  if (!find(stream))
-    MOEKIT_CHECK_CODE(!stream_is_capturing(stream), runtime,
-                      "the CUDA experts workspace for this stream must exist before graph capture: run one forward "
-                      "with these shapes on the stream first (ExpertsGraph does this)");
   auto& slot = workspaces_[stream];
   if (!slot) {
     try {
@@ -37,6 +50,8 @@ StreamWorkspace& CudaState::workspace(cudaStream_t stream, int device) {
       workspaces_.erase(stream);
       throw;
     }
+  } else if (stream_is_capturing(stream)) {
+    slot->mark_captured();
   }
   return *slot;
 }

@@ -4,6 +4,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "backends/backends.h"
 #include "backends/cuda/common.h"
@@ -14,16 +15,23 @@
 namespace moekit::cuda {
 
 // Device scratch for calls enqueued on one stream (calls on one stream are ordered, so they can share
-// it). Grown before use, never during graph capture; freed with the module.
+// it); freed with the module. It may first be met, or have to grow, while its stream is being recorded
+// into a graph (torch.cuda.graph records on a stream of its own, after a warm-up on another one): its memory
+// is then allocated in relaxed capture mode, and once a graph was recorded over an arena that arena is
+// never freed before the module, since each replay of the graph uses it again.
 class StreamWorkspace {
  public:
   StreamWorkspace(int device, cudaStream_t stream);
-  // Makes the arena at least `bytes` long. Throws during capture when it would have to grow.
+  // Makes the arena at least `bytes` long. Growing waits for the stream and frees the old arena, unless a
+  // graph was (or is being) recorded over it: then the old arena is kept and nothing waits.
   void reserve(size_t bytes);
+  // Notes that work using this workspace is being recorded into a graph.
+  void mark_captured() { captured_ = true; }
   void* arena() const { return arena_.data(); }
-  // The sticky routing error word (kernels::kNoRoutingError when clean).
+  // The sticky routing error word (kernels::kNoRoutingError when clean). A workspace made during capture
+  // clears it in the graph's first node.
   unsigned long long* error() const { return static_cast<unsigned long long*>(error_.data()); }
-  void* host() const { return host_.data(); }  // pinned, kHostBytes
+  void* host();  // pinned, kHostBytes; allocated on first use (never needed during capture)
   static constexpr size_t kHostBytes = 8 * 1024;
   cudaStream_t stream() const { return stream_; }
   int device() const { return device_; }
@@ -32,7 +40,9 @@ class StreamWorkspace {
   int device_;
   cudaStream_t stream_;
   DeviceBuffer arena_, error_;
-  PinnedBuffer host_;
+  std::vector<DeviceBuffer> retired_;  // arenas that recorded graphs still use
+  bool captured_ = false;
+  std::unique_ptr<PinnedBuffer> host_;
 };
 
 // Carves typed, 256-byte aligned sub-buffers out of an arena; with a null base it only measures.
@@ -79,7 +89,7 @@ inline void take_routing(Carver& w, kernels::RoutingBuffers& r, int64_t P, int64
 class CudaState final : public BackendState {
  public:
   std::mutex mutex;  // held for a whole call: one enqueueing thread per module at a time
-  // The workspace of `stream`, created on first use (not during capture).
+  // The workspace of `stream`, created on first use (also during capture; see StreamWorkspace).
   StreamWorkspace& workspace(cudaStream_t stream, int device);
   StreamWorkspace* find(cudaStream_t stream);
   void release(cudaStream_t stream);
