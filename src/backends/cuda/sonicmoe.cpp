@@ -6,9 +6,10 @@
 //      the gated activation (+ biases, gpt-oss's clamped SwiGLU too) in the epilogue: the [pairs, I]
 //      intermediate is written once, in sorted order. No [pairs, H] permuted copy of the hidden states.
 //   3. down projection over the intermediate (TMA), the routing weight (and the down bias) applied in the
-//      epilogue, rows written in pair order in the activations' dtype.
-//   4. sum_slots: each token's K rows summed in f32 in slot order and rounded once. No atomics: the same bits
-//      on every run.
+//      epilogue, rows written in sorted order in the activations' dtype (bulk tensor stores, like the f32 rows
+//      of deepgemm's down projection, at half the bytes).
+//   4. sum_slots: each token's K rows (found through pair_row) summed in f32 in slot order and rounded once. No
+//      atomics: the same bits on every run.
 // No host synchronisation and no allocation: capturable in a CUDA graph.
 #include "backends/backends.h"
 #include "backends/cuda/state.h"
@@ -52,7 +53,7 @@ void run_sonicmoe(const CallContext& c) {
   carve_workspace(*c.ws, [&](Carver& w) {
     take_routing(w, r, P, E);
     act = w.take_bytes(P * c.inter * row_bytes);  // [P, I] sorted rows
-    yw = w.take_bytes(P * c.hidden * row_bytes);  // [P, H] weighted rows in pair order
+    yw = w.take_bytes(P * c.hidden * row_bytes);  // [P, H] weighted rows, sorted
   });
   r.error = c.ws->error();
 
@@ -76,8 +77,8 @@ void run_sonicmoe(const CallContext& c) {
                     "(16-byte aligned hidden states, weights and routing buffers needed); use grouped_mm");
   check_launch(k::grouped_gemm_tma(g1, c.stream), "grouped_gemm_tma (gate/up, gathered rows)");
   check_launch(k::grouped_gemm_tma(g2, c.stream), "grouped_gemm_tma (down, weighted rows)");
-  check_launch(k::sum_slots(c.type, yw, r.pair_expert, c.tokens, int(c.top_k), c.hidden, int(E), c.call.out.data,
-                            c.stream),
+  check_launch(k::sum_slots(c.type, yw, r.pair_row, r.pair_expert, c.tokens, int(c.top_k), c.hidden, int(E),
+                            c.call.out.data, c.stream),
                "sum_slots");
 }
 

@@ -91,8 +91,8 @@ cudaError_t combine_typed(const float* y, const int32_t* pair_row, const int32_t
 constexpr int kSumThreads = 256;
 template <class T>
 __global__ void __launch_bounds__(kSumThreads)
-    sum_slots_kernel(const T* yw, const int32_t* pair_expert, int top_k, int64_t hidden, int experts, T* out,
-                     bool vec) {
+    sum_slots_kernel(const T* yw, const int32_t* pair_row, const int32_t* pair_expert, int top_k, int64_t hidden,
+                     int experts, T* out, bool vec) {
   const int64_t t = blockIdx.x;
   const int64_t h0 = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * 8;
   if (h0 >= hidden) return;
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kSumThreads)
   for (int k = 0; k < top_k; ++k) {  // slot order: deterministic
     const int64_t p = t * top_k + k;
     if (pair_expert[p] >= experts) continue;  // sentinel or bad id: exactly zero contribution
-    const T* row = yw + p * hidden + h0;
+    const T* row = yw + int64_t(pair_row ? pair_row[p] : p) * hidden + h0;
     if (vec) {
       alignas(16) T v[8];
       *reinterpret_cast<uint4*>(v) = __ldcs(reinterpret_cast<const uint4*>(row));
@@ -125,8 +125,8 @@ __global__ void __launch_bounds__(kSumThreads)
 
 }  // namespace
 
-cudaError_t sum_slots(Elem type, const void* yw, const int32_t* pair_expert, int64_t tokens, int top_k,
-                      int64_t hidden, int experts, void* out, cudaStream_t stream) {
+cudaError_t sum_slots(Elem type, const void* yw, const int32_t* pair_row, const int32_t* pair_expert,
+                      int64_t tokens, int top_k, int64_t hidden, int experts, void* out, cudaStream_t stream) {
   if (tokens == 0 || hidden == 0) return cudaSuccess;
   if (type == Elem::f32) return cudaErrorInvalidValue;  // 16-bit rows only
   const bool vec = hidden % 8 == 0 && (reinterpret_cast<uintptr_t>(yw) & 15) == 0 &&
@@ -136,8 +136,8 @@ cudaError_t sum_slots(Elem type, const void* yw, const int32_t* pair_expert, int
   const dim3 grid(unsigned(tokens), unsigned((pieces + threads - 1) / threads));
   auto launch = [&](auto tag) {
     using T = decltype(tag);
-    sum_slots_kernel<T><<<grid, threads, 0, stream>>>(static_cast<const T*>(yw), pair_expert, top_k, hidden,
-                                                          experts, static_cast<T*>(out), vec);
+    sum_slots_kernel<T><<<grid, threads, 0, stream>>>(static_cast<const T*>(yw), pair_row, pair_expert, top_k,
+                                                          hidden, experts, static_cast<T*>(out), vec);
     return cudaGetLastError();
   };
   return type == Elem::bf16 ? launch(bf16{}) : launch(f16{});

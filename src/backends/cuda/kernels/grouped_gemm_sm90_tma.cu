@@ -16,9 +16,9 @@
 //   - any other gate / activation / bias: f32 staged in four rounds, one compact loop applies it, 16-byte
 //     stores. (Unrolling the generic gate per fragment made the kernel ten times larger, with an indirect
 //     branch per value, and ran the projection at a third of the speed.)
-//   - kEpiWeighted (sonicmoe's second projection): w[p] * (acc + bias) rounded to 16 bits in registers,
-//     staged in two rounds of 128 columns and written by 16-byte stores to row p = row_pair[r] (pair order,
-//     so that sum_slots reads each token's K rows together).
+//   - kEpiWeighted (sonicmoe's second projection): w[row_pair[r]] * (acc + bias) rounded to 16 bits in
+//     registers, staged in two rounds of 128 columns as 64 x 64 boxes and written like the gated path
+//     (bulk tensor stores for 64-row blocks inside the expert, masked 16-byte stores otherwise), sorted rows.
 // The work list comes from the device offsets (no host synchronisation; capturable in a CUDA graph).
 //
 // Gathered A (a_rows set, sonicmoe's first projection): sm_90's copy engine has no row gather, so the
@@ -273,21 +273,20 @@ __global__ void __launch_bounds__(kThreads, 1)
         args.bias ? static_cast<const T*>(args.bias) + int64_t(t.expert) * args.bias_expert_stride : nullptr;
     if constexpr (EPI == kEpiWeighted) {
       // w[p] * (acc + bias) in 16 bits, two rounds of 128 columns through this warpgroup's staging buffer
-      // (two 64 x 64 boxes, 128-byte swizzle), then 16-byte stores into row p = row_pair[r] of the output.
+      // (two 64 x 64 boxes, 128-byte swizzle). A block of 64 rows inside the expert leaves by bulk tensor
+      // stores (the copy engine writes while the warpgroup goes on to its next tile), a block crossing the
+      // expert's end by masked 16-byte stores.
       unsigned char* stage = tma_smem + (base - smem_u32(tma_smem)) + kStages * kStageBytes + c * kOutBytes;
+      const uint32_t stage_u32 = smem_u32(stage);
       using T2 = std::conditional_t<std::is_same_v<T, bf16>, __nv_bfloat162, __half2>;
       const int tl = tid % 128;
       T* out = static_cast<T*>(args.out);
       const bool vec = (args.ldo & 7) == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0;
-      int prow[8];  // output row (pair) of the staged rows this thread writes: i * 8 + tl / 16
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int64_t row = t.m0 + c * 64 + i * 8 + (tl >> 4);
-        prow[i] = row < t.m_end ? __ldg(args.row_pair + row) : -1;
-      }
+      const bool whole = use_tma_store && t.m0 + c * 64 + 64 <= t.m_end;
 #pragma unroll
       for (int round = 0; round < 2; ++round) {
-        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");  // staging free again
+        if (tl == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // staging free again
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = warp * 16 + (lane >> 2) + half * 8;
@@ -307,14 +306,27 @@ __global__ void __launch_bounds__(kThreads, 1)
             *reinterpret_cast<T2*>(stage + off) = v;
           }
         }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
         const int64_t col0 = int64_t(t.n_tile) * kBN + 128 * round;
+        if (whole) {
+          if (tl == 0) {
+#pragma unroll
+            for (int b = 0; b < 2; ++b)
+              asm volatile(
+                  "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(&map_out),
+                  "r"(int(col0) + 64 * b), "r"(int(t.m0) + c * 64), "r"(stage_u32 + b * 8192)
+                  : "memory");
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+          }
+          continue;
+        }
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const int idx = i * 128 + tl, r = idx >> 4, ch = idx & 15;
-          const int64_t col = col0 + ch * 8;
-          if (prow[i] < 0 || col >= args.n) continue;
-          T* dst = out + int64_t(prow[i]) * args.ldo + col;
+          const int64_t row = t.m0 + c * 64 + r, col = col0 + ch * 8;
+          if (row >= t.m_end || col >= args.n) continue;
+          T* dst = out + row * args.ldo + col;
           const unsigned char* src = stage + (ch >> 3) * 8192 + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
           if (vec && col + 8 <= args.n) {
             *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
@@ -613,7 +625,7 @@ cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
   }
   // f32 and gated 16-bit outputs: bulk tensor stores where the row stride and address allow (else masked stores)
   bool tma_store = false;
-  if (EPI == kEpiGated && a.ldo % 8 == 0 && aligned16(a.out)) {  // 16-bit gated outputs: 64 x 64 boxes
+  if ((EPI == kEpiGated || EPI == kEpiWeighted) && a.ldo % 8 == 0 && aligned16(a.out)) {  // 16-bit: 64 x 64 boxes
     const cuuint64_t dims[2] = {cuuint64_t(a.n), cuuint64_t(a.max_rows)};
     const cuuint64_t strides[1] = {cuuint64_t(a.ldo) * 2};
     const cuuint32_t box[2] = {64, 64}, estr[2] = {1, 1};

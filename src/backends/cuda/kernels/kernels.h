@@ -33,8 +33,8 @@ constexpr int kGateActMul = 0, kGateClampedSwiglu = 1, kGateActOnly = 2;
 //   kEpiGated:   out[r, c] = gate(acc(gate row of c) + bias, acc(up row of c) + bias), c < n (= I), dtype of A
 //   kEpiActOnly: out[r, c] = act(acc(row c) + bias), dtype of A
 //   kEpiF32:     out[r, c] = acc(row c) in f32 (second projection; its bias is added by combine)
-//   kEpiWeighted: out[p, c] = w[p] * (acc(row c) + bias), p = row_pair[r], dtype of A (sonicmoe's second
-//                projection: rows land in pair order, routing weight applied; TMA kernel only)
+//   kEpiWeighted: out[r, c] = w[row_pair[r]] * (acc(row c) + bias), dtype of A (sonicmoe's second
+//                projection: the routing weight of the row's pair applied; TMA kernel only)
 constexpr int kEpiGated = 0, kEpiActOnly = 1, kEpiF32 = 2, kEpiWeighted = 3;
 
 // ---- routing (routing.cu) ----
@@ -109,7 +109,7 @@ struct GroupedGemmArgs {
   int64_t inter = 0;     // I: up row of gated column c is I + c (concatenated)
   int epilogue = kEpiF32;
   GateParams gate;
-  void* out = nullptr;  // [max_rows, ldo] ([pairs, ldo] for kEpiWeighted)
+  void* out = nullptr;  // [max_rows, ldo]
   int64_t ldo = 0;
   // kEpiWeighted: the pair of each sorted row and the routing weights [pairs] of `weight_type`
   const int32_t* row_pair = nullptr;
@@ -147,11 +147,12 @@ cudaError_t grouped_gemm_wgmma(const GroupedGemmArgs& a, int tile_m, bool wide, 
 cudaError_t grouped_gemm_mma(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);
 cudaError_t grouped_gemm_simt(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);
 
-// out[t, :] = round( sum over k in slot order of yw[t * K + k, :] ), f32 sum; pairs with pair_expert[p] >= E
-// (sentinels, bad ids) are skipped. yw [T * K, hidden] and out [T, hidden] of `type` (sonicmoe's reduction of
-// the weighted rows kEpiWeighted wrote: no atomics, the same bits on every run).
-cudaError_t sum_slots(Elem type, const void* yw, const int32_t* pair_expert, int64_t tokens, int top_k,
-                      int64_t hidden, int experts, void* out, cudaStream_t stream);
+// out[t, :] = round( sum over k in slot order of yw[row(t, k), :] ), f32 sum, row(t, k) = pair_row[p] (or p
+// when pair_row is null); pairs with pair_expert[p] >= E (sentinels, bad ids) are skipped. yw [rows, hidden]
+// and out [T, hidden] of `type` (sonicmoe's reduction of the weighted rows kEpiWeighted wrote: no atomics, the
+// same bits on every run).
+cudaError_t sum_slots(Elem type, const void* yw, const int32_t* pair_row, const int32_t* pair_expert,
+                      int64_t tokens, int top_k, int64_t hidden, int experts, void* out, cudaStream_t stream);
 
 // ---- DeepGEMM's contiguous layout (expert_layout.cu) ----
 
