@@ -154,6 +154,7 @@ TEST(BenchRun, WrongBackendsAreNotTimed) {
     EXPECT_GE(rec.iters, 2);
     EXPECT_LE(rec.iters, 3);
     EXPECT_EQ(rec.check_rows, std::min<int64_t>(rec.tokens, 8));
+    EXPECT_EQ(rec.moved_bytes, 0.0);  // a user backend that does not say what it moves
   }
   int scaled = 0, unwritten = 0, unavailable = 0;
   for (const auto& s : r.skipped) {
@@ -196,7 +197,7 @@ TEST(BenchCli, TinyCpuRunWritesJsonAndPlot) {
   c.bandwidth_gbps = 10;
   for (const auto& rec : j["records"]) {
     for (const char* k : {"shape", "tokens", "backend", "device", "dtype", "graph", "median_us", "min_us", "tflops",
-                          "gbps", "floor_us", "floor_ratio", "rel_err", "experts_touched", "iters"})
+                          "gbps", "floor_us", "floor_ratio", "rel_err", "experts_touched", "iters", "moved_bytes"})
       ASSERT_TRUE(rec.contains(k)) << k << " missing in " << rec.dump();
     EXPECT_EQ(rec["device"], "cpu");
     EXPECT_EQ(rec["dtype"], "bf16");
@@ -211,7 +212,11 @@ TEST(BenchCli, TinyCpuRunWritesJsonAndPlot) {
     const double median = rec["median_us"];
     EXPECT_NEAR(rec["floor_ratio"].get<double>(), median / floor, 1e-9 * median / floor);
     EXPECT_NEAR(rec["tflops"].get<double>(), forward_flops(s, T) / median / 1e6, 1e-9);
+    // grouped_mm says what its plan moves: at least the weights hit and the activations in and out.
+    const double moved = rec["moved_bytes"];
+    if (rec["backend"] == "grouped_mm") EXPECT_GE(moved, forward_bytes(s, T, touched, DType::bf16, DType::i64) * 0.9);
   }
+  EXPECT_NE(r.out.find("MB moved"), std::string::npos) << r.out;
   if (gnuplot_available()) {
     std::ifstream png(png_path, std::ios::binary);
     ASSERT_TRUE(png.good()) << r.out;

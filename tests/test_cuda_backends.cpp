@@ -7,6 +7,7 @@
 
 #include "experts_case.h"
 #include "test_experts_problem.h"
+#include "backends/backends.h"
 #ifdef MOEKIT_WITH_CUDA
 #include "backends/cuda/policy.h"
 #endif
@@ -379,6 +380,101 @@ TEST(CudaBackends, RejectsWhatItCannotRun) {
   EXPECT_THROW(dev.forward_with(default_experts_implementation(Device::cuda(0)),
                                 ExpertsCall{x.view(), strided, wv, out.view(), nullptr}),
                Error);
+}
+
+// sonicmoe's requirements, checked before anything runs (transformers raises ImportError there): each refusal
+// names what is missing and the backend to use instead. The experts conditions hold on every build.
+TEST(CudaBackends, SonicmoeRequirementsNameTheAlternative) {
+  ExpertsSpec gated;
+  EXPECT_EQ(sonicmoe_experts_reason(gated, DType::bf16), "");
+  EXPECT_EQ(sonicmoe_experts_reason(gated, DType::f16), "");
+  ExpertsSpec clamped;
+  clamped.gate = GateKind::clamped_swiglu;
+  EXPECT_EQ(sonicmoe_experts_reason(clamped, DType::bf16), "");
+  ExpertsSpec plain;
+  plain.has_gate = false;
+  plain.activation = Activation::relu2;
+  std::string why = sonicmoe_experts_reason(plain, DType::bf16);
+  EXPECT_NE(why.find("gated"), std::string::npos) << why;
+  EXPECT_NE(why.find("relu2"), std::string::npos) << why;
+  EXPECT_NE(why.find("grouped_mm"), std::string::npos) << why;
+  for (DType q : {DType::f8e4m3, DType::f4e2m1}) {
+    why = sonicmoe_experts_reason(gated, q);
+    EXPECT_NE(why.find("quantized"), std::string::npos) << why;
+    EXPECT_NE(why.find(dtype_name(q)), std::string::npos) << why;
+    EXPECT_NE(why.find("grouped_mm"), std::string::npos) << why;
+  }
+  why = sonicmoe_experts_reason(gated, DType::f32);
+  EXPECT_NE(why.find("f32"), std::string::npos) << why;
+  EXPECT_NE(why.find("grouped_mm"), std::string::npos) << why;
+
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  const auto sonic = ExpertsInterface::global().get("sonicmoe");
+  const Device dev = Device::cuda(0);
+  const Support avail = sonic->available(dev);
+  if (!avail) {  // not a Hopper GPU (or no sm_90a code): says so and names grouped_mm
+    EXPECT_NE(avail.reason.find("9.0"), std::string::npos) << avail.reason;
+    EXPECT_NE(avail.reason.find("grouped_mm"), std::string::npos) << avail.reason;
+    return;
+  }
+  ProblemConfig c = cuda_case();
+  c.act = c.wdt = DType::bf16;
+  c.has_gate = false;
+  const ExpertsProblem pn = make_problem(c, 31);
+  const Experts nongated = pn.experts.to(dev);
+  Support s = sonic->supports(nongated, DType::bf16);
+  EXPECT_FALSE(s.ok);
+  EXPECT_NE(s.reason.find("not gated"), std::string::npos) << s.reason;
+  c.has_gate = true;
+  c.act = c.wdt = DType::f32;
+  const Experts f32 = make_problem(c, 31).experts.to(dev);
+  s = sonic->supports(f32, DType::f32);
+  EXPECT_FALSE(s.ok);
+  EXPECT_NE(s.reason.find("grouped_mm"), std::string::npos) << s.reason;
+  // The forward refuses with the same reason, naming the backend, and writes nothing.
+  Experts e = nongated;
+  e.set_implementation("sonicmoe");
+  ErrorCode code{};
+  const std::string msg = error_of(
+      [&] { e.forward(pn.hidden_states.to(dev), pn.top_k_index.to(dev), pn.top_k_weights.to(dev)); }, &code);
+  EXPECT_EQ(code, ErrorCode::not_supported) << msg;
+  EXPECT_NE(msg.find("sonicmoe"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("not gated"), std::string::npos) << msg;
+}
+
+// sonicmoe over several row tiles per expert (one partial), several reduction tiles with a tail and partial
+// column tiles, every gate kind, with and without biases, sentinels, odd T. (Many work items per block: the
+// sweeps' 4096-token case and the TMA kernel tests.)
+TEST(CudaBackends, SonicmoeManyTilesEveryGate) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  if (!ExpertsInterface::global().get("sonicmoe")->available(Device::cuda(0))) GTEST_SKIP() << "not a Hopper GPU";
+  std::mt19937_64 rng(41);
+  int n = 0;
+  for (GateKind gk : {GateKind::act_mul, GateKind::clamped_swiglu})
+    for (Activation a : {Activation::silu, Activation::gelu, Activation::relu}) {
+      if (gk == GateKind::clamped_swiglu && a != Activation::silu) continue;
+      ProblemConfig c = cuda_case();
+      c.act = c.wdt = n % 2 ? DType::f16 : DType::bf16;
+      c.gate = gk;
+      c.activation = a;
+      c.has_bias = n % 2 == 0 || gk == GateKind::clamped_swiglu;
+      c.concatenated = n % 3 != 2;
+      c.transposed = gk == GateKind::clamped_swiglu;
+      c.E = 4;
+      c.H = 328;  // 5 reduction tiles and a tail; two column tiles of the down projection, the last partial
+      c.I = 200;  // two gated column tiles, the last partial
+      c.T = 333;
+      c.K = 3;
+      c.used = 3;  // one expert stays empty; about 333 rows each: three row tiles, the last partial
+      c.sentinel_every = n % 2 ? 0 : 9;
+      c.idt = n % 2 ? DType::i32 : DType::i64;
+      c.rwt = kWeightDtypes[n % 3];
+      const ExpertsProblem p = make_problem(c, rng());
+      Outcome o;
+      check_backend(p, p.experts.to(Device::cuda(0)), "sonicmoe", "sonicmoe", o);
+      EXPECT_EQ(o.ran["sonicmoe"], 1) << c.to_string();
+      ++n;
+    }
 }
 
 // The committed transformers cases (f32): every backend within 1e-5 of transformers' output.

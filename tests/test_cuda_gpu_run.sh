@@ -81,7 +81,12 @@ if command -v compute-sanitizer > /dev/null; then
     --gtest_filter='CudaBackends.EveryKernelPathSmall'
   run synccheck_backends 30 compute-sanitizer --tool synccheck --error-exitcode 9 "$BIN/test_cuda_backends" \
     --gtest_filter='CudaBackends.EveryKernelPathSmall'
-  for t in memcheck_backends memcheck_graph memcheck_model memcheck_grouped racecheck_grouped racecheck_backends racecheck_model synccheck_backends; do
+  # sonicmoe's kernels alone (gathered A rows, weighted down rows, slot sum) on one small case.
+  SONIC="bench --dims 264,136,8,3 --backends sonicmoe --device cuda --dtype bf16 --iters 1 --min-iters 1 --warmup 0
+    --min-time 0 --peak-tflops 800 --bandwidth-gbps 4000 --quiet"
+  run memcheck_sonicmoe 60 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/moekit" $SONIC --tokens 5,333
+  run racecheck_sonicmoe 90 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/moekit" $SONIC --tokens 333
+  for t in memcheck_backends memcheck_graph memcheck_model memcheck_grouped racecheck_grouped racecheck_backends racecheck_model synccheck_backends memcheck_sonicmoe racecheck_sonicmoe; do
     say "  $t: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$t.log" | tail -1)"
   done
 else

@@ -358,6 +358,49 @@ INSTANTIATE_TEST_SUITE_P(Models, CudaFixtureModel, ::testing::ValuesIn(test::fix
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(CudaFixtureModel);
 
+// sonicmoe runs bf16 / f16 experts only, so the fixture models run in bf16: every model (gpt-oss's clamped
+// SwiGLU with biases and transposed weights among them) with sonicmoe for prefill and decode stays close to
+// transformers' f32 logits and to grouped_mm's in the same dtype, and its greedy tokens are transformers'
+// wherever grouped_mm's bf16 run reproduces them.
+TEST(CudaModel, SonicmoeFixtureModelsInBf16) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  const Support avail = ExpertsInterface::global().get("sonicmoe")->available(kDev);
+  if (!avail) GTEST_SKIP() << avail.reason;
+  int same_tokens = 0;
+  for (const std::string& name : test::fixture_models()) {
+    SCOPED_TRACE(name);
+    const std::string dir = test::models_dir() + "/" + name;
+    const auto ref = SafetensorsFile::open(dir + "/reference.safetensors");
+    const Tensor ids = ref.get("input_ids"), gen = ref.get("generated_ids"), ref_logits = ref.get("logits.eager");
+    const int64_t L = ids.size(1), n_new = gen.size(1) - L;
+    const std::vector<int64_t> expect(gen.ptr<int64_t>() + L, gen.ptr<int64_t>() + gen.size(1));
+    Model model = Model::from_pretrained(dir, ModelOptions{.device = kDev, .dtype = DType::bf16});
+    GenerationConfig gc;
+    gc.max_new_tokens = n_new;
+    gc.min_new_tokens = n_new;
+    model.set_experts_implementation("grouped_mm");
+    const Tensor base_logits = model.logits(test::row_ids(ids, 0));
+    const std::vector<int64_t> base_tokens = model.generate(test::row_ids(ids, 0), gc).tokens;
+    model.set_experts_implementation("sonicmoe");
+    const Tensor logits = model.logits(test::row_ids(ids, 0));
+    // bf16 rounding alone moves the logits by 1e-2 to 5e-2 (gpt_oss the most): no further from transformers
+    // than grouped_mm in the same dtype, and close to it.
+    const double base_err = test::rel_l2(base_logits.ptr<float>(), ref_logits.ptr<float>(), logits.numel());
+    EXPECT_LT(test::rel_l2(logits.ptr<float>(), ref_logits.ptr<float>(), logits.numel()), 1.25 * base_err + 1e-3);
+    EXPECT_LT(test::rel_l2(logits.ptr<float>(), base_logits.ptr<float>(), logits.numel()), 1e-2);
+    const GenerationResult res = model.generate(test::row_ids(ids, 0), gc);
+    EXPECT_EQ(res.prefill_experts.at(""), "sonicmoe");
+    EXPECT_EQ(res.decode_experts.at(model.config().text_config_key), "sonicmoe");  // no decode switch
+    if (base_tokens == expect) {
+      EXPECT_EQ(res.tokens, expect);
+      ++same_tokens;
+    }
+    std::printf("  %-14s sonicmoe bf16 greedy tokens %s transformers' (grouped_mm bf16: %s)\n", name.c_str(),
+                res.tokens == expect ? "==" : "!=", base_tokens == expect ? "==" : "!=");
+  }
+  EXPECT_GE(same_tokens, 1);
+}
+
 TEST(CudaModel, LowPrecisionModelsStayCloseToTheCpu) {
   MOEKIT_SKIP_WITHOUT_CUDA();
   const std::string dir = test::models_dir() + "/qwen3_moe";

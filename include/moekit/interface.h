@@ -57,6 +57,13 @@ class ExpertsBackend {
   virtual int default_rank() const { return 0; }
   // The backend that replaces it for the decode steps of GPU generation (SPEC section 4); "" keeps it.
   virtual std::string_view decode_backend() const { return {}; }
+  // Bytes of device memory one forward of `tokens` tokens moves in its own plan (the weights of the
+  // `experts_touched` experts hit, the activations, and each intermediate it writes and reads back), so that
+  // `moekit bench` can show the IO of each backend beside its time; 0 when it does not say.
+  virtual double bytes_moved(const ExpertsSpec& /*spec*/, int64_t /*tokens*/, int64_t /*top_k*/,
+                             double /*experts_touched*/, DType /*dtype*/) const {
+    return 0;
+  }
 
   // ---- per module and call ----
   // Whether it runs on this device in this build and on this machine at all (reason: why not, and what to

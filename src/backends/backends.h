@@ -49,7 +49,16 @@ void run_deepgemm(const CallContext& c);
 // experts (bf16 / f16, sizes multiples of 8).
 std::string deepgemm_arch_reason(int arch);
 std::string deepgemm_unsupported_reason(const Experts& experts, DType act_dtype, int arch);
+void run_sonicmoe(const CallContext& c);
+// sonicmoe's conditions: on the device (as deepgemm's) and on the experts (sonicmoe_experts_reason, bf16 / f16
+// activations, sizes multiples of 8).
+std::string sonicmoe_arch_reason(int arch);
+std::string sonicmoe_unsupported_reason(const Experts& experts, DType act_dtype, int arch);
 }  // namespace cuda
+
+// sonicmoe's conditions on the experts alone, on every build (src/backends/sonicmoe.cpp): gated, built-in gate,
+// bf16 / f16 weights; "" when met, else what is missing and which backend to use.
+std::string sonicmoe_experts_reason(const ExpertsSpec& spec, DType weight_dtype);
 
 // A backend's CUDA kernel path (as passed to cuda::run) or condition (cuda::available, cuda::supports): the
 // function in CUDA builds, null without CUDA (where those refuse before using it), so neither needs a stub.
@@ -60,6 +69,20 @@ std::string deepgemm_unsupported_reason(const Experts& experts, DType act_dtype,
 #define MOEKIT_CUDA_PATH(fn) (::moekit::cuda::KernelPath{nullptr})
 #define MOEKIT_CUDA_CHECK(fn) nullptr
 #endif
+
+// Device-memory bytes of a routed forward on the grouped plans (ExpertsBackend::bytes_moved): the weights of
+// the experts hit read once, each pair's hidden-state row read, the [P, I] intermediate written and read, the
+// down projection's [P, H] rows written and read back by the combine (`down_row_bytes` per element: 4 for
+// f32 rows, 2 for 16-bit), the output written; `gathered_copy`: the [P, H] permuted copy of the hidden
+// states written and read once more. P = tokens * top_k; biases and routing buffers left out (small).
+inline double routed_bytes(const ExpertsSpec& s, int64_t tokens, int64_t top_k, double experts_touched, DType dtype,
+                           bool gathered_copy, int down_row_bytes) {
+  const double b = double(dtype_bits(dtype)) / 8, P = double(tokens) * double(top_k), H = double(s.hidden),
+               I = double(s.intermediate);
+  const double weights = experts_touched * ((s.has_gate ? 2 : 1) * I * H + H * I) * b;
+  return weights + P * H * b * (gathered_copy ? 3 : 1) + 2 * P * I * b + 2 * P * H * down_row_bytes +
+         double(tokens) * H * b;
+}
 
 // Base of the backends with a CPU and a CUDA implementation (eager, batched_mm, grouped_mm): availability,
 // support and preparation per device. A derived class adds its identity, its properties and run().

@@ -16,6 +16,10 @@ class GroupedMmBackend final : public CpuCudaBackend {
   bool graph_capturable() const override { return true; }
   std::string_view decode_backend() const override { return "batched_mm"; }
   int default_rank() const override { return 2; }
+  // CUDA's large-T plan: the routed rows gathered into a [P, H] copy for the TMA kernel, f32 down rows.
+  double bytes_moved(const ExpertsSpec& s, int64_t tokens, int64_t top_k, double touched, DType dt) const override {
+    return routed_bytes(s, tokens, top_k, touched, dt, /*gathered_copy=*/true, /*down_row_bytes=*/4);
+  }
   // On the CPU: bf16 weights packed once for the bf16 tile (shared by the three CPU backends).
   void prepare(const Experts& experts) const override {
     if (experts.device().is_cpu()) cpu::prepare(experts);

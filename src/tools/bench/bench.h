@@ -82,6 +82,7 @@ struct BenchRecord {
   bool graph = false;
   double median_us = 0, min_us = 0, tflops = 0, gbps = 0, floor_us = 0, floor_ratio = 0;
   double flops = 0, bytes = 0, experts_touched = 0;
+  double moved_bytes = 0;  // the backend's own plan (ExpertsBackend::bytes_moved); 0 when it does not say
   double rel_err = 0;      // vs the f64 reference on the checked rows
   int64_t check_rows = 0;  // rows compared with the reference
   int iters = 0;

@@ -44,7 +44,8 @@ nlohmann::json record_to_json(const BenchRecord& r) {
           {"min_us", r.min_us},       {"tflops", r.tflops},
           {"gbps", r.gbps},           {"floor_us", r.floor_us},
           {"floor_ratio", r.floor_ratio}, {"flops", r.flops},
-          {"bytes", r.bytes},         {"experts_touched", r.experts_touched},
+          {"bytes", r.bytes},         {"moved_bytes", r.moved_bytes},
+          {"experts_touched", r.experts_touched},
           {"rel_err", r.rel_err},     {"check_rows", r.check_rows},
           {"iters", r.iters},         {"buffer_sets", r.buffer_sets}};
 }
@@ -76,13 +77,14 @@ std::string format_table(const BenchReport& report, const BenchOptions& options)
                      c.bandwidth_gbps, double(c.cache_bytes) / (1 << 20), c.method);
   for (const auto& shape : options.shapes) {
     out += fmt::format("\n{}\n", shape.to_string());
-    out += fmt::format("{:<20} {:>6} {:>11} {:>11} {:>8} {:>8} {:>11} {:>8} {:>9} {:>6}\n", "backend", "T", "median_us",
-                       "min_us", "TFLOP/s", "GB/s", "floor_us", "x floor", "rel_err", "iters");
+    out += fmt::format("{:<20} {:>6} {:>11} {:>11} {:>9} {:>8} {:>8} {:>11} {:>8} {:>9} {:>6}\n", "backend", "T",
+                       "median_us", "min_us", "MB moved", "TFLOP/s", "GB/s", "floor_us", "x floor", "rel_err", "iters");
     for (int64_t T : options.tokens)
       for (const auto& r : report.records) {
         if (r.shape != shape.name || r.tokens != T) continue;
-        out += fmt::format("{:<20} {:>6} {:>11.1f} {:>11.1f} {:>8.3f} {:>8.1f} {:>11.1f} {:>8.2f} {:>9.1e} {:>6}\n",
-                           case_name(r.backend, r.graph), r.tokens, r.median_us, r.min_us, r.tflops, r.gbps,
+        const std::string moved = r.moved_bytes > 0 ? fmt::format("{:.1f}", r.moved_bytes / 1e6) : "-";
+        out += fmt::format("{:<20} {:>6} {:>11.1f} {:>11.1f} {:>9} {:>8.3f} {:>8.1f} {:>11.1f} {:>8.2f} {:>9.1e} {:>6}\n",
+                           case_name(r.backend, r.graph), r.tokens, r.median_us, r.min_us, moved, r.tflops, r.gbps,
                            r.floor_us, r.floor_ratio, r.rel_err, r.iters);
       }
     bool header = false;

@@ -267,6 +267,8 @@ class ShapeRunner {
       rec.experts_touched = d.touched;
       rec.flops = forward_flops(shape_, T);
       rec.bytes = forward_bytes(shape_, T, d.touched, opt_.dtype, opt_.index_dtype);
+      rec.moved_bytes =
+          ExpertsInterface::global().get(c.backend)->bytes_moved(shape_.spec(), T, shape_.top_k, d.touched, opt_.dtype);
       rec.floor_us = floor_us(rec.flops, rec.bytes, ceil_);
       rec.floor_ratio = rec.median_us / rec.floor_us;
       rec.tflops = rec.flops / rec.median_us / 1e6;

@@ -86,7 +86,62 @@ cudaError_t combine_typed(const float* y, const int32_t* pair_row, const int32_t
   return cudaGetLastError();
 }
 
+// One thread per 8 columns (16-byte pieces when `vec`) of one token: the K weighted rows of the token summed
+// in f32 in slot order, rounded once.
+constexpr int kSumThreads = 256;
+template <class T>
+__global__ void __launch_bounds__(kSumThreads)
+    sum_slots_kernel(const T* yw, const int32_t* pair_row, const int32_t* pair_expert, int top_k, int64_t hidden,
+                     int experts, T* out, bool vec) {
+  const int64_t t = blockIdx.x;
+  const int64_t h0 = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * 8;
+  if (h0 >= hidden) return;
+  float acc[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+  for (int k = 0; k < top_k; ++k) {  // slot order: deterministic
+    const int64_t p = t * top_k + k;
+    if (pair_expert[p] >= experts) continue;  // sentinel or bad id: exactly zero contribution
+    const T* row = yw + int64_t(pair_row ? pair_row[p] : p) * hidden + h0;
+    if (vec) {
+      alignas(16) T v[8];
+      *reinterpret_cast<uint4*>(v) = __ldcs(reinterpret_cast<const uint4*>(row));
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] += to_f32(v[j]);
+    } else {
+      for (int j = 0; j < 8 && h0 + j < hidden; ++j) acc[j] += to_f32(row[j]);
+    }
+  }
+  T* o = out + t * hidden + h0;
+  if (vec) {
+    alignas(16) T v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = from_f32<T>(acc[j]);
+    *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(v);
+  } else {
+    for (int j = 0; j < 8 && h0 + j < hidden; ++j) o[j] = from_f32<T>(acc[j]);
+  }
+}
+
 }  // namespace
+
+cudaError_t sum_slots(Elem type, const void* yw, const int32_t* pair_row, const int32_t* pair_expert,
+                      int64_t tokens, int top_k, int64_t hidden, int experts, void* out, cudaStream_t stream) {
+  if (tokens == 0 || hidden == 0) return cudaSuccess;
+  if (type == Elem::f32) return cudaErrorInvalidValue;  // 16-bit rows only
+  const bool vec = hidden % 8 == 0 && (reinterpret_cast<uintptr_t>(yw) & 15) == 0 &&
+                   (reinterpret_cast<uintptr_t>(out) & 15) == 0;
+  const int64_t pieces = (hidden + 7) / 8;
+  const int threads = int(pieces >= kSumThreads ? kSumThreads : (pieces + 31) / 32 * 32);
+  const dim3 grid(unsigned(tokens), unsigned((pieces + threads - 1) / threads));
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    sum_slots_kernel<T><<<grid, threads, 0, stream>>>(static_cast<const T*>(yw), pair_row, pair_expert, top_k,
+                                                          hidden, experts, static_cast<T*>(out), vec);
+    return cudaGetLastError();
+  };
+  return type == Elem::bf16 ? launch(bf16{}) : launch(f16{});
+}
 
 cudaError_t gather_rows(Elem type, const void* x, int64_t hidden, const int32_t* sorted_pair, int top_k,
                         const int32_t* valid_rows, int64_t max_rows, void* xs, cudaStream_t stream) {

@@ -269,6 +269,7 @@ cudaError_t grouped_gemm_mma(const GroupedGemmArgs& a, int tile_m, cudaStream_t 
 }
 
 cudaError_t grouped_gemm(const GroupedGemmArgs& a, int tile_m, int arch, bool wide, cudaStream_t stream) {
+  if (a.epilogue == kEpiWeighted) return cudaErrorInvalidValue;  // the TMA kernel's alone
   if ((tile_m == 64 || tile_m == 128) && grouped_gemm_wgmma_ok(a, arch))
     return grouped_gemm_wgmma(a, tile_m, wide, stream);
   if (grouped_gemm_mma_ok(a, arch)) return grouped_gemm_mma(a, tile_m, stream);

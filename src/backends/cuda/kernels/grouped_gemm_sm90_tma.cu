@@ -16,7 +16,18 @@
 //   - any other gate / activation / bias: f32 staged in four rounds, one compact loop applies it, 16-byte
 //     stores. (Unrolling the generic gate per fragment made the kernel ten times larger, with an indirect
 //     branch per value, and ran the projection at a third of the speed.)
+//   - kEpiWeighted (sonicmoe's second projection): w[row_pair[r]] * (acc + bias) rounded to 16 bits in
+//     registers, staged in two rounds of 128 columns as 64 x 64 boxes and written like the gated path
+//     (bulk tensor stores for 64-row blocks inside the expert, masked 16-byte stores otherwise), sorted rows.
 // The work list comes from the device offsets (no host synchronisation; capturable in a CUDA graph).
+//
+// Gathered A (a_rows set, sonicmoe's first projection): sm_90's copy engine has no row gather, so the
+// whole producer warpgroup loads A: row r of the tile is token row a_rows[m0 + r] / a_row_div, eight lanes
+// per 128-byte row piece, eight 16-byte cp.async per thread and stage straight into the 128-byte swizzled layout the TMA box would have produced
+// (rows past the expert's end and columns past k zero-filled), then `cp.async.mbarrier.arrive.noinc` on the
+// stage's "full" barrier (128 arrivals besides the B boxes' transaction count). The consumers fence the
+// generic-proxy writes against wgmma's async-proxy reads after the wait. The permuted [pairs, H] copy of
+// the hidden states is never written.
 //
 // B boxes per work item: gated with concatenated [gate | up] rows: gate rows c0.. and up rows I + c0..
 // (128 output columns); gated interleaved: rows 2 c0 .. 2 c0 + 255 (gate and up adjacent, 128 output
@@ -37,6 +48,8 @@ constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4, kThreads = 384;
 constexpr int kABytes = kBM * kBK * 2, kBBoxBytes = 128 * kBK * 2, kStageBytes = kABytes + 2 * kBBoxBytes;
 constexpr int kOutBytes = 64 * 128 * 2;  // staging of 16-bit outputs, per consumer warpgroup
 constexpr size_t kSmemBytes = size_t(kStages) * kStageBytes + 2 * kOutBytes + 2 * kStages * 8 + 1024;
+constexpr int kGatherThreads = 128;  // producer warpgroup threads loading gathered A rows
+static_assert(kGatherThreads == 128 && kBM == 128 && kBK == 64, "gathered A: 16 rows x 8 chunks per pass");
 
 [[maybe_unused]] __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
@@ -91,6 +104,15 @@ struct Work {
   t.m_end = __ldg(args.offsets + e + 1);
 }
 
+[[maybe_unused]] __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+[[maybe_unused]] __device__ __forceinline__ float load_weight(const void* w, Elem type, int64_t i) {
+  if (type == Elem::bf16) return to_f32(static_cast<const bf16*>(w)[i]);
+  if (type == Elem::f16) return to_f32(static_cast<const f16*>(w)[i]);
+  return static_cast<const float*>(w)[i];
+}
+
 template <int EPI>
 __device__ __forceinline__ int n_tiles_of(const GroupedGemmArgs& args) {
   const int64_t cols = EPI == kEpiGated ? kBN / 2 : kBN;
@@ -109,10 +131,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (kStages + s); };
   const int tid = threadIdx.x, wg = tid / 128;
+  const bool gather = args.a_rows != nullptr;
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full(s), 1);
+      mbar_init(full(s), gather ? 1 + kGatherThreads : 1);
       mbar_init(empty(s), 8);  // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -126,6 +149,51 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (gather) {
+      // Thread tid loads 16-byte chunk tid % 8 of rows tid / 8 + 16 i (i < 8) of every A tile (cp.async: a
+      // warp reads four whole 128-byte rows per instruction), thread 0 the B boxes too (TMA). The rows'
+      // swizzled chunk is the same for all eight (16 i leaves row % 8 unchanged).
+      const int chunk = tid & 7, sub = tid >> 3;
+      const uint32_t dst_off = uint32_t(sub) * (kBK * 2) + uint32_t((chunk ^ (sub & 7)) << 4);
+      const T* a = static_cast<const T*>(args.a);
+      int s = 0;
+      uint32_t phase = 0;
+      for (int w = blockIdx.x; w < total; w += gridDim.x) {
+        Work t;
+        work_item(args, w, n_tiles, t);
+        const int row0 = concat_gate ? t.n_tile * (kBN / 2) : t.n_tile * kBN;
+        const int row1 = concat_gate ? int(args.inter) + row0 : row0 + 128;
+        int src_row[kBM / 16];  // A row of each of this thread's eight tile rows; -1 past the expert's end
+#pragma unroll
+        for (int i = 0; i < kBM / 16; ++i) {
+          const int64_t row = t.m0 + sub + 16 * i;
+          src_row[i] = row < t.m_end ? __ldg(args.a_rows + row) / args.a_row_div : -1;
+        }
+        for (int kt = 0; kt < ktiles; ++kt) {
+          mbar_wait(empty(s), phase ^ 1);
+          const uint32_t st = base + s * kStageBytes;
+          if (tid == 0) {
+            mbar_expect_tx(full(s), 2 * kBBoxBytes);
+            tma_load_3d(st + kABytes, &map_b, full(s), kt * kBK, row0, t.expert);
+            tma_load_3d(st + kABytes + kBBoxBytes, &map_b, full(s), kt * kBK, row1, t.expert);
+          }
+          const int64_t col = int64_t(kt) * kBK + chunk * 8;
+#pragma unroll
+          for (int i = 0; i < kBM / 16; ++i) {
+            const bool ok = src_row[i] >= 0 && col < args.k;
+            cp_async16(st + dst_off + uint32_t(16 * i) * (kBK * 2), ok ? a + int64_t(src_row[i]) * args.lda + col : a,
+                       ok);
+          }
+          cp_async_arrive_noinc(full(s));
+          if (++s == kStages) {
+            s = 0;
+            phase ^= 1;
+          }
+        }
+      }
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
+      return;
+    }
     if (tid != 0) return;
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_a) : "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_b) : "memory");
@@ -162,11 +230,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     Work t;
     work_item(args, w, n_tiles, t);
     const bool has_rows = t.m0 + c * 64 < t.m_end;
+    float wr[2] = {0.0f, 0.0f};  // kEpiWeighted: routing weights of this thread's two rows, loaded under the MMAs
+    if constexpr (EPI == kEpiWeighted) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t row = t.m0 + c * 64 + warp * 16 + (lane >> 2) + half * 8;
+        if (row < t.m_end) wr[half] = load_weight(args.row_weights, args.weight_type, __ldg(args.row_pair + row));
+      }
+    }
 #pragma unroll
     for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
     int prev = -1;
     for (int kt = 0; kt < ktiles; ++kt) {
       mbar_wait(full(s), phase);
+      if (gather) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async rows -> wgmma
       // Unconditional (a warpgroup past the expert's rows multiplies rows it will not store): wgmma
       // under a branch is serialised by the compiler.
       const uint32_t st = base + s * kStageBytes;
@@ -194,7 +271,71 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Accumulator 4j + q: row 16 warp + lane / 4 (+8 for q >= 2), virtual column 8j + 2 (lane % 4) (+1 for odd q).
     const T* bias =
         args.bias ? static_cast<const T*>(args.bias) + int64_t(t.expert) * args.bias_expert_stride : nullptr;
-    if constexpr (EPI == kEpiF32) {
+    if constexpr (EPI == kEpiWeighted) {
+      // w[p] * (acc + bias) in 16 bits, two rounds of 128 columns through this warpgroup's staging buffer
+      // (two 64 x 64 boxes, 128-byte swizzle). A block of 64 rows inside the expert leaves by bulk tensor
+      // stores (the copy engine writes while the warpgroup goes on to its next tile), a block crossing the
+      // expert's end by masked 16-byte stores.
+      unsigned char* stage = tma_smem + (base - smem_u32(tma_smem)) + kStages * kStageBytes + c * kOutBytes;
+      const uint32_t stage_u32 = smem_u32(stage);
+      using T2 = std::conditional_t<std::is_same_v<T, bf16>, __nv_bfloat162, __half2>;
+      const int tl = tid % 128;
+      T* out = static_cast<T*>(args.out);
+      const bool vec = (args.ldo & 7) == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0;
+      const bool whole = use_tma_store && t.m0 + c * 64 + 64 <= t.m_end;
+#pragma unroll
+      for (int round = 0; round < 2; ++round) {
+        if (tl == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // staging free again
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = warp * 16 + (lane >> 2) + half * 8;
+#pragma unroll
+          for (int jj = 0; jj < 16; ++jj) {
+            const int j = 16 * round + jj;
+            float b0 = 0.0f, b1 = 0.0f;
+            if (bias) {
+              const int64_t col = int64_t(t.n_tile) * kBN + 8 * j + 2 * (lane & 3);
+              if (col < args.n) b0 = to_f32(bias[col]);
+              if (col + 1 < args.n) b1 = to_f32(bias[col + 1]);
+            }
+            T2 v;
+            v.x = from_f32<T>(wr[half] * (acc[4 * j + 2 * half] + b0));
+            v.y = from_f32<T>(wr[half] * (acc[4 * j + 2 * half + 1] + b1));
+            const int off = (jj >> 3) * 8192 + r * 128 + (((jj & 7) ^ (r & 7)) << 4) + (lane & 3) * 4;
+            *reinterpret_cast<T2*>(stage + off) = v;
+          }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
+        const int64_t col0 = int64_t(t.n_tile) * kBN + 128 * round;
+        if (whole) {
+          if (tl == 0) {
+#pragma unroll
+            for (int b = 0; b < 2; ++b)
+              asm volatile(
+                  "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(&map_out),
+                  "r"(int(col0) + 64 * b), "r"(int(t.m0) + c * 64), "r"(stage_u32 + b * 8192)
+                  : "memory");
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+          }
+          continue;
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int idx = i * 128 + tl, r = idx >> 4, ch = idx & 15;
+          const int64_t row = t.m0 + c * 64 + r, col = col0 + ch * 8;
+          if (row >= t.m_end || col >= args.n) continue;
+          T* dst = out + row * args.ldo + col;
+          const unsigned char* src = stage + (ch >> 3) * 8192 + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
+          if (vec && col + 8 <= args.n) {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+          } else {
+            for (int e = 0; e < 8 && col + e < args.n; ++e) dst[e] = reinterpret_cast<const T*>(src)[e];
+          }
+        }
+      }
+    } else if constexpr (EPI == kEpiF32) {
       // f32 outputs: four rounds of 64 columns through this warpgroup's staging buffer (two 64 x 32 boxes,
       // 128-byte swizzle). A block of 64 rows inside the expert leaves by bulk tensor stores (the copy
       // engine writes while the warpgroup goes on to its next tile); a block crossing the expert's end
@@ -464,7 +605,7 @@ cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
   const CUtensorMapDataType dt =
       std::is_same_v<T, bf16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   CUtensorMap map_a{}, map_b{}, map_out{};
-  {
+  if (!a.a_rows) {  // contiguous A rows (gathered rows are loaded by the producer warpgroup)
     const cuuint64_t dims[2] = {cuuint64_t(a.k), cuuint64_t(a.max_rows)};
     const cuuint64_t strides[1] = {cuuint64_t(a.lda) * 2};
     const cuuint32_t box[2] = {kBK, kBM}, estr[2] = {1, 1};
@@ -484,7 +625,7 @@ cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
   }
   // f32 and gated 16-bit outputs: bulk tensor stores where the row stride and address allow (else masked stores)
   bool tma_store = false;
-  if (EPI == kEpiGated && a.ldo % 8 == 0 && aligned16(a.out)) {  // 16-bit gated outputs: 64 x 64 boxes
+  if ((EPI == kEpiGated || EPI == kEpiWeighted) && a.ldo % 8 == 0 && aligned16(a.out)) {  // 16-bit: 64 x 64 boxes
     const cuuint64_t dims[2] = {cuuint64_t(a.n), cuuint64_t(a.max_rows)};
     const cuuint64_t strides[1] = {cuuint64_t(a.ldo) * 2};
     const cuuint32_t box[2] = {64, 64}, estr[2] = {1, 1};
@@ -513,6 +654,8 @@ cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
 template <class T>
 cudaError_t launch_tma_epi(const GroupedGemmArgs& a, cudaStream_t stream) {
   switch (a.epilogue) {
+    case kEpiWeighted:
+      return launch_tma<T, kEpiWeighted>(a, stream);
     case kEpiGated:
       return launch_tma<T, kEpiGated>(a, stream);
     case kEpiActOnly:
@@ -527,7 +670,8 @@ cudaError_t launch_tma_epi(const GroupedGemmArgs& a, cudaStream_t stream) {
 
 bool grouped_gemm_tma_ok(const GroupedGemmArgs& a, int arch) {
   if (a.type != Elem::bf16 && a.type != Elem::f16) return false;
-  if (a.a_rows != nullptr || a.b_stride_k != 1) return false;
+  if (a.b_stride_k != 1 || (a.a_rows && a.a_row_div < 1)) return false;
+  if (a.epilogue == kEpiWeighted && (!a.row_pair || !a.row_weights)) return false;
   if (a.k % 8 || a.lda % 8 || a.b_stride_n % 8 || a.b_expert_stride % 8 || a.k > a.b_stride_n) return false;
   if (!aligned16(a.a) || !aligned16(a.b)) return false;
   if (a.experts <= 0 || a.max_rows >= (int64_t(1) << 31) || weight_rows(a) >= (int64_t(1) << 31)) return false;

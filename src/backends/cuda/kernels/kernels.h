@@ -33,7 +33,9 @@ constexpr int kGateActMul = 0, kGateClampedSwiglu = 1, kGateActOnly = 2;
 //   kEpiGated:   out[r, c] = gate(acc(gate row of c) + bias, acc(up row of c) + bias), c < n (= I), dtype of A
 //   kEpiActOnly: out[r, c] = act(acc(row c) + bias), dtype of A
 //   kEpiF32:     out[r, c] = acc(row c) in f32 (second projection; its bias is added by combine)
-constexpr int kEpiGated = 0, kEpiActOnly = 1, kEpiF32 = 2;
+//   kEpiWeighted: out[r, c] = w[row_pair[r]] * (acc(row c) + bias), dtype of A (sonicmoe's second
+//                projection: the routing weight of the row's pair applied; TMA kernel only)
+constexpr int kEpiGated = 0, kEpiActOnly = 1, kEpiF32 = 2, kEpiWeighted = 3;
 
 // ---- routing (routing.cu) ----
 
@@ -109,6 +111,10 @@ struct GroupedGemmArgs {
   GateParams gate;
   void* out = nullptr;  // [max_rows, ldo]
   int64_t ldo = 0;
+  // kEpiWeighted: the pair of each sorted row and the routing weights [pairs] of `weight_type`
+  const int32_t* row_pair = nullptr;
+  const void* row_weights = nullptr;
+  Elem weight_type = Elem::f32;
 };
 
 // Upper bound on the row tiles of all experts together: sum over e of ceil(rows_e / tile_m).
@@ -127,8 +133,10 @@ bool grouped_gemm_wgmma_ok(const GroupedGemmArgs& a, int arch);
 // layout, alignment).
 cudaError_t grouped_gemm(const GroupedGemmArgs& a, int tile_m, int arch, bool wide, cudaStream_t stream);
 // The warp-specialised persistent sm_90a kernel (grouped_gemm_sm90_tma.cu): row tiles of 128 (route_sort
-// with tile_m 128), A as contiguous sorted rows (a_rows null) and K-major weights, both read by the copy
-// engine (TMA). Serves bf16/f16 with k, lda and the weight strides multiples of 8 and 16-byte aligned A
+// with tile_m 128), K-major weights read by the copy engine (TMA), A either contiguous sorted rows (a_rows
+// null, read by TMA) or gathered by row index (a_rows set: the producer warpgroup copies row
+// a_rows[r] / a_row_div of A with cp.async into the swizzled stage). Epilogues kEpiGated, kEpiActOnly,
+// kEpiF32 and kEpiWeighted (row_pair and row_weights set). Serves bf16/f16 with k, lda and the weight strides multiples of 8 and 16-byte aligned A
 // and B, on a device of compute capability 9.0 with this build's sm_90a code.
 bool grouped_gemm_tma_ok(const GroupedGemmArgs& a, int arch);
 // Whether this build carries the kernel's sm_90a code for the current device, of compute capability `arch`.
@@ -138,6 +146,13 @@ cudaError_t grouped_gemm_tma(const GroupedGemmArgs& a, cudaStream_t stream);
 cudaError_t grouped_gemm_wgmma(const GroupedGemmArgs& a, int tile_m, bool wide, cudaStream_t stream);
 cudaError_t grouped_gemm_mma(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);
 cudaError_t grouped_gemm_simt(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);
+
+// out[t, :] = round( sum over k in slot order of yw[row(t, k), :] ), f32 sum, row(t, k) = pair_row[p] (or p
+// when pair_row is null); pairs with pair_expert[p] >= E (sentinels, bad ids) are skipped. yw [rows, hidden]
+// and out [T, hidden] of `type` (sonicmoe's reduction of the weighted rows kEpiWeighted wrote: no atomics, the
+// same bits on every run).
+cudaError_t sum_slots(Elem type, const void* yw, const int32_t* pair_row, const int32_t* pair_expert,
+                      int64_t tokens, int top_k, int64_t hidden, int experts, void* out, cudaStream_t stream);
 
 // ---- DeepGEMM's contiguous layout (expert_layout.cu) ----
 
