@@ -12,6 +12,7 @@
 
 #include "moekit/config.h"
 #include "moekit/experts.h"
+#include "moekit/parallel.h"
 #include "moekit/tensor.h"
 
 namespace moekit {
@@ -57,6 +58,11 @@ struct ModelOptions {
   // Refuse weights holding NaN or Inf (one pass over the decoder's tensors at load). Default: on for
   // checkpoints up to 4 GiB, else off with a warning on stderr.
   std::optional<bool> check_finite;
+  // Expert parallelism: this rank's group (mpi_world_group(), one of nccl_local_groups()). With more than one
+  // rank, each MoE layer loads and holds only this rank's slice of the experts (expert_slice) and runs them
+  // through ParallelExperts in `ep_mode`; every rank runs the same calls (same prompt, same options).
+  ExpertGroupPtr expert_group;
+  EpMode ep_mode = EpMode::all_reduce;
 
   std::string to_string() const;
 };

@@ -10,10 +10,12 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include "commands.h"
 #include "moekit/error.h"
 #include "moekit/model.h"
+#include "moekit/parallel.h"
 #include "moekit/safetensors.h"
 #include "moekit/tokenizer.h"
 #include "parse.h"
@@ -24,7 +26,8 @@ namespace {
 struct RunOptions {
   std::string model, device = "cpu", dtype = "auto", experts, prompt_ids, dump_logits, decode_switch = "auto";
   std::string prompt, prompt_file;
-  int64_t max_new_tokens = 20, min_new_tokens = 0, top_k = 50, warmup = 0;
+  int64_t max_new_tokens = 20, min_new_tokens = 0, top_k = 50, warmup = 0, ep = 1;
+  std::string ep_mode = "all_reduce";
   double temperature = 1.0, top_p = 1.0, repetition_penalty = 1.0;
   std::string seed = "0";
   bool sample = false, greedy = false, json = false, cuda_graph = false, quiet = false, check_finite = false,
@@ -58,9 +61,14 @@ std::string ids_text(const std::vector<int64_t>& ids) {
   return s;
 }
 
-void run(const RunOptions& o) {
+// One rank's run. With expert parallelism every rank runs the same loads and generations; only rank 0
+// (`silent` false) prints.
+void run(const RunOptions& o, const ExpertGroupPtr& group = nullptr, std::optional<Device> device = std::nullopt,
+         bool silent = false) {
   ModelOptions mo;
-  mo.device = Device::parse(o.device);
+  mo.device = device.value_or(Device::parse(o.device));
+  mo.expert_group = group;
+  mo.ep_mode = parse_ep_mode(o.ep_mode);
   if (o.dtype != "auto") mo.dtype = parse_dtype(o.dtype);
   if (!o.experts.empty()) mo.experts_implementation = ExpertsImplementation::parse(o.experts);
   mo.cuda_graph = o.cuda_graph;
@@ -107,7 +115,7 @@ void run(const RunOptions& o) {
                                                   : DecodeSwitch::automatic;
   gc.validate();
 
-  const bool progress = !o.quiet;
+  const bool progress = !o.quiet && !silent;
   if (progress) fmt::print(stderr, "moekit run: loading {} ...\n", o.model);
   const auto t0 = std::chrono::steady_clock::now();
   Model model = Model::from_pretrained(o.model, mo);
@@ -130,7 +138,7 @@ void run(const RunOptions& o) {
   };
   std::vector<int64_t> generated;
   std::string shown;
-  const bool stream = tokenizer && !o.json;
+  const bool stream = tokenizer && !o.json && !silent;
   auto show = [&](bool final) {
     const std::string t = text_of(generated);
     const bool partial = t.size() >= 3 && t.compare(t.size() - 3, 3, "\xEF\xBF\xBD") == 0;
@@ -152,6 +160,7 @@ void run(const RunOptions& o) {
     };
   }
   const GenerationResult r = model.generate(prompt, gc);
+  if (silent) return;
   if (stream) {
     show(true);
     fmt::print("\n");
@@ -178,6 +187,7 @@ void run(const RunOptions& o) {
     j["model_type"] = model.config().text.model_type;
     j["device"] = model.device().to_string();
     j["dtype"] = dtype_name(model.dtype());
+    if (group) j["expert_parallel"] = {{"ep_size", group->size()}, {"engine", group->engine()}, {"mode", o.ep_mode}};
     fmt::print("{}\n", j.dump());
     return;
   }
@@ -186,6 +196,10 @@ void run(const RunOptions& o) {
                model.device().to_string());
     fmt::print("prompt         {} tokens: {}\n", prompt.size(), ids_text(prompt));
   }
+  if (group)
+    fmt::print("expert parallel {} ranks over {} ({}), {} of {} experts on rank 0\n", group->size(), group->engine(),
+               o.ep_mode, model.experts_modules().empty() ? 0 : model.experts_modules()[0]->spec().num_experts,
+               model.config().text.num_experts);
   fmt::print("experts        prefill {}  decode {}\n", experts_map_to_string(r.prefill_experts),
              experts_map_to_string(r.decode_experts));
   fmt::print("generated      {} tokens{}: {}\n", r.tokens.size(), r.stopped_on_eos ? " (stopped on EOS)" : "",
@@ -193,6 +207,44 @@ void run(const RunOptions& o) {
   fmt::print("timings        prefill {:.2f} ms, decode {:.2f} ms ({} steps, {:.1f} tokens/s{})\n", r.prefill_ms,
              r.decode_ms, r.decode_steps, r.tokens_per_s(),
              mo.cuda_graph ? fmt::format(", {} replayed from a CUDA graph", r.graph_replays) : std::string());
+}
+
+// --ep N: on the CPU, this process is one rank of an `mpirun -np N` job; on CUDA, this process drives N GPUs
+// (from --device's index on) over NCCL, one thread per GPU.
+void run_expert_parallel(const RunOptions& o) {
+  const Device d = Device::parse(o.device);
+  parse_ep_mode(o.ep_mode);
+  if (d.is_cpu()) {
+    const ExpertGroupPtr g = mpi_world_group();
+    MOEKIT_CHECK(g->size() == o.ep, "--ep ", o.ep, ": this MPI job has ", g->size(),
+                 " process(es); start it with mpirun -np ", o.ep, " (one rank per process)");
+    run(o, g, d, g->rank() != 0);
+    return;
+  }
+  std::vector<int> devices;
+  for (int64_t i = 0; i < o.ep; ++i) devices.push_back(d.index + int(i));
+  const auto groups = nccl_local_groups(devices);
+  // A rank that fails leaves the others waiting in a collective: the process ends with the error.
+  auto fail = [](size_t rank, const char* what) {
+    fmt::print(stderr, "moekit: error: rank {}: {}\n", rank, what);
+    std::fflush(stderr);
+    std::_Exit(2);
+  };
+  std::vector<std::thread> workers;
+  for (size_t r = 1; r < groups.size(); ++r)
+    workers.emplace_back([&, r] {
+      try {
+        run(o, groups[r], Device::cuda(devices[r]), true);
+      } catch (const std::exception& e) {
+        fail(r, e.what());
+      }
+    });
+  try {
+    run(o, groups[0], Device::cuda(devices[0]), false);
+  } catch (const std::exception& e) {
+    fail(0, e.what());
+  }
+  for (auto& t : workers) t.join();
 }
 
 }  // namespace
@@ -239,6 +291,14 @@ void add_run_command(CLI::App& app) {
                 "record one decode step as a CUDA graph and replay it for the later tokens (CUDA devices; decode "
                 "backend batched_mm or grouped_mm)");
   cmd->add_flag("--quiet", o->quiet, "no progress messages on stderr");
+  cmd->add_option("--ep", o->ep,
+                  "expert parallelism over N ranks: each holds 1/N of the experts (CPU: under mpirun -np N; CUDA: N "
+                  "GPUs of this process over NCCL)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--ep-mode", o->ep_mode,
+                  "all_reduce (tokens replicated, partial outputs summed, as transformers) or all_to_all (dispatch "
+                  "and combine)")
+      ->check(CLI::IsMember({"all_reduce", "all_to_all"}));
   auto* cf = cmd->add_flag("--check-finite", o->check_finite,
                            "refuse weights holding NaN or Inf (default: on for checkpoints up to 4 GiB)");
   cmd->add_flag("--no-check-finite", o->no_check_finite, "do not scan the weights for NaN or Inf")->excludes(cf);
@@ -252,7 +312,10 @@ void add_run_command(CLI::App& app) {
     o->set_top_p = top_p->count() > 0;
     o->set_repetition_penalty = penalty->count() > 0;
     o->set_seed = seed->count() > 0;
-    run(*o);
+    if (o->ep > 1)
+      run_expert_parallel(*o);
+    else
+      run(*o);
   });
 }
 

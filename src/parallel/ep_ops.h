@@ -1,0 +1,40 @@
+// Internal: the device side of expert parallelism: id remapping, row gathers, the fixed-order combine and
+// copies, on the CPU or on a CUDA device (ep_cuda.cu). Sizes in elements unless named bytes.
+#pragma once
+#include <cstdint>
+
+#include "moekit/tensor.h"
+
+namespace moekit::ep {
+
+// out[i] = id - start when start <= id < end, else `sentinel` (the local E), for n ids (i32 or i64).
+void remap_ids(Device d, const void* ids, DType id_dtype, int64_t n, int64_t start, int64_t end, int32_t sentinel,
+               int32_t* out, Stream stream);
+// dst row i (pitch dst_pitch bytes) = src row rows[i] (pitch src_pitch bytes), row_bytes bytes each.
+void gather_rows(Device d, const void* src, int64_t src_pitch, const int32_t* rows, int64_t n, int64_t row_bytes,
+                 void* dst, int64_t dst_pitch, Stream stream);
+// out[t] = sum over r = 0..N-1 of rows[map[t * N + r]] (skipped when map < 0), in f32 in that order, rounded
+// once to `dtype` (f32 | bf16 | f16); [T, H] rows.
+void combine_rows(Device d, const void* rows, DType dtype, int64_t H, const int32_t* map, int64_t T, int N, void* out,
+                  Stream stream);
+// bytes between host and device memory (or within one); `to_host` copies wait for the stream.
+void copy(Device d, void* dst, const void* src, int64_t bytes, Stream stream);
+void copy_2d(Device d, void* dst, int64_t dst_pitch, const void* src, int64_t src_pitch, int64_t width, int64_t rows,
+             Stream stream);
+void upload(Device d, void* dst, const void* host_src, int64_t bytes, Stream stream);
+void download(Device d, void* host_dst, const void* src, int64_t bytes, Stream stream);  // synchronous
+void zero(Device d, void* dst, int64_t bytes, Stream stream);
+void sync(Device d, Stream stream);  // waits for the stream's work (no-op on the CPU)
+
+}  // namespace moekit::ep
+
+#if defined(MOEKIT_WITH_CUDA)
+namespace moekit::ep::cuda {
+void remap_ids(const void* ids, bool i64, int64_t n, int64_t start, int64_t end, int32_t sentinel, int32_t* out,
+               void* stream);
+void gather_rows(const void* src, int64_t src_pitch, const int32_t* rows, int64_t n, int64_t row_bytes, void* dst,
+                 int64_t dst_pitch, void* stream);
+void combine_rows(const void* rows, int dtype_code, int64_t H, const int32_t* map, int64_t T, int N, void* out,
+                  void* stream);  // dtype_code 0 f32, 1 bf16, 2 f16
+}  // namespace moekit::ep::cuda
+#endif
