@@ -12,6 +12,7 @@
 #include <random>
 #include <thread>
 
+#include "backends/megamoe.h"
 #include "moekit/model.h"
 #include "moekit/parallel.h"
 #include "moekit/safetensors.h"
@@ -229,6 +230,58 @@ TEST(ExpertParallel, ModelOptionsThatCannotRunAreRefused) {
   const std::string msg = test::error_of(
       [&] { Model::from_pretrained(dir, ModelOptions{.device = Device::cuda(0), .expert_group = g}); });
   EXPECT_NE(msg.find("is on cpu but the model is loaded on cuda:0"), std::string::npos) << msg;
+}
+
+// ---- deepgemm_megamoe: its requirements in SPEC order ----
+
+TEST(DeepgemmMegamoe, RequirementsAreCheckedInSpecOrder) {
+  MegaMoeFacts f{.device = "cpu", .arch = std::nullopt, .weight_dtype = DType::bf16, .ep_size = 1};
+  auto m = megamoe_missing(f);
+  ASSERT_EQ(m.size(), 3u);
+  EXPECT_NE(m[0].find("SM100+"), std::string::npos) << m[0];
+  EXPECT_NE(m[0].find("the experts are on cpu"), std::string::npos) << m[0];
+  EXPECT_NE(m[1].find("FP4 (e2m1) experts with UE8M0 scales; the experts are bf16"), std::string::npos) << m[1];
+  EXPECT_NE(m[2].find("ep_size > 1"), std::string::npos) << m[2];
+  // Hopper, FP4 with UE8M0 scales, a group: only the GPU is missing.
+  f = {.device = "cuda:0 (NVIDIA H200, compute capability 9.0)", .arch = 90, .weight_dtype = DType::f4e2m1,
+       .scale_dtype = DType::ue8m0, .ep_size = 2};
+  m = megamoe_missing(f);
+  ASSERT_EQ(m.size(), 1u);
+  EXPECT_NE(m[0].find("is compute capability 9.0"), std::string::npos) << m[0];
+  // Blackwell with float scales: the seed's error, naming the way out.
+  f.arch = 100;
+  f.scale_dtype = DType::f32;
+  m = megamoe_missing(f);
+  ASSERT_EQ(m.size(), 1u);
+  EXPECT_NE(m[0].find("scale_fmt \"float\""), std::string::npos) << m[0];
+  EXPECT_NE(m[0].find("scale_fmt \"ue8m0\""), std::string::npos) << m[0];
+  EXPECT_NE(m[0].find("grouped_mm or batched_mm"), std::string::npos) << m[0];
+  f.scale_dtype = std::nullopt;
+  EXPECT_NE(megamoe_missing(f).at(0).find("UE8M0 scales beside the FP4 experts"), std::string::npos);
+  f.scale_dtype = DType::ue8m0;
+  EXPECT_TRUE(megamoe_missing(f).empty());
+  f.ep_size = 1;
+  m = megamoe_missing(f);
+  ASSERT_EQ(m.size(), 1u);
+  EXPECT_NE(m[0].find("ep_size > 1"), std::string::npos);
+}
+
+TEST(DeepgemmMegamoe, AModuleIsToldEveryMissingRequirementAtTheFirstForward) {
+  const ExpertGroupPtr g = cpu_group();
+  const int64_t E = 4, H = 16, I = 8, K = 2, T = 3;
+  const Experts full = random_experts(E, H, I, DType::bf16, 2);
+  const ParallelExperts ep(g, E, EpMode::all_reduce);
+  const Experts sliced = slice_experts(full, ep.slice());
+  const Experts local(sliced.spec(), sliced.weights(), "deepgemm_megamoe");
+  const Inputs in = random_inputs(T, K, E, H, DType::bf16, DType::i32, 4, false);
+  ErrorCode code{};
+  const std::string msg = test::error_of([&] { ep.forward(local, in.x, in.idx, in.w); }, &code);
+  EXPECT_EQ(code, ErrorCode::not_supported);
+  EXPECT_NE(msg.find("(1) a CUDA GPU of compute capability 10.0 or newer (SM100+"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("(2) FP4 (e2m1) experts with UE8M0 scales; the experts are bf16"), std::string::npos) << msg;
+  // The group counts only when it has more than one rank.
+  EXPECT_EQ(msg.find("ep_size > 1") == std::string::npos, g->size() > 1) << msg;
+  EXPECT_NE(msg.find("Use grouped_mm"), std::string::npos) << msg;
 }
 
 // ---- two GPUs of this process over NCCL: one thread per GPU ----

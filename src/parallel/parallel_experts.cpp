@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/megamoe.h"
 #include "base/convert.h"
 #include "moekit/error.h"
 #include "moekit/parallel.h"
@@ -84,6 +85,7 @@ void ParallelExperts::check_local(const Experts& local, const ExpertsCall& call)
 
 void ParallelExperts::forward_into(const Experts& local, const ExpertsCall& call) const {
   check_local(local, call);
+  expert_parallel_state(local).ep_size = group_->size();  // what backends that need a group (megamoe) read
   const Device d = group_->device();
   const int64_t T = call.tokens(), K = call.top_k(), H = call.hidden_states.shape[1];
   if (mode_ == EpMode::all_reduce) {
@@ -131,6 +133,7 @@ Tensor ParallelExperts::forward(const Experts& local, const TensorView& hidden_s
 
 void ParallelExperts::dispatch_combine(const Experts& local, const ExpertsCall& call, EpStats* stats) const {
   check_local(local, call);
+  expert_parallel_state(local).ep_size = group_->size();
   const Device d = group_->device();
   const int N = group_->size(), me = group_->rank();
   const int64_t T = call.tokens(), K = call.top_k(), H = call.hidden_states.shape[1], E = num_experts_;
