@@ -295,6 +295,7 @@ void on_each_gpu(const std::function<void(const ExpertGroupPtr&)>& fn) {
   for (size_t i = 0; i < groups.size(); ++i)
     threads.emplace_back([&, i] {
       try {
+        use_device(groups[i]->device());
         fn(groups[i]);
       } catch (...) {
         errors[i] = std::current_exception();

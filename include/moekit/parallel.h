@@ -57,6 +57,10 @@ int mpi_launch_size();
 std::vector<ExpertGroupPtr> nccl_local_groups(const std::vector<int>& devices);
 bool nccl_built();
 
+// Makes `device` the calling thread's current CUDA device (a no-op on the CPU): a thread that drives one rank
+// of nccl_local_groups() calls it first, so that work without a device of its own lands on its GPU.
+void use_device(Device device);
+
 // Experts [start, end) of E held by `rank` of `size`: contiguous, the first E % size ranks one more.
 struct ExpertSlice {
   int64_t start = 0, end = 0;

@@ -169,6 +169,21 @@ void zero(Device d, void* dst, int64_t bytes, Stream stream) {
 #endif
 }
 
+}  // namespace moekit::ep
+
+namespace moekit {
+void use_device(Device d) {
+  if (d.is_cpu()) return;
+#if defined(MOEKIT_WITH_CUDA)
+  MOEKIT_CUDA_CALL(cudaSetDevice(d.index));
+#else
+  MOEKIT_FAIL(not_supported, "device ", d.to_string(), ": moekit was built without CUDA");
+#endif
+}
+}  // namespace moekit
+
+namespace moekit::ep {
+
 void sync(Device d, Stream stream) {
   if (d.is_cpu()) return;
 #if defined(MOEKIT_WITH_CUDA)

@@ -234,12 +234,14 @@ void run_expert_parallel(const RunOptions& o) {
   for (size_t r = 1; r < groups.size(); ++r)
     workers.emplace_back([&, r] {
       try {
+        use_device(Device::cuda(devices[r]));
         run(o, groups[r], Device::cuda(devices[r]), true);
       } catch (const std::exception& e) {
         fail(r, e.what());
       }
     });
   try {
+    use_device(Device::cuda(devices[0]));
     run(o, groups[0], Device::cuda(devices[0]), false);
   } catch (const std::exception& e) {
     fail(0, e.what());

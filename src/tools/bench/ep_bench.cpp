@@ -65,6 +65,7 @@ double rel_err(const Tensor& a, const Tensor& b) {
 std::vector<EpBenchRecord> run_ep_bench(const EpBenchOptions& o, const ExpertGroupPtr& g) {
   std::vector<EpBenchRecord> out;
   const Device d = g->device();
+  use_device(d);
   const int N = g->size(), me = g->rank();
   for (const ShapePreset& shape : o.shapes) {
     const int64_t E = shape.num_experts, H = shape.hidden, K = shape.top_k;
