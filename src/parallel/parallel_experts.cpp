@@ -158,12 +158,12 @@ void ParallelExperts::dispatch_combine(const Experts& local, const ExpertsCall& 
   std::vector<int> owner(static_cast<size_t>(E));
   for (int r = 0; r < N; ++r)
     for (int64_t e = slices_[size_t(r)].start; e < slices_[size_t(r)].end; ++e) owner[size_t(e)] = r;
-  std::vector<std::vector<int32_t>> tokens(static_cast<size_t>(N));
-  std::vector<std::vector<int32_t>> meta(static_cast<size_t>(N));  // per sent token: K local ids, then K f32 weights
-  std::vector<char> hit(static_cast<size_t>(N));
+  // Pass 1: check the ids, mark the ranks each token goes to, count per rank.
+  std::vector<uint8_t> hit(size_t(T * N), 0);
+  std::vector<int64_t> send_n(static_cast<size_t>(N), 0), send_off(size_t(N) + 1, 0);
   std::string bad;  // the first bad id: every rank learns of it through the count exchange, none waits forever
   for (int64_t t = 0; t < T && bad.empty(); ++t) {
-    std::fill(hit.begin(), hit.end(), 0);
+    uint8_t* h = &hit[size_t(t * N)];
     for (int64_t k = 0; k < K; ++k) {
       const int64_t e = ids[size_t(t * K + k)];
       if (e < 0 || e > E) {
@@ -171,39 +171,36 @@ void ParallelExperts::dispatch_combine(const Experts& local, const ExpertsCall& 
               " is out of range [0, " + std::to_string(E) + "]";
         break;
       }
-      if (e < E) hit[size_t(owner[size_t(e)])] = 1;
+      if (e < E) h[owner[size_t(e)]] = 1;
     }
-    if (!bad.empty()) break;
-    for (int r = 0; r < N; ++r) {
-      if (!hit[size_t(r)]) continue;
-      tokens[size_t(r)].push_back(int32_t(t));
-      auto& m = meta[size_t(r)];
-      const ExpertSlice sl = slices_[size_t(r)];
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t e = ids[size_t(t * K + k)];
-        m.push_back(e >= sl.start && e < sl.end ? int32_t(e - sl.start) : int32_t(sl.count()));
-      }
-      for (int64_t k = 0; k < K; ++k) {
-        int32_t bits;
-        std::memcpy(&bits, &wts[size_t(t * K + k)], 4);
-        m.push_back(bits);
-      }
-    }
+    for (int r = 0; r < N; ++r) send_n[size_t(r)] += h[r];
   }
-  std::vector<int64_t> send_n(static_cast<size_t>(N)), send_off(size_t(N) + 1, 0);
-  for (int r = 0; r < N; ++r) {
-    send_n[size_t(r)] = int64_t(tokens[size_t(r)].size());
-    send_off[size_t(r) + 1] = send_off[size_t(r)] + send_n[size_t(r)];
-  }
+  for (int r = 0; r < N; ++r) send_off[size_t(r) + 1] = send_off[size_t(r)] + send_n[size_t(r)];
   const int64_t S = send_off[size_t(N)];
-  std::vector<int32_t> send_rows(static_cast<size_t>(S)), send_meta(size_t(S * 2 * K)), map(size_t(T * N), -1);
-  for (int r = 0; r < N; ++r)
-    for (size_t i = 0; i < tokens[size_t(r)].size(); ++i) {
-      const int64_t p = send_off[size_t(r)] + int64_t(i);
-      send_rows[size_t(p)] = tokens[size_t(r)][i];
-      map[size_t(tokens[size_t(r)][i]) * size_t(N) + size_t(r)] = int32_t(p);
-      std::memcpy(&send_meta[size_t(p * 2 * K)], &meta[size_t(r)][i * size_t(2 * K)], size_t(2 * K) * 4);
-    }
+  // Pass 2: one host block, uploaded at once: the rows to send (by rank, in token order), the combine map
+  // [T, N] (-1: not sent), and per sent row its K ids in the receiver's numbering then its K f32 weights.
+  std::vector<int32_t> plan(size_t(S + T * N + S * 2 * K));
+  int32_t* send_rows = plan.data();
+  int32_t* map = send_rows + S;
+  int32_t* send_meta = map + T * N;
+  std::fill(map, map + T * N, -1);
+  if (bad.empty()) {
+    std::vector<int64_t> next(send_off.begin(), send_off.end() - 1);
+    for (int64_t t = 0; t < T; ++t)
+      for (int r = 0; r < N; ++r) {
+        if (!hit[size_t(t * N + r)]) continue;
+        const int64_t p = next[size_t(r)]++;
+        send_rows[p] = int32_t(t);
+        map[t * N + r] = int32_t(p);
+        const ExpertSlice sl = slices_[size_t(r)];
+        int32_t* m = send_meta + p * 2 * K;
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t e = ids[size_t(t * K + k)];
+          m[k] = e >= sl.start && e < sl.end ? int32_t(e - sl.start) : int32_t(sl.count());
+        }
+        std::memcpy(m + K, &wts[size_t(t * K)], size_t(K) * 4);
+      }
+  }
   if (!bad.empty()) std::fill(send_n.begin(), send_n.end(), -1);
   const std::vector<int64_t> recv_n = group_->exchange(send_n, s);
   MOEKIT_CHECK(bad.empty(), "expert parallel (rank ", me, "): ", bad);
@@ -214,19 +211,18 @@ void ParallelExperts::dispatch_combine(const Experts& local, const ExpertsCall& 
   for (int r = 0; r < N; ++r) recv_off[size_t(r) + 1] = recv_off[size_t(r)] + recv_n[size_t(r)];
   const int64_t R = recv_off[size_t(N)];
 
-  auto* d_rows = static_cast<int32_t*>(ws_->get("rows", S * 4, d));
-  auto* d_map = static_cast<int32_t*>(ws_->get("map", T * N * 4, d));
+  auto* d_plan = static_cast<int32_t*>(ws_->get("plan", int64_t(plan.size()) * 4, d));
+  const int32_t* d_rows = d_plan;
+  const int32_t* d_map = d_plan + S;
+  const int32_t* send_m = d_map + T * N;
   void* send_x = ws_->get("send_x", S * row, d);
-  auto* send_m = static_cast<int32_t*>(ws_->get("send_meta", S * 2 * K * 4, d));
   void* recv_x = ws_->get("recv_x", R * row, d);
   auto* recv_m = static_cast<int32_t*>(ws_->get("recv_meta", R * 2 * K * 4, d));
   auto* recv_ids = static_cast<int32_t*>(ws_->get("recv_ids", R * K * 4, d));
   auto* recv_w = static_cast<float*>(ws_->get("recv_w", R * K * 4, d));
   void* recv_y = ws_->get("recv_y", R * row, d);
   void* back_y = ws_->get("back_y", S * row, d);
-  ep::upload(d, d_rows, send_rows.data(), S * 4, s);
-  ep::upload(d, d_map, map.data(), T * N * 4, s);
-  ep::upload(d, send_m, send_meta.data(), S * 2 * K * 4, s);
+  ep::upload(d, d_plan, plan.data(), int64_t(plan.size()) * 4, s);
   ep::gather_rows(d, call.hidden_states.data, row, d_rows, S, row, send_x, row, s);
   auto stage_done = [&](double* field, Clock::time_point& t) {
     if (!stats) return;
