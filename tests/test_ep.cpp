@@ -113,6 +113,16 @@ void check_replicated(const ExpertGroupPtr& g, EpMode mode, int64_t E, DType dty
   g->synchronize(nullptr);
   const Tensor a = again.to(Device::cpu()), b = out.to(Device::cpu());
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0);
+  // all_reduce in chunks whose all-reduces overlap the next chunk's experts (GPUs; one call on the CPU).
+  if (mode == EpMode::all_reduce) {
+    ParallelExperts chunked(g, E, mode);
+    chunked.set_overlap_chunks(3);
+    Tensor c = Tensor::empty({T, H}, dtype, d);
+    test::poison(c);
+    chunked.forward_into(local, ExpertsCall{x, idx, w, c.view()});
+    g->synchronize(nullptr);
+    EXPECT_LE(experts_error(c, ref), experts_tolerance(dtype)) << "in 3 overlapped chunks";
+  }
 }
 
 void check_experts_cases(const ExpertGroupPtr& g) {

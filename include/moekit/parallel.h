@@ -96,6 +96,10 @@ class ParallelExperts {
   int64_t num_experts() const { return num_experts_; }
   EpMode mode() const { return mode_; }
   void set_mode(EpMode m) { mode_ = m; }
+  // all_reduce on a GPU: the tokens in `n` chunks, each chunk's all-reduce (on a second stream) overlapping
+  // the next chunk's experts. 1 (the default): one experts call, then one all-reduce.
+  void set_overlap_chunks(int n);
+  int overlap_chunks() const { return chunks_; }
 
   // The same tokens on every rank (ids in [0, E] of the global experts, E = sentinel): the full output
   // [T, H], identical on every rank. all_to_all mode splits the tokens into contiguous slices, dispatches
@@ -117,6 +121,7 @@ class ParallelExperts {
   ExpertSlice slice_;
   std::vector<ExpertSlice> slices_;  // every rank's
   EpMode mode_ = EpMode::all_reduce;
+  int chunks_ = 1;
   std::shared_ptr<Workspace> ws_;
 };
 

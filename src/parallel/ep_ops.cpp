@@ -184,6 +184,21 @@ void use_device(Device d) {
 
 namespace moekit::ep {
 
+void order(Device d, Stream from, Stream to) {
+  if (d.is_cpu() || from == to) return;
+#if defined(MOEKIT_WITH_CUDA)
+  moekit::cuda::DeviceGuard g(d.index);
+  cudaEvent_t ev;
+  MOEKIT_CUDA_CALL(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  const cudaError_t rec = cudaEventRecord(ev, cs(from));
+  const cudaError_t wait = rec == cudaSuccess ? cudaStreamWaitEvent(cs(to), ev, 0) : rec;
+  (void)cudaEventDestroy(ev);  // released once the work it marks is done
+  MOEKIT_CUDA_CALL(wait);
+#else
+  no_cuda();
+#endif
+}
+
 void sync(Device d, Stream stream) {
   if (d.is_cpu()) return;
 #if defined(MOEKIT_WITH_CUDA)

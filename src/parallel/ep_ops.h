@@ -25,6 +25,8 @@ void upload(Device d, void* dst, const void* host_src, int64_t bytes, Stream str
 void download(Device d, void* host_dst, const void* src, int64_t bytes, Stream stream);  // synchronous
 void zero(Device d, void* dst, int64_t bytes, Stream stream);
 void sync(Device d, Stream stream);  // waits for the stream's work (no-op on the CPU)
+// Work enqueued on `to` after this call waits for the work enqueued on `from` before it (CUDA; no-op on the CPU).
+void order(Device d, Stream from, Stream to);
 
 }  // namespace moekit::ep
 

@@ -15,10 +15,23 @@
 
 namespace moekit {
 
+namespace {
+// A second stream of the group's device, released with the workspace.
+struct OwnedSideStream {
+  explicit OwnedSideStream(Device d) : device(d), stream(stream_create(d)) {}
+  ~OwnedSideStream() { stream_destroy(stream, device); }
+  OwnedSideStream(const OwnedSideStream&) = delete;
+  OwnedSideStream& operator=(const OwnedSideStream&) = delete;
+  Device device;
+  Stream stream;
+};
+}  // namespace
+
 // Grow-only buffers of one layer's calls, by name, on the group's device.
 struct ParallelExperts::Workspace {
   std::mutex mutex;
   std::map<std::string, Tensor> buffers;
+  std::unique_ptr<OwnedSideStream> side;  // the all-reduces of overlapped chunks
   void* get(const std::string& name, int64_t bytes, Device d) {
     Tensor& t = buffers[name];
     const int64_t want = std::max<int64_t>(bytes, 16);
@@ -53,6 +66,11 @@ ParallelExperts::ParallelExperts(ExpertGroupPtr group, int64_t num_experts, EpMo
   MOEKIT_CHECK(group_ != nullptr, "ParallelExperts: no expert-parallel group given");
   for (int r = 0; r < group_->size(); ++r) slices_.push_back(expert_slice(num_experts, r, group_->size()));
   slice_ = slices_[size_t(group_->rank())];
+}
+
+void ParallelExperts::set_overlap_chunks(int n) {
+  MOEKIT_CHECK(n >= 1, "ParallelExperts: overlap chunks must be >= 1, got ", n);
+  chunks_ = n;
 }
 
 void ParallelExperts::check_local(const Experts& local, const ExpertsCall& call) const {
@@ -94,10 +112,27 @@ void ParallelExperts::forward_into(const Experts& local, const ExpertsCall& call
     auto* ids = static_cast<int32_t*>(ws_->get("ids", T * K * 4, d));
     ep::remap_ids(d, call.top_k_index.data, call.top_k_index.dtype, T * K, slice_.start, slice_.end,
                   int32_t(slice_.count()), ids, call.stream);
-    ExpertsCall c = call;
-    c.top_k_index = TensorView(ids, DType::i32, {T, K}, d);
-    local.forward_into(c);
-    group_->all_reduce_sum(call.out.data, T * H, call.out.dtype, call.stream);
+    const TensorView local_ids(ids, DType::i32, {T, K}, d);
+    const int chunks = d.is_cuda() ? int(std::min<int64_t>(chunks_, T)) : 1;
+    if (chunks <= 1) {
+      ExpertsCall c = call;
+      c.top_k_index = local_ids;
+      local.forward_into(c);
+      group_->all_reduce_sum(call.out.data, T * H, call.out.dtype, call.stream);
+      return;
+    }
+    // Chunk i's all-reduce runs on the side stream while chunk i + 1's experts run on the call's stream.
+    if (!ws_->side) ws_->side = std::make_unique<OwnedSideStream>(d);
+    const Stream side = ws_->side->stream;
+    ep::order(d, call.stream, side);  // the side stream's earlier work (a previous call) stays before
+    for (int i = 0; i < chunks; ++i) {
+      const int64_t t0 = split_begin(T, i, chunks), t1 = split_begin(T, i + 1, chunks);
+      local.forward_into(ExpertsCall{rows_of(call.hidden_states, t0, t1), rows_of(local_ids, t0, t1),
+                                     rows_of(call.top_k_weights, t0, t1), rows_of(call.out, t0, t1), call.stream});
+      ep::order(d, call.stream, side);
+      group_->all_reduce_sum(rows_of(call.out, t0, t1).data, (t1 - t0) * H, call.out.dtype, side);
+    }
+    ep::order(d, side, call.stream);
     return;
   }
   // all_to_all on replicated tokens: each rank dispatches a contiguous slice of them, then the slices'

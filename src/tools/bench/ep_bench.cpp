@@ -82,6 +82,9 @@ std::vector<EpBenchRecord> run_ep_bench(const EpBenchOptions& o, const ExpertGro
       }
     }
     const ParallelExperts ar(g, E, EpMode::all_reduce), a2a(g, E, EpMode::all_to_all);
+    ParallelExperts ar2(g, E, EpMode::all_reduce), ar4(g, E, EpMode::all_reduce);
+    ar2.set_overlap_chunks(2);
+    ar4.set_overlap_chunks(4);
     for (int64_t T : o.tokens) {
       EpBenchRecord r;
       r.shape = shape.name;
@@ -102,6 +105,9 @@ std::vector<EpBenchRecord> run_ep_bench(const EpBenchOptions& o, const ExpertGro
       const ExpertsCall yc{call.hidden_states, call.top_k_index, call.top_k_weights, y.view(), nullptr};
       r.ar_total_ms = max_over_ranks(g, time_ms(g, o.warmup, o.iters, [&] { ar.forward_into(local, yc); }));
       if (me == 0 && o.reference) r.ar_rel_err = rel_err(y, ref);
+      r.ar2_total_ms = max_over_ranks(g, time_ms(g, o.warmup, o.iters, [&] { ar2.forward_into(local, yc); }));
+      r.ar4_total_ms = max_over_ranks(g, time_ms(g, o.warmup, o.iters, [&] { ar4.forward_into(local, yc); }));
+      if (me == 0 && o.reference) r.ar4_rel_err = rel_err(y, ref);
       {
         Tensor lid = Tensor::empty({T, K}, DType::i32);
         const int64_t* gid = in.host_top_k_index.ptr<int64_t>();
@@ -157,17 +163,19 @@ std::vector<EpBenchRecord> run_ep_bench(const EpBenchOptions& o, const ExpertGro
 std::string format_ep_table(const std::vector<EpBenchRecord>& records, const std::string& card) {
   std::string s = fmt::format(
       "expert parallelism on {}: times in ms (median; the slowest rank), volumes in MB between distinct ranks\n"
-      "{:<15} {:>6} {:>8} | {:>8} {:>8} {:>8} {:>7} | {:>8} {:>7} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} | {:>8} {:>8}\n",
-      card, "shape", "T", "1 dev", "ar", "experts", "allred", "MB", "a2a", "plan", "dispatch", "experts", "combine",
+      "{:<15} {:>6} {:>8} | {:>8} {:>8} {:>8} {:>7} {:>8} {:>8} | {:>8} {:>7} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} | "
+      "{:>8} {:>8}\n",
+      card, "shape", "T", "1 dev", "ar", "experts", "allred", "MB", "ar/2", "ar/4", "a2a", "plan", "dispatch", "experts", "combine",
       "disp MB", "comb MB", "GB/s", "ar err", "a2a err");
   for (const auto& r : records) {
     const double comm_ms = r.a2a_dispatch_ms + r.a2a_combine_ms;
     const double gbps = comm_ms > 0 ? double(r.a2a_dispatch_bytes + r.a2a_combine_bytes) / (comm_ms * 1e6) : 0;
     s += fmt::format(
-        "{:<15} {:>6} {:>8} | {:>8.3f} {:>8.3f} {:>8.3f} {:>7.2f} | {:>8.3f} {:>7.3f} {:>8.3f} {:>8.3f} {:>8.3f} "
+        "{:<15} {:>6} {:>8} | {:>8.3f} {:>8.3f} {:>8.3f} {:>7.2f} {:>8.3f} {:>8.3f} | {:>8.3f} {:>7.3f} {:>8.3f} {:>8.3f} {:>8.3f} "
         "{:>8.2f} {:>8.2f} {:>7.1f} | {:>8.1e} {:>8.1e}\n",
         r.shape, r.tokens, r.one_device_ms < 0 ? std::string("-") : fmt::format("{:.3f}", r.one_device_ms),
-        r.ar_total_ms, r.ar_experts_ms, r.ar_allreduce_ms, double(r.ar_bytes) / 1e6, r.a2a_total_ms, r.a2a_plan_ms,
+        r.ar_total_ms, r.ar_experts_ms, r.ar_allreduce_ms, double(r.ar_bytes) / 1e6, r.ar2_total_ms, r.ar4_total_ms,
+        r.a2a_total_ms, r.a2a_plan_ms,
         r.a2a_dispatch_ms, r.a2a_experts_ms, r.a2a_combine_ms, double(r.a2a_dispatch_bytes) / 1e6,
         double(r.a2a_combine_bytes) / 1e6, gbps, r.ar_rel_err, r.a2a_rel_err);
   }
@@ -187,7 +195,9 @@ std::string ep_records_to_json(const std::vector<EpBenchRecord>& records, const 
                             {"one_device_ms", r.one_device_ms},
                             {"all_reduce", {{"total_ms", r.ar_total_ms}, {"experts_ms", r.ar_experts_ms},
                                             {"allreduce_ms", r.ar_allreduce_ms}, {"bytes", r.ar_bytes},
-                                            {"rel_err", r.ar_rel_err}}},
+                                            {"rel_err", r.ar_rel_err}, {"overlap2_total_ms", r.ar2_total_ms},
+                                            {"overlap4_total_ms", r.ar4_total_ms},
+                                            {"overlap4_rel_err", r.ar4_rel_err}}},
                             {"all_to_all", {{"total_ms", r.a2a_total_ms}, {"plan_ms", r.a2a_plan_ms},
                                             {"dispatch_ms", r.a2a_dispatch_ms}, {"experts_ms", r.a2a_experts_ms},
                                             {"combine_ms", r.a2a_combine_ms}, {"dispatch_bytes", r.a2a_dispatch_bytes},

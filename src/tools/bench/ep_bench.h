@@ -29,6 +29,8 @@ struct EpBenchRecord {
   // all_reduce (transformers): local experts over every token, then one all-reduce of [T, H]
   double ar_total_ms = 0, ar_experts_ms = 0, ar_allreduce_ms = 0;
   int64_t ar_bytes = 0;  // per rank: T * H elements
+  double ar2_total_ms = 0, ar4_total_ms = 0;  // all_reduce in 2 / 4 chunks, all-reduces overlapping the experts
+  double ar4_rel_err = -1;
   // all_to_all: each rank dispatches its T / N tokens; stages timed with a synchronisation each
   double a2a_total_ms = 0, a2a_plan_ms = 0, a2a_dispatch_ms = 0, a2a_experts_ms = 0, a2a_combine_ms = 0;
   int64_t a2a_dispatch_bytes = 0, a2a_combine_bytes = 0;  // between distinct ranks, summed over ranks
