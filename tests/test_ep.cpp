@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <random>
 #include <thread>
 
@@ -232,6 +233,43 @@ TEST_P(EpFixtureModel, GreedyTokensAndLogitsEqualOneProcess) {
 INSTANTIATE_TEST_SUITE_P(Models, EpFixtureModel, ::testing::ValuesIn(test::fixture_models()),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(EpFixtureModel);
+
+// Each rank reads only its experts: a checkpoint holding only this rank's experts loads with the group and
+// gives the full model's logits; alone, it is missing tensors.
+TEST(ExpertParallel, EachRankReadsOnlyItsExperts) {
+  const ExpertGroupPtr g = cpu_group();
+  if (g->size() < 2) GTEST_SKIP() << "needs a group of 2 or more (mpirun -np 2)";
+  const std::string src = test::models_dir() + "/qwen3_moe";
+  test::TempDir dir("moekit_ep_rank" + std::to_string(g->rank()));
+  for (const char* f : {"config.json", "generation_config.json"})
+    std::filesystem::copy_file(src + "/" + f, dir.file(f));
+  const auto file = SafetensorsFile::open(src + "/model.safetensors");
+  Model one = Model::from_pretrained(src, ModelOptions{.dtype = DType::f32});
+  const ExpertSlice mine = expert_slice(one.config().text.num_experts, g->rank(), g->size());
+  std::vector<std::pair<std::string, Tensor>> kept;
+  int dropped = 0;
+  for (const auto& name : file.names()) {
+    const size_t at = name.find(".experts.");
+    if (at != std::string::npos) {
+      const int64_t e = std::stoll(name.substr(at + 9));
+      if (e < mine.start || e >= mine.end) {
+        ++dropped;
+        continue;
+      }
+    }
+    kept.emplace_back(name, file.get(name));
+  }
+  ASSERT_GT(dropped, 0);
+  save_safetensors(dir.file("model.safetensors"), kept, {});
+  Model ep = Model::from_pretrained(dir.str(), ModelOptions{.dtype = DType::f32, .expert_group = g});
+  const std::vector<int64_t> prompt{1, 5, 9, 2};
+  const Tensor a = ep.logits(prompt), b = one.logits(prompt);
+  EXPECT_LE(rel_l2(a.ptr<float>(), b.ptr<float>(), a.numel()), experts_tolerance(DType::f32));
+  ErrorCode code{};
+  const std::string msg = test::error_of([&] { Model::from_pretrained(dir.str(), ModelOptions{.dtype = DType::f32}); }, &code);
+  EXPECT_EQ(code, ErrorCode::not_found) << msg;
+  EXPECT_NE(msg.find("missing"), std::string::npos) << msg;
+}
 
 TEST(ExpertParallel, ModelOptionsThatCannotRunAreRefused) {
   const ExpertGroupPtr g = cpu_group();
