@@ -359,6 +359,7 @@ TEST(ExpertParallelNccl, ShardedExpertsEqualOneGpu) {
   on_each_gpu([](const ExpertGroupPtr& g) {
     check_experts_cases(g);
     check_uneven_tokens(g);
+    check_bad_id_on_one_rank(g);
   });
 }
 

@@ -184,6 +184,31 @@ void use_device(Device d) {
 
 namespace moekit::ep {
 
+void plan_count(Device d, const void* ids, DType id_dtype, int64_t T, int64_t K, int64_t E, const PlanRanks& ranks,
+                int32_t* pos, int32_t* counts, Stream stream) {
+  MOEKIT_CHECK(d.is_cuda() && ranks.n <= kMaxPlanRanks, "plan_count: a GPU plan for at most ", kMaxPlanRanks,
+               " ranks");
+#if defined(MOEKIT_WITH_CUDA)
+  moekit::cuda::DeviceGuard g(d.index);
+  ep::cuda::plan_count(ids, id_dtype == DType::i64, T, K, E, ranks, pos, counts, stream);
+#else
+  no_cuda();
+#endif
+}
+
+void plan_fill(Device d, const void* ids, DType id_dtype, const void* weights, DType w_dtype, int64_t T, int64_t K,
+               const PlanRanks& ranks, const int32_t* pos, int32_t* rows, int32_t* map, int32_t* meta, Stream stream) {
+  MOEKIT_CHECK(d.is_cuda(), "plan_fill: a GPU plan");
+  if (T == 0) return;
+#if defined(MOEKIT_WITH_CUDA)
+  moekit::cuda::DeviceGuard g(d.index);
+  ep::cuda::plan_fill(ids, id_dtype == DType::i64, weights, w_dtype == DType::f32 ? 0 : w_dtype == DType::bf16 ? 1 : 2,
+                      T, K, ranks, pos, rows, map, meta, stream);
+#else
+  no_cuda();
+#endif
+}
+
 void order(Device d, Stream from, Stream to) {
   if (d.is_cpu() || from == to) return;
 #if defined(MOEKIT_WITH_CUDA)

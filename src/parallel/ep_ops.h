@@ -25,6 +25,23 @@ void upload(Device d, void* dst, const void* host_src, int64_t bytes, Stream str
 void download(Device d, void* host_dst, const void* src, int64_t bytes, Stream stream);  // synchronous
 void zero(Device d, void* dst, int64_t bytes, Stream stream);
 void sync(Device d, Stream stream);  // waits for the stream's work (no-op on the CPU)
+
+// The all-to-all plan on a GPU (at most kMaxPlanRanks ranks). Rank r holds experts [start[r], end[r]).
+constexpr int kMaxPlanRanks = 32;
+struct PlanRanks {
+  int n = 0;
+  int64_t start[kMaxPlanRanks] = {}, end[kMaxPlanRanks] = {};
+  int64_t offset[kMaxPlanRanks] = {};  // plan_fill: where rank r's rows start in the send order
+};
+// pos[t * N + r] = the place of token t among the tokens sent to rank r (token order), -1 when none of its
+// slots is on r; counts[r] = tokens sent to r; counts[N] = the first bad slot t * K + k (id < 0 or > E), or
+// INT32_MAX.
+void plan_count(Device d, const void* ids, DType id_dtype, int64_t T, int64_t K, int64_t E, const PlanRanks& ranks,
+                int32_t* pos, int32_t* counts, Stream stream);
+// rows[p] = token of send slot p; map[t * N + r] = its slot or -1; meta[p] = K ids in the receiver's numbering,
+// then K f32 weights.
+void plan_fill(Device d, const void* ids, DType id_dtype, const void* weights, DType w_dtype, int64_t T, int64_t K,
+               const PlanRanks& ranks, const int32_t* pos, int32_t* rows, int32_t* map, int32_t* meta, Stream stream);
 // Work enqueued on `to` after this call waits for the work enqueued on `from` before it (CUDA; no-op on the CPU).
 void order(Device d, Stream from, Stream to);
 
@@ -38,5 +55,9 @@ void gather_rows(const void* src, int64_t src_pitch, const int32_t* rows, int64_
                  int64_t dst_pitch, void* stream);
 void combine_rows(const void* rows, int dtype_code, int64_t H, const int32_t* map, int64_t T, int N, void* out,
                   void* stream);  // dtype_code 0 f32, 1 bf16, 2 f16
+void plan_count(const void* ids, bool i64, int64_t T, int64_t K, int64_t E, const PlanRanks& ranks, int32_t* pos,
+                int32_t* counts, void* stream);
+void plan_fill(const void* ids, bool i64, const void* weights, int w_code, int64_t T, int64_t K,
+               const PlanRanks& ranks, const int32_t* pos, int32_t* rows, int32_t* map, int32_t* meta, void* stream);
 }  // namespace moekit::ep::cuda
 #endif

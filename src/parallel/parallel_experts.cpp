@@ -1,6 +1,7 @@
 // ParallelExperts: one layer's experts over an expert-parallel group, with transformers' semantics
 // (all_reduce) or as an all-to-all dispatch and combine (all_to_all).
 #include <chrono>
+#include <climits>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -178,10 +179,48 @@ void ParallelExperts::dispatch_combine(const Experts& local, const ExpertsCall& 
   std::lock_guard<std::mutex> lock(ws_->mutex);
   auto t_plan = Clock::now();
 
-  // The plan, on the host: which tokens go to which rank, with their slots in the receiver's numbering.
-  std::vector<int64_t> ids(size_t(T * K));
-  std::vector<float> wts(size_t(T * K));
-  {
+  // The plan: which tokens go to which rank (in token order), with their slots in the receiver's numbering.
+  // On a GPU it is made there (two kernels; the per-rank counts come to the host); on the CPU, in two passes
+  // over the ids.
+  std::vector<int64_t> send_n(static_cast<size_t>(N), 0), send_off(size_t(N) + 1, 0);
+  std::string bad;  // the first bad id: every rank learns of it through the count exchange, none waits forever
+  auto bad_id = [&](int64_t i, int64_t e) {
+    bad = "top_k_index[" + std::to_string(i / K) + ", " + std::to_string(i % K) + "] = " + std::to_string(e) +
+          " is out of range [0, " + std::to_string(E) + "]";
+  };
+  const bool gpu_plan = d.is_cuda() && N <= ep::kMaxPlanRanks;
+  ep::PlanRanks ranks;
+  ranks.n = N;
+  for (int r = 0; r < N && r < ep::kMaxPlanRanks; ++r) {
+    ranks.start[r] = slices_[size_t(r)].start;
+    ranks.end[r] = slices_[size_t(r)].end;
+  }
+  int32_t* d_pos = nullptr;
+  std::vector<int32_t> plan;  // the host plan: rows to send, combine map [T, N], meta
+  std::vector<uint8_t> hit;
+  std::vector<int64_t> ids;
+  std::vector<float> wts;
+  if (gpu_plan) {
+    d_pos = static_cast<int32_t*>(ws_->get("pos", T * N * 4, d));
+    auto* d_counts = static_cast<int32_t*>(ws_->get("counts", (N + 1) * 4, d));
+    std::vector<int32_t> c(size_t(N) + 1, 0);
+    c[size_t(N)] = INT32_MAX;
+    if (T > 0) {
+      ep::plan_count(d, call.top_k_index.data, call.top_k_index.dtype, T, K, E, ranks, d_pos, d_counts, s);
+      ep::download(d, c.data(), d_counts, (N + 1) * 4, s);
+    }
+    for (int r = 0; r < N; ++r) send_n[size_t(r)] = c[size_t(r)];
+    if (c[size_t(N)] != INT32_MAX) {
+      const int64_t i = c[size_t(N)];
+      int64_t e = 0;
+      const size_t es = dtype_nbytes(call.top_k_index.dtype, 1);
+      ep::download(d, &e, static_cast<const char*>(call.top_k_index.data) + size_t(i) * es, int64_t(es), s);
+      if (es == 4) e = int64_t(int32_t(uint32_t(uint64_t(e))));
+      bad_id(i, e);
+    }
+  } else {
+    ids.resize(size_t(T * K));
+    wts.resize(size_t(T * K));
     std::vector<char> raw(size_t(T * K) * 8);
     ep::download(d, raw.data(), call.top_k_index.data, int64_t(call.top_k_index.nbytes()), s);
     for (int64_t i = 0; i < T * K; ++i)
@@ -189,52 +228,51 @@ void ParallelExperts::dispatch_combine(const Experts& local, const ExpertsCall& 
                                                             : reinterpret_cast<const int32_t*>(raw.data())[i];
     ep::download(d, raw.data(), call.top_k_weights.data, int64_t(call.top_k_weights.nbytes()), s);
     cpu::load_f32(raw.data(), call.top_k_weights.dtype, 0, T * K, wts.data());
-  }
-  std::vector<int> owner(static_cast<size_t>(E));
-  for (int r = 0; r < N; ++r)
-    for (int64_t e = slices_[size_t(r)].start; e < slices_[size_t(r)].end; ++e) owner[size_t(e)] = r;
-  // Pass 1: check the ids, mark the ranks each token goes to, count per rank.
-  std::vector<uint8_t> hit(size_t(T * N), 0);
-  std::vector<int64_t> send_n(static_cast<size_t>(N), 0), send_off(size_t(N) + 1, 0);
-  std::string bad;  // the first bad id: every rank learns of it through the count exchange, none waits forever
-  for (int64_t t = 0; t < T && bad.empty(); ++t) {
-    uint8_t* h = &hit[size_t(t * N)];
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t e = ids[size_t(t * K + k)];
-      if (e < 0 || e > E) {
-        bad = "top_k_index[" + std::to_string(t) + ", " + std::to_string(k) + "] = " + std::to_string(e) +
-              " is out of range [0, " + std::to_string(E) + "]";
-        break;
+    std::vector<int> owner(static_cast<size_t>(E));
+    for (int r = 0; r < N; ++r)
+      for (int64_t e = slices_[size_t(r)].start; e < slices_[size_t(r)].end; ++e) owner[size_t(e)] = r;
+    // Pass 1: check the ids, mark the ranks each token goes to, count per rank.
+    hit.assign(size_t(T * N), 0);
+    for (int64_t t = 0; t < T && bad.empty(); ++t) {
+      uint8_t* h = &hit[size_t(t * N)];
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t e = ids[size_t(t * K + k)];
+        if (e < 0 || e > E) {
+          bad_id(t * K + k, e);
+          break;
+        }
+        if (e < E) h[owner[size_t(e)]] = 1;
       }
-      if (e < E) h[owner[size_t(e)]] = 1;
+      for (int r = 0; r < N; ++r) send_n[size_t(r)] += h[r];
     }
-    for (int r = 0; r < N; ++r) send_n[size_t(r)] += h[r];
   }
   for (int r = 0; r < N; ++r) send_off[size_t(r) + 1] = send_off[size_t(r)] + send_n[size_t(r)];
   const int64_t S = send_off[size_t(N)];
-  // Pass 2: one host block, uploaded at once: the rows to send (by rank, in token order), the combine map
-  // [T, N] (-1: not sent), and per sent row its K ids in the receiver's numbering then its K f32 weights.
-  std::vector<int32_t> plan(size_t(S + T * N + S * 2 * K));
-  int32_t* send_rows = plan.data();
-  int32_t* map = send_rows + S;
-  int32_t* send_meta = map + T * N;
-  std::fill(map, map + T * N, -1);
-  if (bad.empty()) {
-    std::vector<int64_t> next(send_off.begin(), send_off.end() - 1);
-    for (int64_t t = 0; t < T; ++t)
-      for (int r = 0; r < N; ++r) {
-        if (!hit[size_t(t * N + r)]) continue;
-        const int64_t p = next[size_t(r)]++;
-        send_rows[p] = int32_t(t);
-        map[t * N + r] = int32_t(p);
-        const ExpertSlice sl = slices_[size_t(r)];
-        int32_t* m = send_meta + p * 2 * K;
-        for (int64_t k = 0; k < K; ++k) {
-          const int64_t e = ids[size_t(t * K + k)];
-          m[k] = e >= sl.start && e < sl.end ? int32_t(e - sl.start) : int32_t(sl.count());
+  if (!gpu_plan) {
+    // Pass 2: one host block, uploaded at once: the rows to send (by rank, in token order), the combine map
+    // [T, N] (-1: not sent), and per sent row its K ids in the receiver's numbering then its K f32 weights.
+    plan.resize(size_t(S + T * N + S * 2 * K));
+    int32_t* send_rows = plan.data();
+    int32_t* map = send_rows + S;
+    int32_t* send_meta = map + T * N;
+    std::fill(map, map + T * N, -1);
+    if (bad.empty()) {
+      std::vector<int64_t> next(send_off.begin(), send_off.end() - 1);
+      for (int64_t t = 0; t < T; ++t)
+        for (int r = 0; r < N; ++r) {
+          if (!hit[size_t(t * N + r)]) continue;
+          const int64_t p = next[size_t(r)]++;
+          send_rows[p] = int32_t(t);
+          map[t * N + r] = int32_t(p);
+          const ExpertSlice sl = slices_[size_t(r)];
+          int32_t* m = send_meta + p * 2 * K;
+          for (int64_t k = 0; k < K; ++k) {
+            const int64_t e = ids[size_t(t * K + k)];
+            m[k] = e >= sl.start && e < sl.end ? int32_t(e - sl.start) : int32_t(sl.count());
+          }
+          std::memcpy(m + K, &wts[size_t(t * K)], size_t(K) * 4);
         }
-        std::memcpy(m + K, &wts[size_t(t * K)], size_t(K) * 4);
-      }
+    }
   }
   if (!bad.empty()) std::fill(send_n.begin(), send_n.end(), -1);
   const std::vector<int64_t> recv_n = group_->exchange(send_n, s);
@@ -246,10 +284,11 @@ void ParallelExperts::dispatch_combine(const Experts& local, const ExpertsCall& 
   for (int r = 0; r < N; ++r) recv_off[size_t(r) + 1] = recv_off[size_t(r)] + recv_n[size_t(r)];
   const int64_t R = recv_off[size_t(N)];
 
-  auto* d_plan = static_cast<int32_t*>(ws_->get("plan", int64_t(plan.size()) * 4, d));
-  const int32_t* d_rows = d_plan;
-  const int32_t* d_map = d_plan + S;
-  const int32_t* send_m = d_map + T * N;
+  const int64_t plan_words = S + T * N + S * 2 * K;
+  auto* d_plan = static_cast<int32_t*>(ws_->get("plan", plan_words * 4, d));
+  int32_t* d_rows = d_plan;
+  int32_t* d_map = d_plan + S;
+  int32_t* send_m = d_map + T * N;
   void* send_x = ws_->get("send_x", S * row, d);
   void* recv_x = ws_->get("recv_x", R * row, d);
   auto* recv_m = static_cast<int32_t*>(ws_->get("recv_meta", R * 2 * K * 4, d));
@@ -257,7 +296,13 @@ void ParallelExperts::dispatch_combine(const Experts& local, const ExpertsCall& 
   auto* recv_w = static_cast<float*>(ws_->get("recv_w", R * K * 4, d));
   void* recv_y = ws_->get("recv_y", R * row, d);
   void* back_y = ws_->get("back_y", S * row, d);
-  ep::upload(d, d_plan, plan.data(), int64_t(plan.size()) * 4, s);
+  if (gpu_plan) {
+    for (int r = 0; r < N; ++r) ranks.offset[r] = send_off[size_t(r)];
+    ep::plan_fill(d, call.top_k_index.data, call.top_k_index.dtype, call.top_k_weights.data,
+                  call.top_k_weights.dtype, T, K, ranks, d_pos, d_rows, d_map, send_m, s);
+  } else {
+    ep::upload(d, d_plan, plan.data(), plan_words * 4, s);
+  }
   ep::gather_rows(d, call.hidden_states.data, row, d_rows, S, row, send_x, row, s);
   auto stage_done = [&](double* field, Clock::time_point& t) {
     if (!stats) return;
