@@ -221,13 +221,15 @@ void ParallelExperts::dispatch_combine(const Experts& local, const ExpertsCall& 
   } else {
     ids.resize(size_t(T * K));
     wts.resize(size_t(T * K));
-    std::vector<char> raw(size_t(T * K) * 8);
-    ep::download(d, raw.data(), call.top_k_index.data, int64_t(call.top_k_index.nbytes()), s);
-    for (int64_t i = 0; i < T * K; ++i)
-      ids[size_t(i)] = call.top_k_index.dtype == DType::i64 ? reinterpret_cast<const int64_t*>(raw.data())[i]
-                                                            : reinterpret_cast<const int32_t*>(raw.data())[i];
-    ep::download(d, raw.data(), call.top_k_weights.data, int64_t(call.top_k_weights.nbytes()), s);
-    cpu::load_f32(raw.data(), call.top_k_weights.dtype, 0, T * K, wts.data());
+    if (T * K > 0) {
+      std::vector<char> raw(size_t(T * K) * 8);
+      ep::download(d, raw.data(), call.top_k_index.data, int64_t(call.top_k_index.nbytes()), s);
+      for (int64_t i = 0; i < T * K; ++i)
+        ids[size_t(i)] = call.top_k_index.dtype == DType::i64 ? reinterpret_cast<const int64_t*>(raw.data())[i]
+                                                              : reinterpret_cast<const int32_t*>(raw.data())[i];
+      ep::download(d, raw.data(), call.top_k_weights.data, int64_t(call.top_k_weights.nbytes()), s);
+      cpu::load_f32(raw.data(), call.top_k_weights.dtype, 0, T * K, wts.data());
+    }
     std::vector<int> owner(static_cast<size_t>(E));
     for (int r = 0; r < N; ++r)
       for (int64_t e = slices_[size_t(r)].start; e < slices_[size_t(r)].end; ++e) owner[size_t(e)] = r;
