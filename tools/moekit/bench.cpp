@@ -164,6 +164,8 @@ class ProgressBar {
 // GPUs of this process over NCCL, one thread each); rank 0 prints.
 void run_ep_bench_command(const BenchArgs& a) {
   const bench::BenchOptions base = to_options(a);
+  MOEKIT_CHECK(!a.graph && a.plot.empty() && a.routing == "uniform",
+               "--ep: --graph, --plot and --routing skewed do not apply to the expert-parallel benchmark");
   bench::EpBenchOptions o;
   o.shapes = base.shapes;
   o.tokens = base.tokens;

@@ -297,7 +297,7 @@ void add_run_command(CLI::App& app) {
                   "expert parallelism over N ranks: each holds 1/N of the experts (CPU: under mpirun -np N; CUDA: N "
                   "GPUs of this process over NCCL)")
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--ep-mode", o->ep_mode,
+  auto* ep_mode = cmd->add_option("--ep-mode", o->ep_mode,
                   "all_reduce (tokens replicated, partial outputs summed, as transformers) or all_to_all (dispatch "
                   "and combine)")
       ->check(CLI::IsMember({"all_reduce", "all_to_all"}));
@@ -314,6 +314,7 @@ void add_run_command(CLI::App& app) {
     o->set_top_p = top_p->count() > 0;
     o->set_repetition_penalty = penalty->count() > 0;
     o->set_seed = seed->count() > 0;
+    MOEKIT_CHECK(ep_mode->count() == 0 || o->ep > 1, "--ep-mode only applies with --ep N, N > 1 (expert parallelism)");
     if (o->ep > 1)
       run_expert_parallel(*o);
     else
