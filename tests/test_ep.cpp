@@ -185,6 +185,22 @@ TEST(ExpertParallel, ShardedExpertsEqualOneProcess) { check_experts_cases(cpu_gr
 TEST(ExpertParallel, RanksWithoutTokensAndWithoutWork) { check_uneven_tokens(cpu_group()); }
 TEST(ExpertParallel, BadIdOnOneRankIsAnErrorOnEveryRank) { check_bad_id_on_one_rank(cpu_group()); }
 
+// transformers' mode: a bad id (the same on every rank) is an error naming the global value, not a sentinel.
+TEST(ExpertParallel, BadIdsAreErrorsNotSentinels) {
+  const ExpertGroupPtr g = cpu_group();
+  const int64_t E = 5, H = 16, I = 8, K = 2, T = 3;
+  const Experts full = random_experts(E, H, I, DType::f32, 9);
+  const ParallelExperts ep(g, E, EpMode::all_reduce);
+  const Experts local = slice_experts(full, ep.slice());
+  for (int64_t bad : {-1, 6, 1000}) {
+    Inputs in = random_inputs(T, K, E, H, DType::f32, DType::i64, 12, false);
+    in.idx.ptr<int64_t>()[2 * K + 1] = bad;
+    const std::string msg = test::error_of([&] { ep.forward(local, in.x, in.idx, in.w); });
+    EXPECT_NE(msg.find("top_k_index[2, 1] = " + std::to_string(bad) + " is out of range [0, 5]"), std::string::npos)
+        << msg;
+  }
+}
+
 TEST(ExpertParallel, LocalModuleMustMatchTheSlice) {
   const ExpertGroupPtr g = cpu_group();
   const Experts full = random_experts(6, 16, 8, DType::f32, 1);

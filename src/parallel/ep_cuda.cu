@@ -11,11 +11,13 @@ namespace moekit::ep::cuda {
 namespace {
 
 template <class I>
-__global__ void remap_kernel(const I* ids, int64_t n, int64_t start, int64_t end, int32_t sentinel, int32_t* out) {
+__global__ void remap_kernel(const I* ids, int64_t n, int64_t start, int64_t end, int64_t E, int32_t sentinel,
+                             int32_t* out) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const int64_t e = int64_t(ids[i]);
-  out[i] = (e >= start && e < end) ? int32_t(e - start) : sentinel;
+  // Bad ids stay bad in the local numbering (the local experts' device check reports them).
+  out[i] = e < 0 ? -1 : e > E ? sentinel + 1 : (e >= start && e < end) ? int32_t(e - start) : sentinel;
 }
 
 // One block per row; 16-byte words when every pitch and the width allow, else bytes.
@@ -130,14 +132,14 @@ void check_launch() { MOEKIT_CUDA_CALL(cudaGetLastError()); }
 
 }  // namespace
 
-void remap_ids(const void* ids, bool i64, int64_t n, int64_t start, int64_t end, int32_t sentinel, int32_t* out,
-               void* stream) {
+void remap_ids(const void* ids, bool i64, int64_t n, int64_t start, int64_t end, int64_t E, int32_t sentinel,
+               int32_t* out, void* stream) {
   const unsigned blocks = unsigned((n + 255) / 256);
   auto s = static_cast<cudaStream_t>(stream);
   if (i64)
-    remap_kernel<<<blocks, 256, 0, s>>>(static_cast<const int64_t*>(ids), n, start, end, sentinel, out);
+    remap_kernel<<<blocks, 256, 0, s>>>(static_cast<const int64_t*>(ids), n, start, end, E, sentinel, out);
   else
-    remap_kernel<<<blocks, 256, 0, s>>>(static_cast<const int32_t*>(ids), n, start, end, sentinel, out);
+    remap_kernel<<<blocks, 256, 0, s>>>(static_cast<const int32_t*>(ids), n, start, end, E, sentinel, out);
   check_launch();
 }
 

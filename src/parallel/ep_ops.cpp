@@ -24,20 +24,21 @@ cudaStream_t cs(Stream s) { return static_cast<cudaStream_t>(s); }
 [[noreturn]] void no_cuda() { MOEKIT_FAIL(not_supported, "expert parallelism on CUDA devices needs a CUDA build"); }
 }  // namespace
 
-void remap_ids(Device d, const void* ids, DType id_dtype, int64_t n, int64_t start, int64_t end, int32_t sentinel,
-               int32_t* out, Stream stream) {
+void remap_ids(Device d, const void* ids, DType id_dtype, int64_t n, int64_t K, int64_t start, int64_t end, int64_t E,
+               int32_t sentinel, int32_t* out, Stream stream) {
   if (n == 0) return;
   const bool i64 = id_dtype == DType::i64;
   if (d.is_cpu()) {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t e = i64 ? static_cast<const int64_t*>(ids)[i] : static_cast<const int32_t*>(ids)[i];
+      MOEKIT_CHECK(e >= 0 && e <= E, "top_k_index[", i / K, ", ", i % K, "] = ", e, " is out of range [0, ", E, "]");
       out[i] = (e >= start && e < end) ? int32_t(e - start) : sentinel;
     }
     return;
   }
 #if defined(MOEKIT_WITH_CUDA)
   moekit::cuda::DeviceGuard g(d.index);
-  ep::cuda::remap_ids(ids, i64, n, start, end, sentinel, out, stream);
+  ep::cuda::remap_ids(ids, i64, n, start, end, E, sentinel, out, stream);
 #else
   no_cuda();
 #endif

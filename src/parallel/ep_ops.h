@@ -7,9 +7,11 @@
 
 namespace moekit::ep {
 
-// out[i] = id - start when start <= id < end, else `sentinel` (the local E), for n ids (i32 or i64).
-void remap_ids(Device d, const void* ids, DType id_dtype, int64_t n, int64_t start, int64_t end, int32_t sentinel,
-               int32_t* out, Stream stream);
+// out[i] = id - start when start <= id < end, else `sentinel` (the local E), for n ids (i32 or i64) of rows of
+// K. Bad ids (< 0 or > E) are an error on the CPU (naming the slot and value); on a GPU they stay out of the
+// local range (negative, or above the sentinel), so that the local experts' own device check reports them.
+void remap_ids(Device d, const void* ids, DType id_dtype, int64_t n, int64_t K, int64_t start, int64_t end, int64_t E,
+               int32_t sentinel, int32_t* out, Stream stream);
 // dst row i (pitch dst_pitch bytes) = src row rows[i] (pitch src_pitch bytes), row_bytes bytes each.
 void gather_rows(Device d, const void* src, int64_t src_pitch, const int32_t* rows, int64_t n, int64_t row_bytes,
                  void* dst, int64_t dst_pitch, Stream stream);
@@ -49,8 +51,8 @@ void order(Device d, Stream from, Stream to);
 
 #if defined(MOEKIT_WITH_CUDA)
 namespace moekit::ep::cuda {
-void remap_ids(const void* ids, bool i64, int64_t n, int64_t start, int64_t end, int32_t sentinel, int32_t* out,
-               void* stream);
+void remap_ids(const void* ids, bool i64, int64_t n, int64_t start, int64_t end, int64_t E, int32_t sentinel,
+               int32_t* out, void* stream);
 void gather_rows(const void* src, int64_t src_pitch, const int32_t* rows, int64_t n, int64_t row_bytes, void* dst,
                  int64_t dst_pitch, void* stream);
 void combine_rows(const void* rows, int dtype_code, int64_t H, const int32_t* map, int64_t T, int N, void* out,

@@ -111,7 +111,7 @@ void ParallelExperts::forward_into(const Experts& local, const ExpertsCall& call
     // transformers: ids outside this rank's slice become the local sentinel, partial outputs summed.
     std::lock_guard<std::mutex> lock(ws_->mutex);
     auto* ids = static_cast<int32_t*>(ws_->get("ids", T * K * 4, d));
-    ep::remap_ids(d, call.top_k_index.data, call.top_k_index.dtype, T * K, slice_.start, slice_.end,
+    ep::remap_ids(d, call.top_k_index.data, call.top_k_index.dtype, T * K, K, slice_.start, slice_.end, num_experts_,
                   int32_t(slice_.count()), ids, call.stream);
     const TensorView local_ids(ids, DType::i32, {T, K}, d);
     const int chunks = d.is_cuda() ? int(std::min<int64_t>(chunks_, T)) : 1;
