@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 APT_PACKAGES := cmake ninja-build g++ libgtest-dev nlohmann-json3-dev libcli11-dev libfmt-dev libomp-dev gnuplot-nox \
-                pkg-config python3 python3-venv python3-dev
+                pkg-config python3 python3-venv python3-dev openmpi-bin libopenmpi-dev
 # The Python tests' environment: a virtual environment with torch, transformers and pytest from PyPI, and
 # moekit built into it by `pip install .` (CPU-only extension: the tests run on the CPU).
 PYTHON ?= python3

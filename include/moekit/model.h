@@ -12,6 +12,7 @@
 
 #include "moekit/config.h"
 #include "moekit/experts.h"
+#include "moekit/parallel.h"
 #include "moekit/tensor.h"
 
 namespace moekit {
@@ -67,6 +68,11 @@ struct ModelOptions {
   // Called as the weights are read (after each tensor, and once at the end with tensors == total_tensors);
   // may throw to abort the load. The CLI prints it on a terminal (`moekit run --progress` elsewhere).
   std::function<void(const LoadProgress&)> on_load_progress;
+  // Expert parallelism: this rank's group (mpi_world_group(), one of nccl_local_groups()). With more than one
+  // rank, each MoE layer loads and holds only this rank's slice of the experts (expert_slice) and runs them
+  // through ParallelExperts in `ep_mode`; every rank runs the same calls (same prompt, same options).
+  ExpertGroupPtr expert_group;
+  EpMode ep_mode = EpMode::all_reduce;
 
   std::string to_string() const;
 };

@@ -130,7 +130,11 @@ Tensor moe(const Ctx& x, const Layer& L, const TensorView& h) {
   x.ops.route(logits.view(), m.correction_bias.defined() ? m.correction_bias.view() : TensorView(), rs, idx.view(),
               wts.view());
   Tensor y = x.empty({T, h.shape[1]}, h.dtype);
-  m.experts.forward_into(ExpertsCall{h, idx.view(), wts.view(), y.view(), model::current_stream()});
+  const ExpertsCall call{h, idx.view(), wts.view(), y.view(), model::current_stream()};
+  if (m.ep)
+    m.ep->forward_into(m.experts, call);
+  else
+    m.experts.forward_into(call);
   if (m.has_shared) {
     Tensor s = x.dense_mlp(h, m.shared);
     if (m.shared_gate.defined()) {

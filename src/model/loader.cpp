@@ -21,8 +21,21 @@ class TensorReader {
   // A dry reader checks names, shapes and dtypes against the zero-copy checkpoint tensors and converts
   // nothing: get() returns undefined tensors. The load runs dry first, so that a missing lm_head is
   // reported before gigabytes of embeddings are converted.
-  TensorReader(const Checkpoint& ckpt, DType dtype, Device device, bool dry = false)
-      : ck_(ckpt), dtype_(dtype), device_(device), dry_(dry) {}
+  TensorReader(const Checkpoint& ckpt, DType dtype, Device device, bool dry = false,
+               std::optional<ExpertSlice> shard = std::nullopt)
+      : ck_(ckpt), dtype_(dtype), device_(device), dry_(dry), shard_(shard) {}
+
+  // The experts of each MoE layer this reader reads: every one, or this rank's slice (expert parallelism).
+  ExpertSlice shard(int64_t num_experts) const { return shard_.value_or(ExpertSlice{0, num_experts}); }
+  // Experts rows [s.start, s.end) of a stacked tensor `shape` [E, ...], converted (as get()).
+  Tensor get_experts(const std::string& name, const Shape& shape, ExpertSlice s) {
+    Tensor t = host(name, shape);
+    if (!t.defined() || dry_) return {};
+    if (s.start == 0 && s.end == shape[0]) return get(name, shape);
+    Tensor out = slice_experts(t, s, Device::cpu()).to(dtype_).to(device_);
+    release(name);
+    return out;
+  }
 
   // Reports each tensor read (not in a dry reader) to `fn`, out of what the dry reader `plan` read.
   void report_to(const std::function<void(const LoadProgress&)>& fn, const TensorReader& plan) {
@@ -113,6 +126,7 @@ class TensorReader {
   DType dtype_;
   Device device_;
   bool dry_ = false;
+  std::optional<ExpertSlice> shard_;
   std::vector<std::string> missing_, wrong_, read_;
   std::function<void(const LoadProgress&)> fn_;
   LoadProgress progress_;
@@ -144,6 +158,8 @@ Tensor stack_rows(const std::vector<Tensor>& parts, const Shape& shape, DType dt
 Tensor transposed_experts(TensorReader& r, const std::string& name, const Shape& stored) {
   Tensor t = r.host(name, stored);
   if (!t.defined() || r.dry()) return {};
+  const ExpertSlice s = r.shard(stored[0]);
+  if (s.count() != stored[0]) t = slice_experts(t, s, Device::cpu());
   Tensor out = transpose_expert_weight(t.to(r.dtype()));
   t = Tensor();
   r.release(name);
@@ -209,6 +225,8 @@ void load_attention(TensorReader& r, const std::string& p, const TextConfig& c, 
 ExpertsWeights load_experts(TensorReader& r, const Checkpoint& ck, const std::string& p, ExpertsSpec& spec,
                             const MoeNaming& n, bool& stored_transposed) {
   const int64_t E = spec.num_experts, H = spec.hidden, I = spec.intermediate;
+  const ExpertSlice sh = r.shard(E);  // the experts read: all, or this rank's slice
+  const int64_t El = sh.count();
   ExpertsWeights w;
   const std::string gu_name = p + "gate_up_proj";
   if (ck.contains(gu_name) || spec.is_transposed) {
@@ -230,19 +248,20 @@ ExpertsWeights load_experts(TensorReader& r, const Checkpoint& ck, const std::st
       w.down_proj = transposed_experts(r, p + "down_proj", {E, I, H});
       spec.is_transposed = false;
     } else {
-      w.gate_up_proj = r.get(gu_name, gu_shape);
-      w.down_proj = r.get(p + "down_proj", {E, H, I});
+      w.gate_up_proj = r.get_experts(gu_name, gu_shape, sh);
+      w.down_proj = r.get_experts(p + "down_proj", {E, H, I}, sh);
     }
     if (spec.has_bias) {
-      w.gate_up_proj_bias = r.get(p + "gate_up_proj_bias", {E, 2 * I});
-      w.down_proj_bias = r.get(p + "down_proj_bias", {E, H});
+      w.gate_up_proj_bias = r.get_experts(p + "gate_up_proj_bias", {E, 2 * I}, sh);
+      w.down_proj_bias = r.get_experts(p + "down_proj_bias", {E, H}, sh);
     }
+    spec.num_experts = El;
     return w;
   }
   std::vector<Tensor> gu_parts, down_parts;
   std::vector<std::string> gu_names, down_names;
   bool complete = true;
-  for (int64_t e = 0; e < E; ++e) {
+  for (int64_t e = sh.start; e < sh.end; ++e) {
     const std::string q = p + std::to_string(e) + ".";
     Tensor g = r.host(q + n.gate_proj + ".weight", {I, H});
     Tensor u = r.host(q + n.up_proj + ".weight", {I, H});
@@ -256,10 +275,11 @@ ExpertsWeights load_experts(TensorReader& r, const Checkpoint& ck, const std::st
     gu_names.push_back(q + n.up_proj + ".weight");
     down_names.push_back(q + n.down_proj + ".weight");
   }
+  spec.num_experts = El;
   if (!complete || r.dry()) return w;
   w.gate_up_proj =
-      stack_rows(gu_parts, {E, 2 * I, H}, r.dtype(), r.device(), [&](size_t i) { r.release(gu_names[i]); });
-  w.down_proj = stack_rows(down_parts, {E, H, I}, r.dtype(), r.device(), [&](size_t i) { r.release(down_names[i]); });
+      stack_rows(gu_parts, {El, 2 * I, H}, r.dtype(), r.device(), [&](size_t i) { r.release(gu_names[i]); });
+  w.down_proj = stack_rows(down_parts, {El, H, I}, r.dtype(), r.device(), [&](size_t i) { r.release(down_names[i]); });
   return w;
 }
 
@@ -421,10 +441,11 @@ void check_finite_weights(const Checkpoint& ck, const std::vector<std::string>& 
 
 Weights load_weights(const Checkpoint& ck, TextConfig& c, DType dtype, Device device,
                      const std::string& experts_implementation, std::optional<bool> check_finite,
-                     const std::function<void(const LoadProgress&)>& progress) {
+                     const std::function<void(const LoadProgress&)>& progress,
+                     std::optional<ExpertSlice> shard) {
   check_config_against_checkpoint(ck, c);
   // Everything checked on the zero-copy checkpoint tensors before anything is converted or allocated.
-  TensorReader dry(ck, dtype, device, /*dry=*/true);
+  TensorReader dry(ck, dtype, device, /*dry=*/true, shard);
   read_weights(dry, ck, c, experts_implementation);
   const bool small = checkpoint_bytes(ck) <= kFiniteCheckDefaultBytes;
   if (check_finite.value_or(small)) {
@@ -435,7 +456,7 @@ Weights load_weights(const Checkpoint& ck, TextConfig& c, DType dtype, Device de
                  "--check-finite to check them)\n",
                  printable(ck.dir()).c_str(), double(checkpoint_bytes(ck)) / 1e9);
   }
-  TensorReader r(ck, dtype, device);
+  TensorReader r(ck, dtype, device, /*dry=*/false, shard);
   if (progress) r.report_to(progress, dry);
   Weights w = read_weights(r, ck, c, experts_implementation);
   r.finish();

@@ -59,7 +59,11 @@ std::string ModelOptions::to_string() const {
   os << "ModelOptions{.device=" << device.to_string() << ", .dtype=" << (dtype ? dtype_name(*dtype) : "auto")
      << ", .experts_implementation="
      << (experts_implementation.empty() ? "default" : experts_implementation.to_string())
-     << ", .cuda_graph=" << (cuda_graph ? "true" : "false") << "}";
+     << ", .cuda_graph=" << (cuda_graph ? "true" : "false");
+  if (expert_group && expert_group->size() > 1)
+    os << ", .expert_group=" << expert_group->engine() << " rank " << expert_group->rank() << " of "
+       << expert_group->size() << ", .ep_mode=" << ep_mode_name(ep_mode);
+  os << "}";
   return os.str();
 }
 
@@ -152,6 +156,18 @@ Model Model::from_pretrained(const std::string& dir, const ModelOptions& options
                     "loader; use a floating-point checkpoint");
   im->dtype = resolve_dtype(mc, options.dtype);
   const Device dev = options.device;
+  // Expert parallelism: this rank reads and holds only its slice of each MoE layer's experts.
+  std::optional<ExpertSlice> shard;
+  const ExpertGroupPtr& group = options.expert_group;
+  if (group && group->size() > 1) {
+    MOEKIT_CHECK(group->device() == dev, "expert parallelism: rank ", group->rank(), " of the ", group->engine(),
+                 " group is on ", group->device().to_string(), " but the model is loaded on ", dev.to_string());
+    MOEKIT_CHECK_CODE(!options.cuda_graph, not_supported,
+                      "cuda_graph: expert parallelism (ep_size ", group->size(),
+                      ") plans each layer's exchange on the host and cannot be recorded; drop --cuda-graph");
+    MOEKIT_CHECK(mc.text.num_experts > 0, dir, ": expert parallelism needs a MoE model (num_experts is 0)");
+    shard = expert_slice(mc.text.num_experts, group->rank(), group->size());
+  }
   im->scratch = model::Scratch(dev);
   if (dev.is_cuda()) {
     MOEKIT_CHECK_CODE(cuda_available(), not_supported, "device ", dev.to_string(),
@@ -177,7 +193,12 @@ Model Model::from_pretrained(const std::string& dir, const ModelOptions& options
 
   const Checkpoint ck = Checkpoint::open(dir);
   im->weights = model::load_weights(ck, im->config.text, im->dtype, dev, decoder_choice, options.check_finite,
-                                    options.on_load_progress);
+                                    options.on_load_progress, shard);
+  if (shard) {
+    auto ep = std::make_shared<const ParallelExperts>(group, mc.text.num_experts, options.ep_mode);
+    for (auto& L : im->weights.layers)
+      if (L.is_moe) L.moe.ep = ep;
+  }
   const TextConfig& c = im->config.text;
   im->rope = model::make_rope(c.rope, c.head_dim, c.max_position_embeddings);
   im->rope.interleaved = c.mla && c.rope_interleave;

@@ -34,7 +34,8 @@ struct MoeBlock {
   Tensor router_w;         // [E, H] f32
   Tensor router_b;         // [E] f32 (gpt-oss)
   Tensor correction_bias;  // [E] f32 (DeepSeek e_score_correction_bias)
-  Experts experts;
+  Experts experts;  // with expert parallelism: this rank's slice of the experts
+  std::shared_ptr<const ParallelExperts> ep;  // set with expert parallelism (shared by the layers)
   bool has_shared = false;
   DenseMlp shared;
   Tensor shared_gate;  // [1, H] (qwen2_moe)
@@ -63,9 +64,11 @@ struct Weights {
 // zero-copy checkpoint tensors (nothing converted before the whole decoder is known to be there), then
 // (check_finite: default on for checkpoints up to kFiniteCheckDefaultBytes, else a warning) that the
 // weights read hold no NaN or Inf, then converts.
+// `shard`: read only these experts of each MoE layer (expert parallelism); every expert when absent.
 Weights load_weights(const Checkpoint& ckpt, TextConfig& c, DType dtype, Device device,
                      const std::string& experts_implementation, std::optional<bool> check_finite = std::nullopt,
-                     const std::function<void(const LoadProgress&)>& progress = {});
+                     const std::function<void(const LoadProgress&)>& progress = {},
+                     std::optional<ExpertSlice> shard = std::nullopt);
 constexpr uint64_t kFiniteCheckDefaultBytes = 4ull << 30;
 uint64_t checkpoint_bytes(const Checkpoint& ckpt);
 // Throws Error(invalid_argument) naming the first tensor (and element) with a NaN or Inf.

@@ -5,10 +5,12 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include <fmt/core.h>
 
 #include "bench/bench.h"
+#include "bench/ep_bench.h"
 #include "bench/report.h"
 #include "commands.h"
 #include "moekit/interface.h"
@@ -21,6 +23,7 @@ struct BenchArgs {
                               index_dtype = "i64", routing = "uniform", json, plot;
   bool graph = false, quiet = false;
   int64_t graph_max_tokens = -1;
+  int64_t ep = 1;
   int warmup = 3, iters = 50, min_iters = 5;
   double min_time = 0.2, max_seconds = 30, tolerance = -1, peak_tflops = 0, bandwidth_gbps = 0;
   int64_t check_macs = 300'000'000;
@@ -157,6 +160,60 @@ class ProgressBar {
   std::chrono::steady_clock::time_point t0_;
 };
 
+// --ep N: one layer over an expert-parallel group (CPU: this process is one rank of `mpirun -np N`; CUDA: N
+// GPUs of this process over NCCL, one thread each); rank 0 prints.
+void run_ep_bench_command(const BenchArgs& a) {
+  const bench::BenchOptions base = to_options(a);
+  MOEKIT_CHECK(!a.graph && a.plot.empty() && a.routing == "uniform",
+               "--ep: --graph, --plot and --routing skewed do not apply to the expert-parallel benchmark");
+  bench::EpBenchOptions o;
+  o.shapes = base.shapes;
+  o.tokens = base.tokens;
+  o.dtype = base.dtype;
+  o.seed = base.seed;
+  o.warmup = a.warmup;
+  o.iters = std::min(a.iters, 20);
+  if (!base.backends.empty()) o.backend = base.backends.front();
+  const std::string shape_arg = !a.dims.empty() ? " --dims " + a.dims
+                                                 : " --shape " + (a.shapes.empty() ? std::string("qwen3-30b-a3b") : a.shapes);
+  const std::string command = fmt::format("moekit bench --ep {}{} --tokens {} --backends {} --device {} --dtype {}", a.ep,
+                                          shape_arg, a.tokens, o.backend, a.device, a.dtype);
+  auto report = [&](const std::vector<bench::EpBenchRecord>& records, const std::string& card) {
+    fmt::print("{}", bench::format_ep_table(records, card));
+    fmt::print("\ncommand: {}\n", command);
+    if (!a.json.empty()) {
+      write_json(a.json, nlohmann::json::parse(bench::ep_records_to_json(records, card, command)));
+      fmt::print("json: {}\n", a.json);
+    }
+    std::fflush(stdout);
+  };
+  if (base.device.is_cpu()) {
+    const ExpertGroupPtr g = mpi_world_group();
+    MOEKIT_CHECK(g->size() == a.ep, "--ep ", a.ep, ": this MPI job has ", g->size(),
+                 " process(es); start it with mpirun -np ", a.ep);
+    const auto records = bench::run_ep_bench(o, g);
+    if (g->rank() == 0) report(records, fmt::format("{} CPU processes over MPI", a.ep));
+    return;
+  }
+  std::vector<int> devices;
+  for (int64_t i = 0; i < a.ep; ++i) devices.push_back(base.device.index + int(i));
+  const auto groups = nccl_local_groups(devices);
+  std::vector<std::vector<bench::EpBenchRecord>> results(groups.size());
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < groups.size(); ++r)
+    threads.emplace_back([&, r] {
+      try {
+        results[r] = bench::run_ep_bench(o, groups[r]);
+      } catch (const std::exception& e) {  // the other ranks would wait forever in a collective
+        fmt::print(stderr, "moekit: error: rank {}: {}\n", r, e.what());
+        std::fflush(stderr);
+        std::_Exit(2);
+      }
+    });
+  for (auto& t : threads) t.join();
+  report(results[0], fmt::format("{} GPUs ({}) over NCCL", a.ep, bench::given_ceilings(base.device, 1, 1).card));
+}
+
 }  // namespace
 
 void add_bench_command(CLI::App& app) {
@@ -193,8 +250,13 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--bandwidth-gbps", a->bandwidth_gbps, "use this copy bandwidth instead of measuring it")->check(CLI::PositiveNumber);
   cmd->add_option("--seed", a->seed, "random seed")->capture_default_str();
   cmd->add_flag("--quiet", a->quiet, "no progress on stderr");
+  cmd->add_option("--ep", a->ep,
+                  "expert parallelism over N ranks (CPU: under mpirun -np N; CUDA: N GPUs over NCCL): both modes "
+                  "against the whole layer on one device, with the all-to-all volume and stage times")
+      ->check(CLI::PositiveNumber);
 
   cmd->callback([a] {
+    if (a->ep > 1) return run_ep_bench_command(*a);
     const bench::BenchOptions o = to_options(*a);
     const std::string command = command_line(*a, o);
     if (!a->quiet) fmt::print(stderr, "moekit bench: measuring the ceilings of {}...\n", o.device.to_string());

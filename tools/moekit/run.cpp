@@ -13,12 +13,14 @@
 #include <memory>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include <unistd.h>
 
 #include "commands.h"
 #include "moekit/error.h"
 #include "moekit/model.h"
+#include "moekit/parallel.h"
 #include "moekit/safetensors.h"
 #include "moekit/tokenizer.h"
 #include "parse.h"
@@ -29,7 +31,8 @@ namespace {
 struct RunOptions {
   std::string model, device = "cpu", dtype = "auto", experts, prompt_ids, dump_logits, decode_switch = "auto";
   std::string prompt, prompt_file, prompts_file;
-  int64_t max_new_tokens = 20, min_new_tokens = 0, top_k = 50, warmup = 0, batch = 8;
+  int64_t max_new_tokens = 20, min_new_tokens = 0, top_k = 50, warmup = 0, batch = 8, ep = 1;
+  std::string ep_mode = "all_reduce";
   double temperature = 1.0, top_p = 1.0, repetition_penalty = 1.0;
   std::string seed = "0";
   bool sample = false, greedy = false, json = false, cuda_graph = false, quiet = false, check_finite = false,
@@ -125,7 +128,7 @@ std::string known_text(const Tokenizer& tok, const std::vector<int64_t>& ids) {
 // --prompts-file: the prompts in batches of --batch, one generate_batch each; per sequence one JSON line
 // (--json) or its text / ids, in the file's order.
 void run_batches(const RunOptions& o, Model& model, const GenerationConfig& gc, const std::vector<FilePrompt>& prompts,
-                 const std::optional<Tokenizer>& tokenizer, double load_ms) {
+                 const std::optional<Tokenizer>& tokenizer, double load_ms, bool silent) {
   const size_t B = size_t(o.batch);
   for (int64_t i = 0; i < o.warmup; ++i) {
     std::vector<std::vector<int64_t>> ids;
@@ -135,9 +138,10 @@ void run_batches(const RunOptions& o, Model& model, const GenerationConfig& gc, 
   for (size_t first = 0; first < prompts.size(); first += B) {
     std::vector<std::vector<int64_t>> ids;
     for (size_t k = first; k < std::min(first + B, prompts.size()); ++k) ids.push_back(prompts[k].ids);
-    if (!o.quiet)
+    if (!o.quiet && !silent)
       fmt::print(stderr, "moekit run: sequences {}..{} of {} ...\n", first, first + ids.size() - 1, prompts.size());
     const std::vector<GenerationResult> rs = model.generate_batch(ids, gc);
+    if (silent) continue;  // another rank of an expert-parallel run: rank 0 prints
     for (size_t k = 0; k < rs.size(); ++k) {
       const GenerationResult& r = rs[k];
       const FilePrompt& p = prompts[first + k];
@@ -203,16 +207,21 @@ std::function<void(const LoadProgress&)> load_progress_printer(bool terminal) {
   };
 }
 
-void run(const RunOptions& o) {
+// One rank's run. With expert parallelism every rank runs the same loads and generations; only rank 0
+// (`silent` false) prints.
+void run(const RunOptions& o, const ExpertGroupPtr& group = nullptr, std::optional<Device> device = std::nullopt,
+         bool silent = false) {
   ModelOptions mo;
-  mo.device = Device::parse(o.device);
+  mo.device = device.value_or(Device::parse(o.device));
+  mo.expert_group = group;
+  mo.ep_mode = parse_ep_mode(o.ep_mode);
   if (o.dtype != "auto") mo.dtype = parse_dtype(o.dtype);
   if (!o.experts.empty()) mo.experts_implementation = ExpertsImplementation::parse(o.experts);
   mo.cuda_graph = o.cuda_graph;
   if (o.check_finite) mo.check_finite = true;
   if (o.no_check_finite) mo.check_finite = false;
   const bool terminal = ::isatty(STDERR_FILENO) == 1;
-  if (o.progress || (terminal && !o.quiet)) mo.on_load_progress = load_progress_printer(terminal);
+  if (!silent && (o.progress || (terminal && !o.quiet))) mo.on_load_progress = load_progress_printer(terminal);
   MOEKIT_CHECK(int(o.set_prompt) + int(o.set_prompt_file) + int(o.set_prompt_ids) + int(o.set_prompts_file) == 1,
                "run: give one of --prompt TEXT, --prompt-file FILE, --prompt-ids 1,2,3 or --prompts-file FILE");
   MOEKIT_CHECK(o.batch >= 1, "--batch must be >= 1, got ", o.batch);
@@ -267,7 +276,7 @@ void run(const RunOptions& o) {
                                                   : DecodeSwitch::automatic;
   gc.validate();
 
-  const bool progress = !o.quiet;
+  const bool progress = !o.quiet && !silent;
   if (progress) fmt::print(stderr, "moekit run: loading {} ...\n", o.model);
   const auto t0 = std::chrono::steady_clock::now();
   Model model = Model::from_pretrained(o.model, mo);
@@ -276,7 +285,7 @@ void run(const RunOptions& o) {
     fmt::print(stderr, "moekit run: loaded {} ({}, {}, {}) in {:.0f} ms; generating up to {} tokens ...\n", o.model,
                model.config().text.model_type, dtype_name(model.dtype()), model.device().to_string(), load_ms,
                gc.max_new_tokens);
-  if (o.set_prompts_file) return run_batches(o, model, gc, file_prompts, tokenizer, load_ms);
+  if (o.set_prompts_file) return run_batches(o, model, gc, file_prompts, tokenizer, load_ms, silent);
   GenerationConfig warm = gc;
   warm.keep_prompt_logits = false;
   for (int64_t i = 0; i < o.warmup; ++i) model.generate(prompt, warm);
@@ -291,7 +300,7 @@ void run(const RunOptions& o) {
   };
   std::vector<int64_t> generated;
   std::string shown;
-  const bool stream = tokenizer && !o.json;
+  const bool stream = tokenizer && !o.json && !silent;
   auto show = [&](bool final) {
     const std::string t = text_of(generated);
     const bool partial = t.size() >= 3 && t.compare(t.size() - 3, 3, "\xEF\xBF\xBD") == 0;
@@ -313,6 +322,7 @@ void run(const RunOptions& o) {
     };
   }
   const GenerationResult r = model.generate(prompt, gc);
+  if (silent) return;
   if (stream) {
     show(true);
     fmt::print("\n");
@@ -339,6 +349,7 @@ void run(const RunOptions& o) {
     j["model_type"] = model.config().text.model_type;
     j["device"] = model.device().to_string();
     j["dtype"] = dtype_name(model.dtype());
+    if (group) j["expert_parallel"] = {{"ep_size", group->size()}, {"engine", group->engine()}, {"mode", o.ep_mode}};
     fmt::print("{}\n", j.dump());
     return;
   }
@@ -347,6 +358,10 @@ void run(const RunOptions& o) {
                model.device().to_string());
     fmt::print("prompt         {} tokens: {}\n", prompt.size(), ids_text(prompt));
   }
+  if (group)
+    fmt::print("expert parallel {} ranks over {} ({}), {} of {} experts on rank 0\n", group->size(), group->engine(),
+               o.ep_mode, model.experts_modules().empty() ? 0 : model.experts_modules()[0]->spec().num_experts,
+               model.config().text.num_experts);
   fmt::print("experts        prefill {}  decode {}\n", experts_map_to_string(r.prefill_experts),
              experts_map_to_string(r.decode_experts));
   fmt::print("generated      {} tokens{}: {}\n", r.tokens.size(), r.stopped_on_eos ? " (stopped on EOS)" : "",
@@ -354,6 +369,46 @@ void run(const RunOptions& o) {
   fmt::print("timings        prefill {:.2f} ms, decode {:.2f} ms ({} steps, {:.1f} tokens/s{})\n", r.prefill_ms,
              r.decode_ms, r.decode_steps, r.tokens_per_s(),
              mo.cuda_graph ? fmt::format(", {} replayed from a CUDA graph", r.graph_replays) : std::string());
+}
+
+// --ep N: on the CPU, this process is one rank of an `mpirun -np N` job; on CUDA, this process drives N GPUs
+// (from --device's index on) over NCCL, one thread per GPU.
+void run_expert_parallel(const RunOptions& o) {
+  const Device d = Device::parse(o.device);
+  parse_ep_mode(o.ep_mode);
+  if (d.is_cpu()) {
+    const ExpertGroupPtr g = mpi_world_group();
+    MOEKIT_CHECK(g->size() == o.ep, "--ep ", o.ep, ": this MPI job has ", g->size(),
+                 " process(es); start it with mpirun -np ", o.ep, " (one rank per process)");
+    run(o, g, d, g->rank() != 0);
+    return;
+  }
+  std::vector<int> devices;
+  for (int64_t i = 0; i < o.ep; ++i) devices.push_back(d.index + int(i));
+  const auto groups = nccl_local_groups(devices);
+  // A rank that fails leaves the others waiting in a collective: the process ends with the error.
+  auto fail = [](size_t rank, const char* what) {
+    fmt::print(stderr, "moekit: error: rank {}: {}\n", rank, what);
+    std::fflush(stderr);
+    std::_Exit(2);
+  };
+  std::vector<std::thread> workers;
+  for (size_t r = 1; r < groups.size(); ++r)
+    workers.emplace_back([&, r] {
+      try {
+        use_device(Device::cuda(devices[r]));
+        run(o, groups[r], Device::cuda(devices[r]), true);
+      } catch (const std::exception& e) {
+        fail(r, e.what());
+      }
+    });
+  try {
+    use_device(Device::cuda(devices[0]));
+    run(o, groups[0], Device::cuda(devices[0]), false);
+  } catch (const std::exception& e) {
+    fail(0, e.what());
+  }
+  for (auto& t : workers) t.join();
 }
 
 }  // namespace
@@ -408,6 +463,14 @@ void add_run_command(CLI::App& app) {
   cmd->add_flag("--progress", o->progress,
                 "loading progress (bytes and tensors) on stderr also when it is not a terminal (on a terminal: "
                 "unless --quiet)");
+  cmd->add_option("--ep", o->ep,
+                  "expert parallelism over N ranks: each holds 1/N of the experts (CPU: under mpirun -np N; CUDA: N "
+                  "GPUs of this process over NCCL)")
+      ->check(CLI::PositiveNumber);
+  auto* ep_mode = cmd->add_option("--ep-mode", o->ep_mode,
+                  "all_reduce (tokens replicated, partial outputs summed, as transformers) or all_to_all (dispatch "
+                  "and combine)")
+      ->check(CLI::IsMember({"all_reduce", "all_to_all"}));
   auto* cf = cmd->add_flag("--check-finite", o->check_finite,
                            "refuse weights holding NaN or Inf (default: on for checkpoints up to 4 GiB)");
   cmd->add_flag("--no-check-finite", o->no_check_finite, "do not scan the weights for NaN or Inf")->excludes(cf);
@@ -422,7 +485,11 @@ void add_run_command(CLI::App& app) {
     o->set_top_p = top_p->count() > 0;
     o->set_repetition_penalty = penalty->count() > 0;
     o->set_seed = seed->count() > 0;
-    run(*o);
+    MOEKIT_CHECK(ep_mode->count() == 0 || o->ep > 1, "--ep-mode only applies with --ep N, N > 1 (expert parallelism)");
+    if (o->ep > 1)
+      run_expert_parallel(*o);
+    else
+      run(*o);
   });
 }
 
