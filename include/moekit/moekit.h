@@ -4,6 +4,7 @@
 #include "moekit/error.h"
 #include "moekit/experts.h"
 #include "moekit/interface.h"
+#include "moekit/quant.h"
 #include "moekit/tensor.h"
 #include "moekit/tokenizer.h"
 #if __has_include("moekit/model.h")

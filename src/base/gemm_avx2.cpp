@@ -39,9 +39,13 @@ constexpr int64_t kKC = 256, kMC = 240, kTileN = 128;
 
 #include "base/gemm_kernels.h"
 
+// FP8 tile: 4 f64 lanes, 2 x 4 register tiles.
+constexpr int kF8L = 4, kF8MR = 2, kF8NR = 4;
+#include "base/gemm_fp8_kernels.h"
+
 }  // namespace avx2_kernels
 
 const GemmKernels kGemmAvx2 = {Isa::avx2, avx2_kernels::kTileN, avx2_kernels::kWorkFloats, avx2_kernels::kDirectMaxM,
-                               &avx2_kernels::gemm_tile, nullptr};
+                               &avx2_kernels::gemm_tile, nullptr, &avx2_kernels::gemm_fp8_tile};
 
 }  // namespace moekit::cpu

@@ -45,9 +45,13 @@ constexpr int64_t kKC = 256, kMC = 240, kTileN = 128;
 
 #include "base/gemm_kernels.h"
 
+// FP8 tile: 8 f64 lanes, 4 x 4 register tiles.
+constexpr int kF8L = 8, kF8MR = 4, kF8NR = 4;
+#include "base/gemm_fp8_kernels.h"
+
 }  // namespace avx512_kernels
 
 const GemmKernels kGemmAvx512 = {Isa::avx512, avx512_kernels::kTileN, avx512_kernels::kWorkFloats,
-                                 avx512_kernels::kDirectMaxM, &avx512_kernels::gemm_tile, nullptr};
+                                 avx512_kernels::kDirectMaxM, &avx512_kernels::gemm_tile, nullptr, &avx512_kernels::gemm_fp8_tile};
 
 }  // namespace moekit::cpu

@@ -64,9 +64,13 @@ constexpr int64_t kKC = 256, kMC = 240, kTileN = 128;
 
 #include "base/gemm_kernels.h"
 
+// FP8 tile: 2 f64 lanes, 2 x 4 register tiles.
+constexpr int kF8L = 2, kF8MR = 2, kF8NR = 4;
+#include "base/gemm_fp8_kernels.h"
+
 }  // namespace scalar_kernels
 
 const GemmKernels kGemmScalar = {Isa::scalar, scalar_kernels::kTileN, scalar_kernels::kWorkFloats,
-                                 scalar_kernels::kDirectMaxM, &scalar_kernels::gemm_tile, nullptr};
+                                 scalar_kernels::kDirectMaxM, &scalar_kernels::gemm_tile, nullptr, &scalar_kernels::gemm_fp8_tile};
 
 }  // namespace moekit::cpu
