@@ -57,6 +57,10 @@ struct ModelOptions {
   // Refuse weights holding NaN or Inf (one pass over the decoder's tensors at load). Default: on for
   // checkpoints up to 4 GiB, else off with a warning on stderr.
   std::optional<bool> check_finite;
+  // FP8 checkpoints (quantization_config fp8, SPEC section 5): the routed experts stay FP8 (run by the CPU
+  // backends) and every other quantized linear layer is dequantized at load; with dequantize, the experts are
+  // dequantized to the model dtype too.
+  bool dequantize = false;
 
   std::string to_string() const;
 };

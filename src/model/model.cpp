@@ -59,7 +59,7 @@ std::string ModelOptions::to_string() const {
   os << "ModelOptions{.device=" << device.to_string() << ", .dtype=" << (dtype ? dtype_name(*dtype) : "auto")
      << ", .experts_implementation="
      << (experts_implementation.empty() ? "default" : experts_implementation.to_string())
-     << ", .cuda_graph=" << (cuda_graph ? "true" : "false") << "}";
+     << ", .cuda_graph=" << (cuda_graph ? "true" : "false") << (dequantize ? ", .dequantize=true" : "") << "}";
   return os.str();
 }
 
@@ -147,9 +147,7 @@ Model Model::from_pretrained(const std::string& dir, const ModelOptions& options
   im->config = ModelConfig::load(dir);
   im->options = options;
   const ModelConfig& mc = im->config;
-  MOEKIT_CHECK_CODE(!mc.has_quantization_config, not_supported, dir,
-                    ": quantized checkpoints (config.json has quantization_config) are not supported by the model "
-                    "loader; use a floating-point checkpoint");
+  const model::LoadQuant quant{model::check_quantization(mc, dir), options.dequantize};
   im->dtype = resolve_dtype(mc, options.dtype);
   const Device dev = options.device;
   im->scratch = model::Scratch(dev);
@@ -176,7 +174,8 @@ Model Model::from_pretrained(const std::string& dir, const ModelOptions& options
   const std::string decoder_choice = requested.at(im->decoder_key);
 
   const Checkpoint ck = Checkpoint::open(dir);
-  im->weights = model::load_weights(ck, im->config.text, im->dtype, dev, decoder_choice, options.check_finite);
+  im->weights =
+      model::load_weights(ck, im->config.text, im->dtype, dev, decoder_choice, options.check_finite, quant);
   const TextConfig& c = im->config.text;
   im->rope = model::make_rope(c.rope, c.head_dim, c.max_position_embeddings);
   im->rope.interleaved = c.mla && c.rope_interleave;

@@ -63,8 +63,19 @@ struct Weights {
 // zero-copy checkpoint tensors (nothing converted before the whole decoder is known to be there), then
 // (check_finite: default on for checkpoints up to kFiniteCheckDefaultBytes, else a warning) that the
 // weights read hold no NaN or Inf, then converts.
+// FP8 checkpoints: `fp8` lets f8e4m3 tensors with a `_scale_inv` beside them load (dequantized at load, but the
+// routed experts, which stay FP8 unless `dequantize`).
+// Whether the checkpoint is FP8 (quantization_config fp8 / e4m3 / dynamic / [128, 128], f32 or ue8m0 scales);
+// false without quantization_config. Any other quantization (a static activation scheme, another method or block
+// size) throws not_supported naming the field.
+bool check_quantization(const ModelConfig& mc, const std::string& dir);
+struct LoadQuant {
+  bool fp8 = false;
+  bool dequantize = false;
+};
 Weights load_weights(const Checkpoint& ckpt, TextConfig& c, DType dtype, Device device,
-                     const std::string& experts_implementation, std::optional<bool> check_finite = std::nullopt);
+                     const std::string& experts_implementation, std::optional<bool> check_finite = std::nullopt,
+                     const LoadQuant& quant = {});
 constexpr uint64_t kFiniteCheckDefaultBytes = 4ull << 30;
 uint64_t checkpoint_bytes(const Checkpoint& ckpt);
 // Throws Error(invalid_argument) naming the first tensor (and element) with a NaN or Inf.

@@ -28,7 +28,7 @@ struct RunOptions {
   double temperature = 1.0, top_p = 1.0, repetition_penalty = 1.0;
   std::string seed = "0";
   bool sample = false, greedy = false, json = false, cuda_graph = false, quiet = false, check_finite = false,
-       no_check_finite = false;
+       no_check_finite = false, dequantize = false;
   // Options given on the command line (the others keep generation_config.json's values).
   bool set_max_new_tokens = false, set_temperature = false, set_top_k = false, set_top_p = false,
        set_repetition_penalty = false, set_seed = false, set_prompt = false, set_prompt_file = false,
@@ -66,6 +66,7 @@ void run(const RunOptions& o) {
   mo.cuda_graph = o.cuda_graph;
   if (o.check_finite) mo.check_finite = true;
   if (o.no_check_finite) mo.check_finite = false;
+  mo.dequantize = o.dequantize;
   MOEKIT_CHECK(int(o.set_prompt) + int(o.set_prompt_file) + int(o.set_prompt_ids) == 1,
                "run: give one of --prompt TEXT, --prompt-file FILE or --prompt-ids 1,2,3");
   std::optional<Tokenizer> tokenizer;
@@ -242,6 +243,8 @@ void add_run_command(CLI::App& app) {
   auto* cf = cmd->add_flag("--check-finite", o->check_finite,
                            "refuse weights holding NaN or Inf (default: on for checkpoints up to 4 GiB)");
   cmd->add_flag("--no-check-finite", o->no_check_finite, "do not scan the weights for NaN or Inf")->excludes(cf);
+  cmd->add_flag("--dequantize", o->dequantize,
+                "FP8 checkpoints: dequantize the routed experts at load too (they stay FP8 otherwise)");
   cmd->callback([=] {
     o->set_prompt = prompt->count() > 0;
     o->set_prompt_file = prompt_file->count() > 0;

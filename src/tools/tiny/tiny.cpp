@@ -8,6 +8,7 @@
 #include <map>
 #include <set>
 
+#include "moekit/quant.h"
 #include "moekit/safetensors.h"
 
 namespace moekit {
@@ -312,8 +313,32 @@ void write_tiny_checkpoint(const std::string& arch, const std::string& dir, uint
   write_tiny_checkpoint(arch, dir, TinyOptions{.seed = seed});
 }
 
+bool fp8_quantized_tensor(const std::string& name, const Shape& shape) {
+  auto ends = [&](const std::string& s) {
+    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+  };
+  if (shape.size() != 2 || !ends(".weight")) return false;
+  for (const char* skip : {"embed_tokens", "lm_head", "visual.", "vision"})
+    if (name.find(skip) != std::string::npos) return false;
+  return !ends(".gate.weight") && !ends("shared_expert_gate.weight") && !ends(".router.weight");
+}
+
+nlohmann::json fp8_quantization_config() {
+  return {{"quant_method", "fp8"},
+          {"fmt", "e4m3"},
+          {"activation_scheme", "dynamic"},
+          {"weight_block_size", {kFp8Block, kFp8Block}}};
+}
+
 void write_tiny_checkpoint(const std::string& arch, const std::string& dir, const TinyOptions& options) {
   nlohmann::json config = tiny_config(arch);
+  MOEKIT_CHECK(options.quantize.empty() || options.quantize == "fp8", "tiny: --quantize takes fp8, got '",
+               options.quantize, "'");
+  const bool fp8 = options.quantize == "fp8";
+  MOEKIT_CHECK(!fp8 || (arch != "gpt_oss" && arch != "qwen3_vl_moe"), "tiny: --quantize fp8 writes per-expert FP8 ",
+               "checkpoints (qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v3); ", arch,
+               " stores fused experts");
+  if (fp8) config["quantization_config"] = fp8_quantization_config();
   const char* dtype = torch_dtype_name(options.dtype);
   MOEKIT_CHECK(options.shards >= 1 && options.shards <= 99, "tiny: shards must be in [1, 99], got ", options.shards);
   config["dtype"] = dtype;
@@ -349,10 +374,20 @@ void write_tiny_checkpoint(const std::string& arch, const std::string& dir, cons
     Tensor t = random_tensor(name, shape, options.seed);
     // DeepSeek-V3 keeps its router correction bias in float32 whatever the checkpoint dtype.
     if (name.find("e_score_correction_bias") == std::string::npos) t = t.to(options.dtype);
+    if (fp8 && fp8_quantized_tensor(name, shape)) {
+      auto [q, sc] = quantize_fp8(t);
+      const std::string sn = name.substr(0, name.size() - 7) + ".weight_scale_inv";
+      total_bytes += q.nbytes() + sc.nbytes();
+      total_params += uint64_t(q.numel() + sc.numel());
+      tensors.push_back({name, std::move(q)});
+      tensors.push_back({sn, std::move(sc)});
+      continue;
+    }
     total_bytes += t.nbytes();
     total_params += uint64_t(t.numel());
     tensors.push_back({name, std::move(t)});
   }
+  std::sort(tensors.begin(), tensors.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   const std::map<std::string, std::string> meta = {{"format", "pt"}};
   if (options.shards == 1) {
     save_safetensors((d / "model.safetensors").string(), tensors, meta);

@@ -14,7 +14,17 @@ struct TinyOptions {
   uint64_t seed = 0;
   DType dtype = DType::f32;  // f32, bf16 or f16: the weights and the config's "dtype"
   int shards = 1;            // > 1: model-0000i-of-0000n.safetensors + model.safetensors.index.json
+  // "fp8": every linear layer but lm_head and the routers stored as published FP8 checkpoints are (f8e4m3
+  // `.weight` [N, K] with an f32 `.weight_scale_inv` [ceil(N/128), ceil(K/128)]; quantization_config fp8 / e4m3 /
+  // dynamic / [128, 128]), quantized from the random weights of `dtype`. "" writes floating weights.
+  std::string quantize;
 };
+
+// Whether a tensor of that name and shape is quantized in an FP8 checkpoint: the 2-D `.weight` of a linear layer,
+// not the embedding, lm_head, a router or a shared-expert gate.
+bool fp8_quantized_tensor(const std::string& name, const Shape& shape);
+// The quantization_config of an FP8 checkpoint (block-scaled e4m3, dynamic activations).
+nlohmann::json fp8_quantization_config();
 
 // The model_types write_tiny_checkpoint knows: qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v3,
 // gpt_oss and qwen3_vl_moe (multimodal: the MoE backbone in text_config, a small vision tower).
