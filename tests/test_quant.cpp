@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <map>
 #include <cstdio>
 #include <random>
 
@@ -232,6 +234,139 @@ TEST(QuantExperts, Fp8EveryCpuBackendAndIsaMatchesTheReference) {
     for (const auto& [dt, err] : worst) std::printf("ISA %s: worst relative L2 with %s activations %.3g\n", cpu::isa_name(isa), dtype_name(dt), err);
   }
   EXPECT_GT(checked, 0);
+}
+
+// FP4 experts (e2m1, one ue8m0 scale per row and 32 inputs) made from random float experts of `c`.
+test::ExpertsProblem make_fp4_problem(ProblemConfig c, uint64_t seed, bool float_acts) {
+  std::mt19937_64 rng(seed);
+  c.wdt = DType::f32;
+  const Experts f = test::make_experts(c, rng);
+  ExpertsWeights w = f.weights();
+  auto [q1, s1] = quantize_fp4(w.first());
+  auto [q2, s2] = quantize_fp4(w.down_proj);
+  (c.has_gate ? w.gate_up_proj : w.up_proj) = q1;
+  (c.has_gate ? w.gate_up_proj_scale_inv : w.up_proj_scale_inv) = s1;
+  w.down_proj = q2;
+  w.down_proj_scale_inv = s2;
+  w.fp4_float_activations = float_acts;
+  test::ExpertsProblem p;
+  p.config = c;
+  p.experts = Experts(f.spec(), w, "grouped_mm");
+  test::make_inputs(c, rng, p);
+  p.reference = reference_forward(p.experts, p.hidden_states, p.top_k_index, p.top_k_weights);
+  return p;
+}
+
+TEST(QuantWeights, Fp4PerRowAndGroupOf32) {
+  std::mt19937_64 rng(12);
+  Tensor w = test::randn({2, 5, 96}, DType::f32, rng, 1.0);
+  w.ptr<float>()[40] = 0.0f;
+  for (int i = 64; i < 96; ++i) w.ptr<float>()[i] = 0.0f;  // an all-zero group
+  auto [q, s] = quantize_fp4(w);
+  EXPECT_EQ(q.dtype(), DType::f4e2m1);
+  EXPECT_EQ(q.nbytes(), size_t(2 * 5 * 48));
+  EXPECT_EQ(s.shape(), (Shape{2, 5, 3}));
+  const Tensor d = dequantize_fp4(q, s, DType::f32);
+  for (int64_t g = 0; g < 2 * 5 * 3; ++g) {
+    float amax = 0;
+    for (int64_t i = g * 32; i < g * 32 + 32; ++i) amax = std::max(amax, std::fabs(w.ptr<float>()[i]));
+    for (int64_t i = g * 32; i < g * 32 + 32; ++i) {
+      const float x = w.ptr<float>()[i], y = d.ptr<float>()[i];
+      EXPECT_LE(std::fabs(x - y), amax / 4 + 1e-30f) << i;  // half a step of e2m1 at the group's scale, at most
+      const uint8_t byte = q.ptr<uint8_t>()[i / 2];
+      EXPECT_EQ(y, f4e2m1_to_f32((i & 1) ? byte >> 4 : byte & 15) * ue8m0_to_f32(s.ptr<uint8_t>()[g])) << i;
+    }
+  }
+  EXPECT_THROW(quantize_fp4(test::randn({4, 40}, DType::f32, rng)), Error);  // not a multiple of 32
+}
+
+TEST(QuantGemm, Fp4TileEveryIsaMatchesDouble) {
+  std::mt19937_64 rng(4);
+  struct Dims {
+    int64_t m, n, k;
+  };
+  for (const Dims d : {Dims{1, 9, 64}, Dims{6, 130, 160}, Dims{13, 7, 32}}) {
+    std::vector<uint8_t> w(size_t(d.n * d.k / 2)), sc(size_t(d.n * d.k / 32));
+    for (auto& b : w) b = uint8_t(rng());
+    for (auto& v : sc) v = uint8_t(120 + rng() % 12);
+    Tensor x = test::randn({d.m, d.k}, DType::f32, rng, 2.0);
+    const int64_t kp = cpu::fp8_row_k(d.k), kb = kp / 128;
+    for (const bool quantized : {true, false}) {
+      std::vector<double> qa(size_t(d.m * kp));
+      std::vector<float> sa(size_t(d.m * kb));
+      if (quantized)
+        cpu::fp8_quantize_rows(x.ptr<float>(), d.k, d.m, d.k, true, qa.data(), kp, sa.data(), kb);
+      else
+        cpu::plain_rows(x.ptr<float>(), d.k, d.m, d.k, qa.data(), kp, sa.data(), kb);
+      for (const cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512}) {
+        if (!cpu::isa_supported(isa)) continue;
+        cpu::set_isa_override(isa);
+        std::vector<float> c(size_t(d.m * d.n), NAN);
+        std::vector<double> work(size_t(cpu::fp8_work_doubles(d.k)));
+        const cpu::Fp4Matrix wm{w.data(), sc.data(), d.n, d.k, quantized ? 0x1p-9 : 1.0};
+        cpu::gemm_kernels().gemm_fp4_tile(qa.data(), kp, sa.data(), kb, d.m, wm, 0, d.n, c.data(), d.n, work.data());
+        cpu::clear_isa_override();
+        for (int64_t i = 0; i < d.m; ++i)
+          for (int64_t j = 0; j < d.n; ++j) {
+            double ref = 0;
+            for (int64_t k = 0; k < d.k; ++k) {
+              const uint8_t byte = w[size_t((j * d.k + k) / 2)];
+              const double wv = f4e2m1_to_f32(k & 1 ? byte >> 4 : byte & 15) * ue8m0_to_f32(sc[size_t((j * d.k + k) / 32)]);
+              const double av = quantized ? qa[size_t(i * kp + k)] / 512.0 * sa[size_t(i * kb + k / 128)] : x.ptr<float>()[i * d.k + k];
+              ref += av * wv;
+            }
+            ASSERT_LE(std::fabs(double(c[size_t(i * d.n + j)]) - ref), 1e-6 * std::fabs(ref) + 1e-30)
+                << cpu::isa_name(isa) << " quantized=" << quantized << " (" << i << ", " << j << ")";
+          }
+      }
+    }
+  }
+}
+
+TEST(QuantExperts, Fp4EveryCpuBackendAndIsaMatchesTheReference) {
+  struct Case {
+    ProblemConfig c;
+    bool float_acts;
+  };
+  const std::vector<Case> cases = {
+      {{.T = 5, .E = 3, .K = 2, .H = 64, .I = 32}, false},                          // w4a8 (FP4 with UE8M0 scales)
+      {{.T = 9, .E = 5, .K = 3, .H = 160, .I = 96, .sentinels = true}, false},      // partial activation groups
+      {{.T = 7, .E = 5, .K = 2, .H = 96, .I = 64, .has_bias = true, .concatenated = false,
+        .gate = GateKind::clamped_swiglu, .limit = 7.0f},
+       true},                                                                       // MXFP4 (gpt-oss): float acts
+      {{.act = DType::bf16, .rwt = DType::bf16, .T = 12, .E = 3, .K = 2, .H = 128, .I = 32, .has_bias = true,
+        .concatenated = false, .gate = GateKind::clamped_swiglu, .limit = 7.0f},
+       true},
+      {{.T = 33, .E = 7, .K = 2, .H = 64, .I = 96, .has_gate = false, .empty_experts = true}, false},
+  };
+  int checked = 0;
+  for (const cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512}) {
+    if (!cpu::isa_supported(isa)) continue;
+    cpu::set_isa_override(isa);
+    uint64_t seed = 300;
+    double worst = 0;
+    for (const Case& cs : cases) {
+      const test::ExpertsProblem p = make_fp4_problem(cs.c, seed++, cs.float_acts);
+      ASSERT_TRUE(p.experts.is_quantized());
+      for (const char* name : {"eager", "batched_mm", "grouped_mm"}) {
+        const Tensor out = test::run_backend(p.experts, name, p.hidden_states, p.top_k_index, p.top_k_weights);
+        const double err = relative_l2(out.view(), p.reference);
+        EXPECT_LT(err, experts_tolerance(cs.c.act)) << cpu::isa_name(isa) << " " << name << " " << cs.c.to_string()
+                                                    << (cs.float_acts ? " float acts" : " fp8 acts");
+        if (cs.c.act == DType::f32) worst = std::max(worst, err);
+        ++checked;
+      }
+    }
+    cpu::clear_isa_override();
+    std::printf("ISA %s: FP4 worst relative L2 with f32 activations %.3g\n", cpu::isa_name(isa), worst);
+  }
+  EXPECT_GT(checked, 0);
+  // Float activations are not the FP8-quantized ones: the reference tells them apart.
+  test::ExpertsProblem a = make_fp4_problem(cases[0].c, 7, false), b = make_fp4_problem(cases[0].c, 7, true);
+  EXPECT_GT(relative_l2(a.reference, b.reference), 1e-4);
+  const Experts deq(b.experts.spec(), dequantize_experts(b.experts.spec(), b.experts.weights(), DType::f32), "eager");
+  const Tensor out = test::run_backend(deq, "grouped_mm", b.hidden_states, b.top_k_index, b.top_k_weights);
+  EXPECT_LT(relative_l2(out.view(), b.reference), 1e-5);  // MXFP4 as transformers runs it: the dequantized weights
 }
 
 // The reference is not the float experts' one: the quantisation of weights and activations shows (so a backend that

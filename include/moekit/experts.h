@@ -62,12 +62,20 @@ struct ExpertsWeights {
   Tensor gate_up_proj_scale_inv;  // [E, 2 * ceil(I / 128), ceil(H / 128)]
   Tensor up_proj_scale_inv;       // [E, ceil(I / 128), ceil(H / 128)]
   Tensor down_proj_scale_inv;     // [E, ceil(H / 128), ceil(I / 128)]
+  // FP4 experts (MXFP4, FP4 with UE8M0 scales): the weights in f4e2m1, [E, out, in] packed two per byte (low
+  // nibble first; in a multiple of 32), each *_scale_inv in ue8m0 [E, out, in / 32] (one power of two per row and
+  // 32 inputs). Activations are quantized to FP8 per token and 128 inputs (w4a8, FP4 checkpoints with UE8M0 scales)
+  // unless fp4_float_activations (MXFP4 as transformers runs it where its kernels are absent: the weights
+  // dequantized, the activations as they are).
+  bool fp4_float_activations = false;
 
   const Tensor& first() const { return gate_up_proj.defined() ? gate_up_proj : up_proj; }
   const Tensor& first_bias() const { return gate_up_proj.defined() ? gate_up_proj_bias : up_proj_bias; }
   const Tensor& first_scale_inv() const { return gate_up_proj.defined() ? gate_up_proj_scale_inv : up_proj_scale_inv; }
-  // Whether the weights are FP8 (block-scaled e4m3).
+  // Whether the weights are FP8 (block-scaled e4m3), FP4 (e2m1 with ue8m0 scales per 32), either.
   bool is_fp8() const { return first().defined() && first().dtype() == DType::f8e4m3; }
+  bool is_fp4() const { return first().defined() && first().dtype() == DType::f4e2m1; }
+  bool is_quantized() const { return is_fp8() || is_fp4(); }
 };
 
 // One forward call: every view already validated by Experts::forward_into.
@@ -95,8 +103,8 @@ class Experts {
   const ExpertsSpec& spec() const { return spec_; }
   const ExpertsWeights& weights() const { return weights_; }
   Device device() const;
-  DType weight_dtype() const;  // f8e4m3 for FP8 experts
-  bool is_quantized() const { return weights_.is_fp8(); }
+  DType weight_dtype() const;  // f8e4m3 for FP8 experts, f4e2m1 for FP4
+  bool is_quantized() const { return weights_.is_quantized(); }
 
   const std::string& implementation() const { return implementation_; }
   // Switches backend at run time (no weight reload). Unknown names throw with the valid list;
@@ -156,8 +164,8 @@ double experts_tolerance(DType act_dtype);
 // backends' prepare. Weights on a GPU are staged through host memory.
 Tensor transpose_expert_weight(const Tensor& w);
 
-// FP8 experts' weights dequantized to `dtype` (f32, bf16 or f16; moekit/quant.h dequantize_fp8), scales dropped;
-// other weights are returned as they are.
+// FP8 / FP4 experts' weights dequantized to `dtype` (f32, bf16 or f16; moekit/quant.h), scales dropped; other
+// weights are returned as they are.
 ExpertsWeights dequantize_experts(const ExpertsSpec& spec, const ExpertsWeights& w, DType dtype);
 
 }  // namespace moekit

@@ -37,6 +37,17 @@ Tensor dequantize_fp8(const Tensor& w, const Tensor& scale_inv, DType out, int64
 // of two. Returns {weight f8e4m3 [.., N, K], scale_inv [.., SN, ceil(K/128)]}.
 std::pair<Tensor, Tensor> quantize_fp8(const Tensor& w, DType scale_dtype = DType::f32, int64_t segments = 1);
 
+// FP4 (e2m1) weights with one ue8m0 scale per row and 32 inputs (MXFP4, FP4 with UE8M0 scales).
+constexpr int64_t kFp4Group = 32;
+// Dequantizes w [.., N, K] (f4e2m1, packed) with scales [.., N, K / 32] (ue8m0) into `out` (f32, bf16 or f16):
+// e2m1 value x 2^(scale - 127), exact in f32, then rounded once.
+Tensor dequantize_fp4(const Tensor& w, const Tensor& scales, DType out, const std::string& name = "weight");
+// Quantizes a float weight [.., N, K] (K a multiple of 32) into FP4: per row and 32 inputs the scale is
+// 2^(floor(log2(amax)) - 2) (the OCP MX rule: the largest element lands in [4, 8) before saturating to 6), values
+// w / scale rounded to nearest even e2m1, saturating to +-6. Returns {weight f4e2m1 [.., N, K], scales ue8m0
+// [.., N, K / 32]}.
+std::pair<Tensor, Tensor> quantize_fp4(const Tensor& w);
+
 // The dynamic activation quantisation of one row x [k] (f32), per group of 128 inputs g:
 //   scale[g] = amax(|x[g]|) / 448 (f32 division; rounded up to a power of two when `pow2_scales`),
 //   q[i]     = e4m3(x[i] / scale[g]) rounded to nearest even and saturated to +-448 (0 where scale is 0),

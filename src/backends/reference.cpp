@@ -12,7 +12,8 @@ namespace moekit {
 
 namespace {
 
-// FP8 experts (SPEC section 5), the simplest loops: weights dequantized exactly (e4m3 value x block scale, f64);
+// FP8 / FP4 experts (SPEC section 5), the simplest loops: weights dequantized exactly (e4m3 value x block scale, or
+// e2m1 value x its power-of-two scale, f64);
 // activations quantized per token and 128 inputs as transformers' fine-grained FP8 path does (f32 amax / 448,
 // x / scale rounded to nearest even e4m3, saturated; the scale rounded up to a power of two with ue8m0 scales),
 // products summed in f64. The quantizer sees what that path materialises: the projection's output in the
@@ -22,10 +23,16 @@ struct Fp8Ref {
   DType act;
   bool pow2;
 
-  // q[k] * scale[k / 128] for one row of activations
+  bool float_acts = false;  // FP4 weights with float activations (MXFP4)
+
+  // q[k] * scale[k / 128] for one row of activations (the values themselves with float_acts)
   std::vector<double> quantize(const std::vector<float>& x) const {
     const int64_t k = int64_t(x.size());
     std::vector<double> out(x.size());
+    if (float_acts) {
+      for (size_t i = 0; i < x.size(); ++i) out[i] = x[i];
+      return out;
+    }
     for (int64_t g0 = 0; g0 < k; g0 += kFp8Block) {
       const int64_t g1 = std::min(k, g0 + kFp8Block);
       float amax = 0.0f;
@@ -42,10 +49,17 @@ struct Fp8Ref {
   // w [E, N, K] e4m3 with block scales sc (segments halves of N with their own blocks): dequantized element.
   static double weight(const Tensor& w, const Tensor& sc, int64_t e, int64_t n, int64_t k, int64_t segments) {
     const int64_t N = w.size(1), K = w.size(2), SN = sc.size(1), SK = sc.size(2);
+    if (w.dtype() == DType::f4e2m1) {  // e2m1 (low nibble first) x 2^(s - 127), one scale per row and 32 inputs
+      const int64_t i = (e * N + n) * K + k;
+      const uint8_t byte = w.ptr<uint8_t>()[i / 2];
+      const double v = f4e2m1_to_f32(uint8_t((i & 1) ? byte >> 4 : byte & 0xf));
+      return v * double(ue8m0_to_f32(sc.ptr<uint8_t>()[(e * N + n) * SK + k / kFp4Group]));
+    }
     const int64_t si = (e * SN + fp8_scale_row(n, N, segments)) * SK + k / kFp8Block;
     const double scale = sc.dtype() == DType::ue8m0 ? ue8m0_to_f32(sc.ptr<uint8_t>()[si]) : sc.ptr<float>()[si];
     return double(f8e4m3_to_f32(w.ptr<uint8_t>()[(e * N + n) * K + k])) * scale;
   }
+  // (FP4 with float activations: the activations as they are, the weights dequantized.)
   float materialise(double v) const { return act == DType::f32 ? float(v) : cpu::round_to(float(v), act); }
   float round_act(float v) const { return act == DType::f32 ? v : cpu::round_to(v, act); }
   // The gate in f32, each step torch runs in a low-precision activation dtype rounded to it.
@@ -80,7 +94,7 @@ std::vector<double> reference_fp8(const Experts& host, const Tensor& xc, const T
   const ExpertsWeights& W = host.weights();
   const int64_t T = xc.size(0), K = ic.dim() == 2 ? ic.size(1) : 0, H = s.hidden, I = s.intermediate,
                 E = s.num_experts, N1 = s.has_gate ? 2 * I : I;
-  const Fp8Ref ref{s, xc.dtype(), W.first_scale_inv().dtype() == DType::ue8m0};
+  const Fp8Ref ref{s, xc.dtype(), W.first_scale_inv().dtype() == DType::ue8m0, W.fp4_float_activations};
   std::vector<double> out(size_t(T * H), 0.0);
   std::vector<float> xrow(static_cast<size_t>(H)), h1(static_cast<size_t>(N1)), act(static_cast<size_t>(I));
   for (int64_t t = 0; t < T; ++t) {

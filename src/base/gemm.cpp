@@ -241,6 +241,16 @@ void fp8_quantize_rows(const float* src, int64_t lds, int64_t m, int64_t k, bool
   }
 }
 
+void plain_rows(const float* src, int64_t lds, int64_t m, int64_t k, double* dst, int64_t ldd, float* sa,
+                int64_t ldsa) {
+  const int64_t kp = fp8_row_k(k);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < k; ++j) dst[i * ldd + j] = double(src[i * lds + j]);
+    for (int64_t j = k; j < kp; ++j) dst[i * ldd + j] = 0.0;
+    for (int64_t g = 0; g < kp / kFp8K; ++g) sa[i * ldsa + g] = 1.0f;
+  }
+}
+
 int64_t packed_bf16_k(int64_t k) { return (k + kPackK - 1) / kPackK * kPackK; }
 
 int64_t packed_bf16_elems(int64_t n, int64_t k) { return (n + 15) / 16 * 16 * packed_bf16_k(k); }

@@ -57,6 +57,16 @@ struct Fp8Matrix {
   const float* scales;
   int64_t n, k, seg;
 };
+// FP4 weights (MXFP4, FP4 with UE8M0 scales): logical W [n, k] in e2m1 packed two per byte (element k of row j in
+// byte (j * k + k) / 2, low nibble first), k a multiple of 32, with one ue8m0 scale per row and 32 inputs
+// scales[j * k / 32 + k / 32]. act_unit: what one unit of the activation rows is worth (2^-9 for FP8-quantized rows,
+// whose values are e4m3 times 2^9; 1 for rows of plain values).
+struct Fp4Matrix {
+  const uint8_t* data;
+  const uint8_t* scales;
+  int64_t n, k;
+  double act_unit;
+};
 // Activation rows for the FP8 tile: each row quantized per 128 inputs (moekit/quant.h quantize_activations_fp8),
 // stored as the e4m3 values times 2^9 (integers, exact in f64) zero-padded to fp8_row_k(k), with the f32 group
 // scales beside them.
@@ -67,6 +77,9 @@ constexpr int64_t kFp8TileN = 128;  // the column tile the backends split FP8 pr
 // dst[i, 0:fp8_row_k(k)) and sa[i, 0:ceil(k/128)) for i < m (row strides ldd, ldsa): the rows of src quantized.
 void fp8_quantize_rows(const float* src, int64_t lds, int64_t m, int64_t k, bool pow2_scales, double* dst,
                        int64_t ldd, float* sa, int64_t ldsa);
+// The same rows unquantized (for FP4 weights with float activations): dst = f64(src) zero-padded, sa = 1.
+void plain_rows(const float* src, int64_t lds, int64_t m, int64_t k, double* dst, int64_t ldd, float* sa,
+                int64_t ldsa);
 
 struct GemmKernels {
   Isa isa;
@@ -87,6 +100,10 @@ struct GemmKernels {
   // product is exact (products of e4m3 values summed in f64), so an element's result does not depend on the ISA,
   // the tile or the threads. `work`: fp8_work_doubles(w.k) doubles. Single-threaded.
   void (*gemm_fp8_tile)(const double* a, int64_t lda, const float* sa, int64_t ldsa, int64_t m, const Fp8Matrix& w,
+                        int64_t n0, int64_t n1, float* c, int64_t ldc, double* work);
+  // The same with FP4 weights: each row's e2m1 values times their scales decoded once into f64 (exact), then
+  // C[i, j] = f32(sum over 128-input groups g of sa[i, g] * act_unit * dot_g(A[i], W[j])) (f64 sums).
+  void (*gemm_fp4_tile)(const double* a, int64_t lda, const float* sa, int64_t ldsa, int64_t m, const Fp4Matrix& w,
                         int64_t n0, int64_t n1, float* c, int64_t ldc, double* work);
 };
 

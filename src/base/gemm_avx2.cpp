@@ -46,6 +46,7 @@ constexpr int kF8L = 4, kF8MR = 2, kF8NR = 4;
 }  // namespace avx2_kernels
 
 const GemmKernels kGemmAvx2 = {Isa::avx2, avx2_kernels::kTileN, avx2_kernels::kWorkFloats, avx2_kernels::kDirectMaxM,
-                               &avx2_kernels::gemm_tile, nullptr, &avx2_kernels::gemm_fp8_tile};
+                               &avx2_kernels::gemm_tile, nullptr, &avx2_kernels::gemm_fp8_tile,
+                                 &avx2_kernels::gemm_fp4_tile};
 
 }  // namespace moekit::cpu

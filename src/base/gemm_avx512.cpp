@@ -52,6 +52,7 @@ constexpr int kF8L = 8, kF8MR = 4, kF8NR = 4;
 }  // namespace avx512_kernels
 
 const GemmKernels kGemmAvx512 = {Isa::avx512, avx512_kernels::kTileN, avx512_kernels::kWorkFloats,
-                                 avx512_kernels::kDirectMaxM, &avx512_kernels::gemm_tile, nullptr, &avx512_kernels::gemm_fp8_tile};
+                                 avx512_kernels::kDirectMaxM, &avx512_kernels::gemm_tile, nullptr, &avx512_kernels::gemm_fp8_tile,
+                                 &avx512_kernels::gemm_fp4_tile};
 
 }  // namespace moekit::cpu

@@ -121,3 +121,56 @@ void gemm_fp8_tile(const double* a, int64_t lda, const float* sa, int64_t ldsa, 
       f8_rows<1>(a + i * lda, lda, sa + i * ldsa, ldsa, panel, kp, wsc, kblocks, c + i * ldc + j0, ldc, cols);
   }
 }
+
+// ---- FP4 (e2m1 with a ue8m0 scale per row and 32 inputs) ----
+
+// e2m1 code (4 bits) -> its value times 2 (an integer: 0, 1, 2, 3, 4, 6, 8, 12, signed).
+inline int f4_twice(int c) {
+  const int e = (c >> 1) & 3, m = c & 1;
+  const int mag = e == 0 ? m : (2 + m) << (e - 1);
+  return (c & 8) ? -mag : mag;
+}
+
+// panel[j, 0:kp) = row j0 + j of w dequantized (e2m1 x 2^(s - 127), exact in f64), zero past k and past n1.
+inline void f4_decode_panel(const Fp4Matrix& w, int64_t j0, int64_t n1, int64_t kp, double* panel) {
+  double twice[16];
+  for (int c = 0; c < 16; ++c) twice[c] = double(f4_twice(c));
+  const int64_t K = w.k;
+  for (int j = 0; j < kF8NR; ++j) {
+    double* dst = panel + j * kp;
+    int64_t k = 0;
+    if (j0 + j < n1) {
+      const uint8_t* row = w.data + (j0 + j) * (K / 2);
+      const uint8_t* sc = w.scales + (j0 + j) * (K / 32);
+      for (int64_t g = 0; g < K / 32; ++g, k += 32) {
+        uint64_t bits = (uint64_t(sc[g]) + 1023 - 127 - 1) << 52;  // 2^(s - 127) / 2: a normal f64
+        double scale;
+        __builtin_memcpy(&scale, &bits, 8);
+        for (int64_t b = 0; b < 16; ++b) {
+          const uint8_t v = row[g * 16 + b];
+          dst[k + 2 * b] = twice[v & 15] * scale;
+          dst[k + 2 * b + 1] = twice[v >> 4] * scale;
+        }
+      }
+    }
+    for (; k < kp; ++k) dst[k] = 0.0;
+  }
+}
+
+void gemm_fp4_tile(const double* a, int64_t lda, const float* sa, int64_t ldsa, int64_t m, const Fp4Matrix& w,
+                   int64_t n0, int64_t n1, float* c, int64_t ldc, double* work) {
+  if (m <= 0 || n1 <= n0) return;
+  const int64_t kp = fp8_row_k(w.k), kblocks = kp / kFp8K;
+  double* panel = work;
+  double* wsc = work + kFp8MaxNR * kp;
+  for (int64_t i = 0; i < kF8NR * kblocks; ++i) wsc[i] = w.act_unit;
+  for (int64_t j0 = n0; j0 < n1; j0 += kF8NR) {
+    const int64_t cols = n1 - j0 < kF8NR ? n1 - j0 : kF8NR;
+    f4_decode_panel(w, j0, n1, kp, panel);
+    int64_t i = 0;
+    for (; i + kF8MR <= m; i += kF8MR)
+      f8_rows<kF8MR>(a + i * lda, lda, sa + i * ldsa, ldsa, panel, kp, wsc, kblocks, c + i * ldc + j0, ldc, cols);
+    for (; i < m; ++i)
+      f8_rows<1>(a + i * lda, lda, sa + i * ldsa, ldsa, panel, kp, wsc, kblocks, c + i * ldc + j0, ldc, cols);
+  }
+}

@@ -71,6 +71,7 @@ constexpr int kF8L = 2, kF8MR = 2, kF8NR = 4;
 }  // namespace scalar_kernels
 
 const GemmKernels kGemmScalar = {Isa::scalar, scalar_kernels::kTileN, scalar_kernels::kWorkFloats,
-                                 scalar_kernels::kDirectMaxM, &scalar_kernels::gemm_tile, nullptr, &scalar_kernels::gemm_fp8_tile};
+                                 scalar_kernels::kDirectMaxM, &scalar_kernels::gemm_tile, nullptr, &scalar_kernels::gemm_fp8_tile,
+                                 &scalar_kernels::gemm_fp4_tile};
 
 }  // namespace moekit::cpu

@@ -89,6 +89,33 @@ void validate_weights(const ExpertsSpec& s, const ExpertsWeights& w) {
   MOEKIT_CHECK(w.down_proj.dtype() == first.dtype(), "experts weights have different dtypes: ",
                dtype_name(first.dtype()), " and ", dtype_name(w.down_proj.dtype()));
   const char* first_name = s.has_gate ? "gate_up_proj" : "up_proj";
+  MOEKIT_CHECK(!w.fp4_float_activations || w.is_fp4(), "ExpertsWeights.fp4_float_activations is set but the weights are ",
+               dtype_name(first.dtype()), ", not FP4 (f4e2m1)");
+  if (w.is_fp4()) {
+    // FP4: [E, out, in] e2m1 with one ue8m0 scale per row and 32 inputs.
+    MOEKIT_CHECK(!s.is_transposed, "FP4 experts are stored [E, out, in]; is_transposed = true is not an FP4 layout");
+    auto check = [&](const char* name, const Tensor& q, const Tensor& sc, int64_t n, int64_t k) {
+      MOEKIT_CHECK(k % kFp4Group == 0, "FP4 experts need inputs in multiples of 32; '", name, "' has ", k);
+      const Shape expect{E, n, k / kFp4Group};
+      MOEKIT_CHECK(sc.defined(), "experts weight '", name, "' is missing: FP4 weights need their ue8m0 scales, shape ",
+                   shape_to_string(expect));
+      MOEKIT_CHECK(sc.shape() == expect && sc.dtype() == DType::ue8m0, "experts weight '", name, "' is ",
+                   sc.view().to_string(), ", expected ue8m0 ", shape_to_string(expect), " (one per row and 32 inputs)");
+      MOEKIT_CHECK(sc.view().is_contiguous() && sc.device() == q.device(), "experts weight '", name,
+                   "' must be contiguous and on ", q.device().to_string());
+      if (!sc.device().is_cpu()) return;
+      const uint8_t* p = sc.ptr<uint8_t>();
+      for (int64_t i = 0; i < sc.numel(); ++i)
+        MOEKIT_CHECK(p[i] != 0xff, "experts weight '", name, "' holds the ue8m0 NaN (0xff) at flat index ", i);
+    };
+    check(s.has_gate ? "gate_up_proj_scale_inv" : "up_proj_scale_inv", first, w.first_scale_inv(),
+          s.has_gate ? 2 * I : I, H);
+    check("down_proj_scale_inv", w.down_proj, w.down_proj_scale_inv, H, I);
+    MOEKIT_CHECK(!(s.has_gate ? w.up_proj_scale_inv : w.gate_up_proj_scale_inv).defined(), "experts weight '",
+                 s.has_gate ? "up_proj_scale_inv" : "gate_up_proj_scale_inv", "' given but not used by this spec (",
+                 first_name, " is the first projection)");
+    return;
+  }
   if (!w.is_fp8()) {
     for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"gate_up_proj_scale_inv", &w.gate_up_proj_scale_inv},
                                   {"up_proj_scale_inv", &w.up_proj_scale_inv},
@@ -180,6 +207,7 @@ Experts Experts::to(Device device) const {
   w.gate_up_proj_scale_inv = mv(weights_.gate_up_proj_scale_inv);
   w.up_proj_scale_inv = mv(weights_.up_proj_scale_inv);
   w.down_proj_scale_inv = mv(weights_.down_proj_scale_inv);
+  w.fp4_float_activations = weights_.fp4_float_activations;
   Experts e(spec_, std::move(w), implementation_);
   return e;
 }
@@ -304,9 +332,17 @@ Tensor transpose_expert_weight(const Tensor& w) {
 }
 
 ExpertsWeights dequantize_experts(const ExpertsSpec& spec, const ExpertsWeights& w, DType dtype) {
-  if (!w.is_fp8()) return w;
+  if (!w.is_quantized()) return w;
   ExpertsWeights r = w;
   const Device dev = w.first().device();
+  if (w.is_fp4()) {
+    (spec.has_gate ? r.gate_up_proj : r.up_proj) = dequantize_fp4(w.first(), w.first_scale_inv(), dtype,
+                                                                  spec.has_gate ? "gate_up_proj" : "up_proj").to(dev);
+    r.down_proj = dequantize_fp4(w.down_proj, w.down_proj_scale_inv, dtype, "down_proj").to(dev);
+    r.gate_up_proj_scale_inv = r.up_proj_scale_inv = r.down_proj_scale_inv = Tensor();
+    r.fp4_float_activations = false;
+    return r;
+  }
   if (spec.has_gate)
     r.gate_up_proj = dequantize_fp8(w.gate_up_proj, w.gate_up_proj_scale_inv, dtype, 2, "gate_up_proj").to(dev);
   else

@@ -104,6 +104,64 @@ std::pair<Tensor, Tensor> quantize_fp8(const Tensor& w, DType scale_dtype, int64
   return {q, s};
 }
 
+Tensor dequantize_fp4(const Tensor& w, const Tensor& scales, DType out, const std::string& name) {
+  MOEKIT_CHECK(w.defined() && w.dtype() == DType::f4e2m1 && w.dim() >= 2, "'", name,
+               "': FP4 weights must be f4e2m1 with at least 2 dimensions, got ",
+               w.defined() ? w.view().to_string() : std::string("none"));
+  MOEKIT_CHECK(out == DType::f32 || out == DType::bf16 || out == DType::f16, "'", name,
+               "': dequantize to f32, bf16 or f16, got ", dtype_name(out));
+  const int64_t K = w.size(-1);
+  MOEKIT_CHECK(K % kFp4Group == 0, "'", name, "': FP4 weights need a multiple of 32 inputs, got ", K);
+  Shape expect = w.shape();
+  expect.back() = K / kFp4Group;
+  MOEKIT_CHECK(scales.defined() && scales.dtype() == DType::ue8m0 && scales.shape() == expect, "'", name,
+               "' scales must be ue8m0 ", shape_to_string(expect), ", got ",
+               scales.defined() ? scales.view().to_string() : std::string("none"));
+  const Tensor q = w.to(Device::cpu()).contiguous(), s = scales.to(Device::cpu()).contiguous();
+  Tensor r = Tensor::empty(w.shape(), out);
+  const uint8_t* qp = q.ptr<uint8_t>();
+  const uint8_t* sp = s.ptr<uint8_t>();
+  const int64_t n = w.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t nib = (i & 1) ? uint8_t(qp[i / 2] >> 4) : uint8_t(qp[i / 2] & 0xf);
+    store_as(r.data(), out, i, f4e2m1_to_f32(nib) * ue8m0_to_f32(sp[i / kFp4Group]));
+  }
+  return r;
+}
+
+std::pair<Tensor, Tensor> quantize_fp4(const Tensor& w) {
+  MOEKIT_CHECK(w.defined() && w.dim() >= 2 && (w.dtype() == DType::f32 || w.dtype() == DType::bf16 ||
+                                               w.dtype() == DType::f16),
+               "quantize_fp4: expected a float weight with at least 2 dimensions, got ",
+               w.defined() ? w.view().to_string() : std::string("none"));
+  const int64_t K = w.size(-1);
+  MOEKIT_CHECK(K % kFp4Group == 0, "quantize_fp4: the last dimension must be a multiple of 32, got ", K);
+  const Tensor src = w.to(Device::cpu()).contiguous().to(DType::f32);
+  Shape sshape = w.shape();
+  sshape.back() = K / kFp4Group;
+  Tensor q = Tensor::zeros(w.shape(), DType::f4e2m1), s = Tensor::empty(sshape, DType::ue8m0);
+  const float* x = src.ptr<float>();
+  uint8_t* qp = q.ptr<uint8_t>();
+  const int64_t groups = w.numel() / kFp4Group;
+  for (int64_t g = 0; g < groups; ++g) {
+    float amax = 0.0f;
+    for (int64_t i = g * kFp4Group; i < (g + 1) * kFp4Group; ++i) amax = std::max(amax, std::fabs(x[i]));
+    int e = 127;
+    if (amax > 0.0f) {
+      int ex;
+      std::frexp(amax, &ex);              // amax = f * 2^ex, f in [0.5, 1): floor(log2 amax) = ex - 1
+      e = std::clamp(ex - 1 - 2 + 127, 0, 254);
+    }
+    s.ptr<uint8_t>()[g] = uint8_t(e);
+    const float inv = 1.0f / ue8m0_to_f32(uint8_t(e));
+    for (int64_t i = g * kFp4Group; i < (g + 1) * kFp4Group; ++i) {
+      const uint8_t c = f32_to_f4e2m1(x[i] * inv);
+      qp[i / 2] = uint8_t(qp[i / 2] | ((i & 1) ? c << 4 : c));
+    }
+  }
+  return {q, s};
+}
+
 void quantize_activations_fp8(const float* x, int64_t k, bool pow2_scales, float* q, float* scale) {
   for (int64_t g = 0; g * kFp8Block < k; ++g) {
     const int64_t k0 = g * kFp8Block, k1 = std::min(k, k0 + kFp8Block);

@@ -57,7 +57,7 @@ Plan make_plan(const Experts& experts, const ExpertsCall& call) {
   p.N1 = s.has_gate ? 2 * s.intermediate : s.intermediate;
   p.w1 = w.first().data();
   p.w2 = w.down_proj.data();
-  p.wtype = w.is_fp8() ? WType::f32 : weight_type(w.first().dtype());  // FP8: Plan::q1 / q2 instead
+  p.wtype = w.is_quantized() ? WType::f32 : weight_type(w.first().dtype());  // quantized: Plan::q1 / q2 instead
   p.welem = dtype_nbytes(w.first().dtype(), 1);
   MOEKIT_CHECK(w.first().device().is_cpu() && w.down_proj.device().is_cpu(), "CPU backends need CPU weights, got ",
                w.first().device().to_string());
@@ -67,6 +67,16 @@ Plan make_plan(const Experts& experts, const ExpertsCall& call) {
   }
   p.act = call.hidden_states.dtype;
   p.kernels = &gemm_kernels();
+  if (w.is_fp4()) {
+    p.fp4 = true;
+    p.fp4_float_acts = w.fp4_float_activations;
+    p.pow2_scales = true;  // w4a8: the activations' FP8 scales rounded up to powers of two, as the weights' are
+    p.q1 = static_cast<const uint8_t*>(w.first().data());
+    p.q2 = static_cast<const uint8_t*>(w.down_proj.data());
+    p.u1 = w.first_scale_inv().ptr<uint8_t>();
+    p.u2 = w.down_proj_scale_inv.ptr<uint8_t>();
+    return p;
+  }
   if (w.is_fp8()) {
     p.q1 = static_cast<const uint8_t*>(w.first().data());
     p.q2 = static_cast<const uint8_t*>(w.down_proj.data());
@@ -166,19 +176,33 @@ Fp8Rows fp8_rows(const Plan& p, const float* src, int64_t lds, int64_t rows, int
   r.q.reset(new double[size_t(std::max<int64_t>(rows * r.ld, 1))]);
   r.s.reset(new float[size_t(std::max<int64_t>(rows * r.lds, 1))]);
   parallel_for(rows, 8, rows * k * 4, [&](int64_t i) {
-    fp8_quantize_rows(src + i * lds, lds, 1, k, p.pow2_scales, r.q.get() + i * r.ld, r.ld, r.s.get() + i * r.lds,
-                      r.lds);
+    if (p.fp4 && p.fp4_float_acts)
+      plain_rows(src + i * lds, lds, 1, k, r.q.get() + i * r.ld, r.ld, r.s.get() + i * r.lds, r.lds);
+    else
+      fp8_quantize_rows(src + i * lds, lds, 1, k, p.pow2_scales, r.q.get() + i * r.ld, r.ld, r.s.get() + i * r.lds,
+                        r.lds);
   });
   return r;
 }
 
-void gemm_fp8(const Plan& p, const Fp8Rows& a, int64_t r0, int64_t m, const Fp8Matrix& w, float* c, int64_t ldc) {
-  if (m <= 0 || w.n <= 0) return;
-  const int64_t tiles = (w.n + kFp8TileN - 1) / kFp8TileN;
-  parallel_tasks(tiles, fp8_work_floats(w.k), m * w.n * w.k, [&](int64_t t, float* work) {
-    const int64_t n0 = t * kFp8TileN, n1 = std::min(w.n, n0 + kFp8TileN);
-    p.kernels->gemm_fp8_tile(a.q.get() + r0 * a.ld, a.ld, a.s.get() + r0 * a.lds, a.lds, m, w, n0, n1, c, ldc,
-                             reinterpret_cast<double*>(work));
+void quant_tile(const Plan& p, bool down, int64_t e, const Fp8Rows& a, int64_t r0, int64_t m, int64_t n0, int64_t n1,
+                float* c, int64_t ldc, float* work) {
+  const double* q = a.q.get() + r0 * a.ld;
+  const float* s = a.s.get() + r0 * a.lds;
+  double* wk = reinterpret_cast<double*>(work);
+  if (p.fp4)
+    p.kernels->gemm_fp4_tile(q, a.ld, s, a.lds, m, down ? p.down_fp4(e) : p.first_fp4(e), n0, n1, c, ldc, wk);
+  else
+    p.kernels->gemm_fp8_tile(q, a.ld, s, a.lds, m, down ? p.down_fp8(e) : p.first_fp8(e), n0, n1, c, ldc, wk);
+}
+
+void quant_gemm(const Plan& p, bool down, int64_t e, const Fp8Rows& a, int64_t r0, int64_t m, float* c, int64_t ldc) {
+  const int64_t n = down ? p.H : p.N1, k = down ? p.I : p.H;
+  if (m <= 0) return;
+  const int64_t tiles = (n + kFp8TileN - 1) / kFp8TileN;
+  parallel_tasks(tiles, fp8_work_floats(k), m * n * k, [&](int64_t t, float* work) {
+    const int64_t n0 = t * kFp8TileN;
+    quant_tile(p, down, e, a, r0, m, n0, std::min(n, n0 + kFp8TileN), c, ldc, work);
   });
 }
 

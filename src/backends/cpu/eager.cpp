@@ -17,12 +17,12 @@ void eager_chunk(const Plan& p, const ExpertsCall& call) {
     float* x = xy.get() + r0 * H;
     float* h = h1.get() + r0 * N1;
     gather_rows(p, call, r.sorted_pairs.data() + r0, m, x);
-    if (p.fp8()) {  // activations quantized per row and 128 inputs, weights decoded in the tile
+    if (p.quantized()) {  // activations quantized per row and 128 inputs, weights decoded in the tile
       const Fp8Rows xa = fp8_rows(p, x, H, m, H);
-      gemm_fp8(p, xa, 0, m, p.first_fp8(e), h, N1);
+      quant_gemm(p, false, e, xa, 0, m, h, N1);
       parallel_for(m, 8, m * N1 * kGateCost, [&](int64_t i) { first_epilogue_row(p, e, h + i * N1); });
       const Fp8Rows ha = fp8_rows(p, h, N1, m, p.I);
-      gemm_fp8(p, ha, 0, m, p.down_fp8(e), x, H);
+      quant_gemm(p, true, e, ha, 0, m, x, H);
       parallel_for(m, 8, m * H, [&](int64_t i) { down_epilogue(p, e, x + i * H, H, 1, 0, H); });
       continue;
     }
