@@ -102,6 +102,7 @@ struct QuantizationConfig {
   std::string activation_scheme;           // "dynamic" | "static"
   std::string scale_fmt;                   // "" (f32 scales) | "ue8m0"
   std::vector<int64_t> weight_block_size;  // [128, 128]
+  std::string expert_dtype;                // the (text) config's "expert_dtype": "fp4" for FP4 routed experts
 };
 
 struct ModelConfig {

@@ -361,6 +361,9 @@ ModelConfig ModelConfig::parse(const std::string& config_json, const std::string
     if (q.contains("weight_block_size") && q["weight_block_size"].is_array())
       for (const auto& v : q["weight_block_size"])
         qc.weight_block_size.push_back(v.is_number_integer() ? v.get<int64_t>() : -1);
+    for (const nlohmann::json* c : {&j, j.contains("text_config") ? &j["text_config"] : &j})
+      if (c->is_object() && c->contains("expert_dtype") && (*c)["expert_dtype"].is_string())
+        qc.expert_dtype = (*c)["expert_dtype"].get<std::string>();
     mc.quantization = qc;
   }
 

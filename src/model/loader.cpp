@@ -88,6 +88,22 @@ class TensorReader {
     }
     return t;
   }
+  // A checkpoint tensor of one of `dtypes` as stored (no conversion: packed weights and scale bytes).
+  Tensor bytes(const std::string& name, const Shape& shape, std::initializer_list<DType> dtypes) {
+    if (!ck_.contains(name)) {
+      missing(name + " " + shape_to_string(shape));
+      return {};
+    }
+    Tensor t = ck_.get(name);
+    bool ok = false;
+    for (DType d : dtypes) ok = ok || t.dtype() == d;
+    if (t.shape() != shape || !ok) {
+      wrong(name + " is " + dtype_name(t.dtype()) + shape_to_string(t.shape()) + ", expected " +
+            dtype_name(*dtypes.begin()) + shape_to_string(shape));
+      return {};
+    }
+    return t;
+  }
   // The block scales `name` (f32 or ue8m0) of an FP8 tensor, checked against `shape`.
   Tensor scale(const std::string& name, const Shape& shape) {
     if (!ck_.contains(name)) {
@@ -224,14 +240,14 @@ void load_attention(TensorReader& r, const std::string& p, const TextConfig& c, 
   if (c.attention_sinks) a.sinks = r.get(p + "sinks", {Hq}, DType::f32);
 }
 
-// Tensors of one dtype (any, byte copies) stacked along their first dimension into a new tensor on `device`;
-// each part released once copied.
+// Tensors stacked along their first dimension into a new tensor of `dtype` on `device`, as bytes (packed FP4 parts
+// stored as I8 / U8 become f4e2m1); each part released once copied.
 Tensor stack_bytes(const std::vector<Tensor>& parts, const Shape& shape, DType dtype, Device device,
                    const std::function<void(size_t)>& release) {
   Tensor out = Tensor::empty(shape, dtype, Device::cpu());
   size_t off = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
-    MOEKIT_ASSERT(parts[i].dtype() == dtype && off + parts[i].nbytes() <= out.nbytes());
+    MOEKIT_ASSERT(off + parts[i].nbytes() <= out.nbytes());
     std::memcpy(static_cast<char*>(out.data()) + off, parts[i].contiguous().data(), parts[i].nbytes());
     off += parts[i].nbytes();
     release(i);
@@ -290,6 +306,66 @@ ExpertsWeights load_fp8_experts(TensorReader& r, const Checkpoint& ck, const std
   return w;
 }
 
+// FP4 experts as published: per-expert I8 `.weight` [N, K/2] (two e2m1 per byte, low nibble first) with F8_E8M0
+// `.weight_scale_inv` [N, K/32] (expert_dtype "fp4"), or gpt-oss's MXFP4 `gate_up_proj_blocks` U8 [E, 2I, H/32, 16]
+// with `gate_up_proj_scales` U8 [E, 2I, H/32] (and down_proj's), both [E, out, in]; the module's f4e2m1 weights hold
+// the same bytes.
+ExpertsWeights load_fp4_experts(TensorReader& r, const Checkpoint& ck, const std::string& p, const ExpertsSpec& spec,
+                                const MoeNaming& n) {
+  const int64_t E = spec.num_experts, H = spec.hidden, I = spec.intermediate, N1 = spec.has_gate ? 2 * I : I;
+  ExpertsWeights w;
+  const Device dev = r.device();
+  if (r.quant().mxfp4) {
+    const std::string gu = spec.has_gate ? "gate_up_proj" : "up_proj";
+    if (H % 32 != 0 || I % 32 != 0) {
+      r.wrong(p + gu + "_blocks: MXFP4 needs hidden and intermediate sizes in multiples of 32, got " + str(H) + " and " +
+              str(I));
+      return w;
+    }
+    Tensor b1 = r.bytes(p + gu + "_blocks", {E, N1, H / 32, 16}, {DType::u8, DType::i8}),
+           s1 = r.bytes(p + gu + "_scales", {E, N1, H / 32}, {DType::u8, DType::ue8m0}),
+           b2 = r.bytes(p + "down_proj_blocks", {E, H, I / 32, 16}, {DType::u8, DType::i8}),
+           s2 = r.bytes(p + "down_proj_scales", {E, H, I / 32}, {DType::u8, DType::ue8m0});
+    if (spec.has_bias) {
+      (spec.has_gate ? w.gate_up_proj_bias : w.up_proj_bias) = r.get(p + gu + "_bias", {E, N1});
+      w.down_proj_bias = r.get(p + "down_proj_bias", {E, H});
+    }
+    if (r.dry() || !b1.defined() || !s1.defined() || !b2.defined() || !s2.defined()) return w;
+    auto keep = [](size_t) {};
+    (spec.has_gate ? w.gate_up_proj : w.up_proj) = stack_bytes({b1}, {E, N1, H}, DType::f4e2m1, dev, keep);
+    (spec.has_gate ? w.gate_up_proj_scale_inv : w.up_proj_scale_inv) =
+        stack_bytes({s1}, {E, N1, H / 32}, DType::ue8m0, dev, keep);
+    w.down_proj = stack_bytes({b2}, {E, H, I}, DType::f4e2m1, dev, keep);
+    w.down_proj_scale_inv = stack_bytes({s2}, {E, H, I / 32}, DType::ue8m0, dev, keep);
+    w.fp4_float_activations = true;  // as transformers runs MXFP4 where its kernels are absent
+    return w;
+  }
+  std::vector<Tensor> gu, d, gus, ds;
+  std::vector<std::string> gu_names, d_names;
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string q = p + std::to_string(e) + ".";
+    const std::string gn = q + n.gate_proj + ".weight", un = q + n.up_proj + ".weight", dn = q + n.down_proj + ".weight";
+    Tensor g = r.bytes(gn, {I, H / 2}, {DType::i8, DType::u8}), u = r.bytes(un, {I, H / 2}, {DType::i8, DType::u8}),
+           dd = r.bytes(dn, {H, I / 2}, {DType::i8, DType::u8});
+    Tensor gs = r.bytes(TensorReader::scale_name(gn), {I, H / 32}, {DType::ue8m0}),
+           us = r.bytes(TensorReader::scale_name(un), {I, H / 32}, {DType::ue8m0}),
+           dsc = r.bytes(TensorReader::scale_name(dn), {H, I / 32}, {DType::ue8m0});
+    if (!g.defined() || !u.defined() || !dd.defined() || !gs.defined() || !us.defined() || !dsc.defined()) return w;
+    gu.insert(gu.end(), {g, u});
+    d.push_back(dd);
+    gus.insert(gus.end(), {gs, us});
+    ds.push_back(dsc);
+    gu_names.insert(gu_names.end(), {gn, un});
+    d_names.push_back(dn);
+  }
+  if (r.dry()) return w;
+  w.gate_up_proj = stack_bytes(gu, {E, 2 * I, H}, DType::f4e2m1, dev, [&](size_t i) { r.release(gu_names[i]); });
+  w.down_proj = stack_bytes(d, {E, H, I}, DType::f4e2m1, dev, [&](size_t i) { r.release(d_names[i]); });
+  w.gate_up_proj_scale_inv = stack_bytes(gus, {E, 2 * I, H / 32}, DType::ue8m0, dev, [](size_t) {});
+  w.down_proj_scale_inv = stack_bytes(ds, {E, H, I / 32}, DType::ue8m0, dev, [](size_t) {});
+  return w;
+}
+
 // Already-fused experts (gpt-oss, qwen3_vl_moe, or checkpoints saved fused) load as they are; the layout
 // follows the shapes as transformers' loading does ([E, 2I, H] as is, [E, H, 2I] transposed).
 // Per-expert tensors are fused into gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I].
@@ -299,6 +375,13 @@ ExpertsWeights load_experts(TensorReader& r, const Checkpoint& ck, const std::st
   const int64_t E = spec.num_experts, H = spec.hidden, I = spec.intermediate;
   ExpertsWeights w;
   const std::string gu_name = p + "gate_up_proj";
+  if (r.quant().mxfp4 || r.quant().fp4_experts) {  // stored [E, out, in]
+    stored_transposed = false;
+    spec.is_transposed = false;
+    w = load_fp4_experts(r, ck, p, spec, n);
+    if (r.quant().dequantize && w.is_quantized()) w = dequantize_experts(spec, w, r.dtype());
+    return w;
+  }
   if (r.quant().fp8 && spec.has_gate && !spec.is_transposed &&
       (r.is_fp8(gu_name) || r.is_fp8(p + "0." + n.gate_proj + ".weight"))) {
     stored_transposed = false;
@@ -576,13 +659,20 @@ Weights read_weights(TensorReader& r, const Checkpoint& ck, TextConfig& c, const
 
 }  // namespace
 
-bool check_quantization(const ModelConfig& mc, const std::string& dir) {
-  if (!mc.has_quantization_config) return false;
+LoadQuant check_quantization(const ModelConfig& mc, const std::string& dir) {
+  LoadQuant r;
+  if (!mc.has_quantization_config) return r;
   MOEKIT_CHECK_CODE(mc.quantization.has_value(), not_supported, dir,
                     ": config.json's quantization_config is not an object");
   const QuantizationConfig& q = *mc.quantization;
+  if (q.quant_method == "mxfp4") {
+    r.mxfp4 = true;
+    return r;
+  }
   MOEKIT_CHECK_CODE(q.quant_method == "fp8", not_supported, dir, ": quantization_config.quant_method '",
-                    printable(q.quant_method), "' is not loaded by this build (it loads \"fp8\" checkpoints)");
+                    printable(q.quant_method), "' is not loaded by this build (it loads \"fp8\" and \"mxfp4\")");
+  MOEKIT_CHECK_CODE(q.expert_dtype.empty() || q.expert_dtype == "fp8" || q.expert_dtype == "fp4", not_supported, dir,
+                    ": expert_dtype '", printable(q.expert_dtype), "' is not \"fp8\" or \"fp4\"");
   MOEKIT_CHECK_CODE(q.fmt.empty() || q.fmt == "e4m3", not_supported, dir, ": quantization_config.fmt '",
                     printable(q.fmt), "' is not loaded; FP8 checkpoints are \"e4m3\"");
   MOEKIT_CHECK_CODE(q.activation_scheme.empty() || q.activation_scheme == "dynamic", not_supported, dir,
@@ -593,7 +683,9 @@ bool check_quantization(const ModelConfig& mc, const std::string& dir) {
                     ": quantization_config.weight_block_size must be [128, 128] (block-scaled FP8)");
   MOEKIT_CHECK_CODE(q.scale_fmt.empty() || q.scale_fmt == "float" || q.scale_fmt == "ue8m0", not_supported, dir,
                     ": quantization_config.scale_fmt '", printable(q.scale_fmt), "' is not \"ue8m0\" or float");
-  return true;
+  r.fp8 = true;
+  r.fp4_experts = q.expert_dtype == "fp4";
+  return r;
 }
 
 }  // namespace moekit::model

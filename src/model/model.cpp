@@ -147,7 +147,8 @@ Model Model::from_pretrained(const std::string& dir, const ModelOptions& options
   im->config = ModelConfig::load(dir);
   im->options = options;
   const ModelConfig& mc = im->config;
-  const model::LoadQuant quant{model::check_quantization(mc, dir), options.dequantize};
+  model::LoadQuant quant = model::check_quantization(mc, dir);
+  quant.dequantize = options.dequantize;
   im->dtype = resolve_dtype(mc, options.dtype);
   const Device dev = options.device;
   im->scratch = model::Scratch(dev);

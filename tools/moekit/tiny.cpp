@@ -1,4 +1,4 @@
-// moekit tiny --arch ARCH --out DIR [--seed N] [--dtype f32|bf16|f16] [--shards N] [--quantize fp8]: a small random
+// moekit tiny --arch ARCH --out DIR [--seed N] [--dtype f32|bf16|f16] [--shards N] [--quantize fp8|fp4|mxfp4]: a small random
 // checkpoint in transformers' format.
 
 #include <fmt/core.h>
@@ -27,8 +27,10 @@ void add_tiny_command(CLI::App& app) {
   cmd->add_option("--dtype", o->dtype, "weight dtype")->check(CLI::IsMember({"f32", "bf16", "f16"}));
   cmd->add_option("--shards", o->shards, "number of safetensors shards (> 1 writes model.safetensors.index.json)")
       ->check(CLI::Range(1, 99));
-  cmd->add_option("--quantize", o->quantize, "store the linear layers as a published FP8 checkpoint does")
-      ->check(CLI::IsMember({"fp8"}));
+  cmd->add_option("--quantize", o->quantize,
+                  "write a quantized checkpoint in the published layout: fp8 (block-scaled), fp4 (FP4 experts with "
+                  "UE8M0 scales), mxfp4 (gpt-oss)")
+      ->check(CLI::IsMember({"fp8", "fp4", "mxfp4"}));
   cmd->add_flag("--list", o->list, "list the architectures and exit");
   cmd->callback([o] {
     if (o->list) {
