@@ -214,4 +214,30 @@ TEST(QuantCheckpoint, CliTinyInspectAndRunDequantize) {
   }
 }
 
+TEST(QuantBench, FloorCountsTheQuantizedBytesAndOutputsAreChecked) {
+  auto records = [](const std::string& quant) {
+    const test::CliResult r = test::run_cli(
+        "bench --dims 256,128,4,2 --tokens 1,8 --backends grouped_mm,batched_mm --json - --iters 2 --min-iters 1 "
+        "--min-time 0 --warmup 1 --peak-tflops 1 --bandwidth-gbps 10 --quiet" + quant,
+        false);
+    EXPECT_EQ(r.code, 0) << r.out;
+    return nlohmann::json::parse(r.out)["records"];
+  };
+  const nlohmann::json bf16 = records(""), fp8 = records(" --quant fp8"), mx = records(" --quant mxfp4");
+  ASSERT_EQ(fp8.size(), 4u);
+  ASSERT_EQ(mx.size(), 4u);
+  for (size_t i = 0; i < fp8.size(); ++i) {
+    EXPECT_EQ(fp8[i]["dtype"], "bf16+fp8");
+    EXPECT_LT(fp8[i]["rel_err"].get<double>(), 1e-2);
+    EXPECT_LT(mx[i]["rel_err"].get<double>(), 1e-2);
+    // Per expert hit: 3 * 256 * 128 weights, 2 bytes each in bf16, 1 in fp8 plus 6 f32 block scales, 0.5 + 1/32 in
+    // mxfp4 (same routing: same seed).
+    const double touched = fp8[i]["experts_touched"].get<double>(), n = 3 * 256 * 128;
+    EXPECT_EQ(touched, bf16[i]["experts_touched"].get<double>());
+    EXPECT_NEAR(bf16[i]["bytes"].get<double>() - fp8[i]["bytes"].get<double>(), touched * (n - 24), 1e-6) << i;
+    EXPECT_NEAR(fp8[i]["bytes"].get<double>() - mx[i]["bytes"].get<double>(), touched * (n + 24 - n * (0.5 + 1.0 / 32)),
+                1e-6) << i;
+  }
+}
+
 }  // namespace

@@ -1,29 +1,29 @@
 // Internal: the FP8 block-scaled GEMM tile (gemm.h GemmKernels::gemm_fp8_tile), written once over GCC vector
 // types and compiled once per ISA. Included by gemm_scalar.cpp, gemm_avx2.cpp and gemm_avx512.cpp INSIDE their own
-// namespace, after they define kF8L (f64 lanes: a power of two), kF8MR (activation rows per register tile) and
-// kF8NR (weight rows per register tile, at most kFp8MaxNR). Like gemm_kernels.h, nothing here may include a header
-// or use a library template.
+// namespace, after they define kF8L (f64 lanes: a power of two), kF8MR (activation rows per register tile), kF8NR
+// (weight rows per register tile, at most kFp8MaxNR),
+//   typedef double F8D __attribute__((vector_size(kF8L * 8)));   // kF8L doubles
+//   void f8_decode16(const uint8_t* src, F8D* out);  // out[0 .. 16 / kF8L): the 16 e4m3 src[i] times 2^-8 (exact)
+//   int64_t f8_decode_run(const uint8_t* src, int64_t n, double* dst);
+// the last writing dst[i] = e4m3 value of src[i] times 2^-8 for a prefix of [0, n) and returning its length (the
+// rest is decoded here). Like gemm_kernels.h, nothing here may include a header or use a library template.
 //
-// Exactness: an e4m3 value times 2^9 is an integer of at most 18 bits ((8 + m) << (e - 1), or m for subnormals),
-// so a product of two is exact in f64 and a sum of 128 such products (below 2^43) is too, in any order. Each
+// Exactness: an e4m3 value times 2^9 is an integer of at most 18 bits ((8 + m) << (e - 1), or m for subnormals);
+// the activations are held so (integers), the weights as e4m3 times 2^-8 (what an f16 reinterpretation of the bits
+// gives: multiples of 2^-17 below 2). A product is a multiple of 2^-17 below 2^19, exact in f64, and a sum of 128
+// of them (below 2^26, 43 bits) is too, in any order. Each
 // 128-input block's dot product is therefore exact whatever the vector width, and the block's scales (f32 x f32 x
 // 2^-18, exact in f64) are applied once per block in a fixed order: the result does not depend on the ISA.
 //
 // Weights: for each tile of kF8NR rows, the rows are decoded once into a panel of f64 integers (work), zero past k,
 // then every kF8MR activation rows run over it block by block.
 
-typedef double F8D __attribute__((vector_size(kF8L * 8)));
-typedef int32_t F8I __attribute__((vector_size(kF8L * 4)));
-typedef uint8_t F8B __attribute__((vector_size(kF8L)));
 
-// kF8L e4m3 bytes -> their values times 2^9, as f64 integers (no NaN bytes).
-inline F8D f8_decode(F8B b) {
-  const F8I v = __builtin_convertvector(b, F8I);
-  const F8I e = (v >> 3) & 15, m = v & 7;
-  const F8I nz = e != 0;  // -1 where normal
-  const F8I mag = (m | (nz & 8)) << (e + nz);
-  const F8I sm = -(v >> 7);
-  return __builtin_convertvector((mag ^ sm) - sm, F8D);
+// One e4m3 byte (no NaN) -> its value times 2^-8: ((8 + m) << (e - 1), or m) * 2^-17.
+inline double f8_value(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const int mag = e == 0 ? m : (8 + m) << (e - 1);
+  return double((b & 0x80) ? -mag : mag) * 0x1p-17;
 }
 
 inline F8D f8_load(const double* p) {
@@ -43,24 +43,13 @@ inline void f8_decode_panel(const Fp8Matrix& w, int64_t j0, int64_t n1, int64_t 
   const int64_t K = w.k;
   for (int j = 0; j < kF8NR; ++j) {
     double* dst = panel + j * kp;
-    if (j0 + j >= n1) {
-      for (int64_t k = 0; k < kp; ++k) dst[k] = 0.0;
-      continue;
-    }
-    const uint8_t* row = w.data + (j0 + j) * K;
     int64_t k = 0;
-    for (; k + kF8L <= K; k += kF8L) {
-      F8B b;
-      __builtin_memcpy(&b, row + k, sizeof b);
-      const F8D d = f8_decode(b);
-      __builtin_memcpy(dst + k, &d, sizeof d);
+    if (j0 + j < n1) {
+      const uint8_t* row = w.data + (j0 + j) * K;
+      k = f8_decode_run(row, K, dst);
+      for (; k < K; ++k) dst[k] = f8_value(row[k]);
     }
-    for (; k < kp; k += kF8L) {  // the tail of the row (read byte by byte), then zeros
-      F8B b;
-      for (int l = 0; l < kF8L; ++l) b[l] = k + l < K ? row[k + l] : 0;
-      const F8D d = f8_decode(b);
-      __builtin_memcpy(dst + k, &d, sizeof d);
-    }
+    for (; k < kp; ++k) dst[k] = 0.0;
   }
 }
 
@@ -98,22 +87,83 @@ inline void f8_rows(const double* a, int64_t lda, const float* sa, int64_t ldsa,
     for (int64_t j = 0; j < cols; ++j) c[i * ldc + j] = float(tot[i][j]);
 }
 
+// Few rows (decode): c[R, 0:cols) for weight rows j0 .. j0 + cols decoded 16 inputs at a time into registers,
+// without a panel.
+template <int R>
+inline void f8_rows_direct(const double* a, int64_t lda, const float* sa, int64_t ldsa, const Fp8Matrix& w, int64_t j0,
+                           int64_t cols, const double* wsc, int64_t kblocks, float* c, int64_t ldc) {
+  constexpr int D = 16, V = D / kF8L;
+  const int64_t K = w.k;
+  double tot[R][kF8NR];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < kF8NR; ++j) tot[i][j] = 0.0;
+  const uint8_t* rows[kF8NR];
+  for (int j = 0; j < kF8NR; ++j) rows[j] = w.data + (j0 + (j < cols ? j : 0)) * K;  // rows past cols: discarded
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    F8D acc[R][kF8NR];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < kF8NR; ++j) acc[i][j] = F8D{};
+    const int64_t k0 = kb * kFp8K, k1 = k0 + kFp8K < K ? k0 + kFp8K : K;
+    for (int64_t kk = k0; kk < k1; kk += D) {
+      F8D av[R][V];
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i)
+#pragma GCC unroll 16
+        for (int v = 0; v < V; ++v) av[i][v] = f8_load(a + i * lda + kk + v * kF8L);
+#pragma GCC unroll 16
+      for (int j = 0; j < kF8NR; ++j) {
+        F8D wv[V];
+        if (kk + D <= K) {
+          if ((kk & 63) == 0) __builtin_prefetch(rows[j] + kk + 512, 0, 3);
+          f8_decode16(rows[j] + kk, wv);
+        } else {  // the row's last bytes, zero-padded (never read past the row)
+          uint8_t tail[D] = {};
+          for (int64_t d = 0; d < K - kk; ++d) tail[d] = rows[j][kk + d];
+          f8_decode16(tail, wv);
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i)
+#pragma GCC unroll 16
+          for (int v = 0; v < V; ++v) acc[i][j] += av[i][v] * wv[v];
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const double s = double(sa[i * ldsa + kb]);
+      for (int j = 0; j < kF8NR; ++j) tot[i][j] += f8_hsum(acc[i][j]) * (s * wsc[j * kblocks + kb]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int64_t j = 0; j < cols; ++j) c[i * ldc + j] = float(tot[i][j]);
+}
+
 void gemm_fp8_tile(const double* a, int64_t lda, const float* sa, int64_t ldsa, int64_t m, const Fp8Matrix& w,
                    int64_t n0, int64_t n1, float* c, int64_t ldc, double* work) {
   if (m <= 0 || n1 <= n0) return;
   const int64_t kp = fp8_row_k(w.k), kblocks = kp / kFp8K;
   const int64_t seg_blocks = (w.seg + kFp8K - 1) / kFp8K;
   double* panel = work;                    // [kF8NR, kp]
-  double* wsc = work + kFp8MaxNR * kp;     // [kF8NR, kblocks]: weight block scales times 2^-18
+  double* wsc = work + kFp8MaxNR * kp;     // [kF8NR, kblocks]: weight block scales times 2^-1
   for (int64_t j0 = n0; j0 < n1; j0 += kF8NR) {
     const int64_t cols = n1 - j0 < kF8NR ? n1 - j0 : kF8NR;
-    f8_decode_panel(w, j0, n1, kp, panel);
     for (int j = 0; j < kF8NR; ++j) {
       const int64_t row = j0 + j < n1 ? j0 + j : j0;
       const int64_t srow = (row / w.seg) * seg_blocks + (row % w.seg) / kFp8K;
       for (int64_t kb = 0; kb < kblocks; ++kb)
-        wsc[j * kblocks + kb] = double(w.scales[srow * kblocks + kb]) * 0x1p-18;
+        wsc[j * kblocks + kb] = double(w.scales[srow * kblocks + kb]) * 0.5;  // 2^-9 (activations) x 2^8 (panel)
     }
+    if (m <= kF8MR) {  // decode: no panel
+      float* cj = c + j0;
+      switch (m) {
+        case 1: f8_rows_direct<1>(a, lda, sa, ldsa, w, j0, cols, wsc, kblocks, cj, ldc); break;
+        case 2: f8_rows_direct<2 <= kF8MR ? 2 : 1>(a, lda, sa, ldsa, w, j0, cols, wsc, kblocks, cj, ldc); break;
+        case 3: f8_rows_direct<3 <= kF8MR ? 3 : 1>(a, lda, sa, ldsa, w, j0, cols, wsc, kblocks, cj, ldc); break;
+        default: f8_rows_direct<kF8MR>(a, lda, sa, ldsa, w, j0, cols, wsc, kblocks, cj, ldc); break;
+      }
+      continue;
+    }
+    f8_decode_panel(w, j0, n1, kp, panel);
     int64_t i = 0;
     for (; i + kF8MR <= m; i += kF8MR)
       f8_rows<kF8MR>(a + i * lda, lda, sa + i * ldsa, ldsa, panel, kp, wsc, kblocks, c + i * ldc + j0, ldc, cols);
