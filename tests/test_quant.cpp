@@ -421,5 +421,19 @@ TEST(QuantExperts, BadFp8WeightsAreClearErrors) {
   EXPECT_FALSE(sup.ok);
 }
 
+// On a GPU the CUDA backends refuse quantized experts with the reason (no kernel yet), and say what to use.
+TEST(QuantExperts, CudaBackendsRefuseQuantizedExpertsWithAReason) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  const test::ExpertsProblem p = make_fp8_problem({.T = 3, .E = 3, .K = 1, .H = 64, .I = 32}, 8, DType::f32);
+  const Experts g = p.experts.to(Device::cuda(0));
+  for (const auto& b : ExpertsInterface::global().backends()) {
+    const Support s = b->supports(g, DType::bf16);
+    EXPECT_FALSE(s.ok) << b->name();
+  }
+  const Support s = ExpertsInterface::global().get("grouped_mm")->supports(g, DType::bf16);
+  EXPECT_NE(s.reason.find("quantized"), std::string::npos) << s.reason;
+  EXPECT_NE(s.reason.find("dequantize"), std::string::npos) << s.reason;
+}
+
 }  // namespace
 }  // namespace moekit
