@@ -75,6 +75,10 @@ class TensorReader {
         wrong(name + " is f8e4m3 but config.json has no FP8 quantization_config");
         return {};
       }
+      if (shape.size() < 2) {
+        wrong(name + " is f8e4m3 but not a matrix (block-scaled FP8 holds linear layers' weights)");
+        return {};
+      }
       const std::string sn = scale_name(name);
       Shape expect = shape;
       expect[expect.size() - 2] = fp8_blocks(shape[shape.size() - 2]);
