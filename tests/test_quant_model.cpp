@@ -110,6 +110,17 @@ TEST(QuantCheckpoint, TinyFp8LoadsForEveryPerExpertArchitecture) {
   }
 }
 
+TEST(QuantCheckpoint, ShardedFp8LoadsAsTheSingleFile) {
+  test::TempDir one("moekit_fp8_one"), two("moekit_fp8_two");
+  write_tiny_checkpoint("deepseek_v3", one.str(), TinyOptions{.seed = 2, .quantize = "fp8"});
+  write_tiny_checkpoint("deepseek_v3", two.str(), TinyOptions{.seed = 2, .shards = 3, .quantize = "fp8"});
+  ASSERT_TRUE(fs::exists(two.file("model.safetensors.index.json")));
+  const std::vector<int64_t> ids{7, 3, 9, 1};
+  const Tensor a = Model::from_pretrained(one.str()).logits(ids), b = Model::from_pretrained(two.str()).logits(ids);
+  ASSERT_EQ(a.numel(), b.numel());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0);
+}
+
 TEST(QuantCheckpoint, TinyFp4AndMxfp4Load) {
   struct Case {
     const char* arch;
