@@ -197,19 +197,24 @@ TEST(ExpertsApi, UnsupportedWeightsAreRefusedWithAReason) {
   s.hidden = 8;
   s.intermediate = 4;
   ExpertsWeights w;
-  w.gate_up_proj = Tensor::zeros({2, 8, 8}, DType::f8e4m3);
-  w.down_proj = Tensor::zeros({2, 8, 4}, DType::f8e4m3);
+  w.gate_up_proj = Tensor::zeros({2, 8, 8}, DType::f64);
+  w.down_proj = Tensor::zeros({2, 8, 4}, DType::f64);
   const Experts e(s, w, "eager");
   for (const std::string& b : cpu_backends()) {
     const Support sup = ExpertsInterface::global().get(b)->supports(e, DType::bf16);
     EXPECT_FALSE(sup.ok) << b;
-    EXPECT_NE(sup.reason.find("f8e4m3"), std::string::npos) << sup.reason;
+    EXPECT_NE(sup.reason.find("f64"), std::string::npos) << sup.reason;
   }
   std::mt19937_64 rng(1);
   const Tensor x = randn({3, 8}, DType::bf16, rng), idx = Tensor::zeros({3, 1}, DType::i64);
   Tensor w1 = Tensor::empty({3, 1}, DType::f32);
   w1.fill_(1);
-  expect_error([&] { e.forward(x, idx, w1); }, {"eager", "f8e4m3"}, ErrorCode::not_supported);
+  expect_error([&] { e.forward(x, idx, w1); }, {"eager", "f64"}, ErrorCode::not_supported);
+  // FP8 weights without their block scales are refused when the module is made.
+  ExpertsWeights f8;
+  f8.gate_up_proj = Tensor::zeros({2, 8, 8}, DType::f8e4m3);
+  f8.down_proj = Tensor::zeros({2, 8, 4}, DType::f8e4m3);
+  expect_error([&] { Experts(s, f8, "eager"); }, {"gate_up_proj_scale_inv", "[2, 2, 1]"});
 }
 
 TEST(ExpertsApi, CustomGateErrorsReachTheCaller) {

@@ -95,6 +95,16 @@ struct TextConfig {
   double attention_scale() const;
 };
 
+// config.json's quantization_config, as written (SPEC section 5); Model::from_pretrained says which it loads.
+struct QuantizationConfig {
+  std::string quant_method;                // "fp8", "mxfp4", ...
+  std::string fmt;                         // "e4m3"
+  std::string activation_scheme;           // "dynamic" | "static"
+  std::string scale_fmt;                   // "" (f32 scales) | "ue8m0"
+  std::vector<int64_t> weight_block_size;  // [128, 128]
+  std::string expert_dtype;                // the (text) config's "expert_dtype": "fp4" for FP4 routed experts
+};
+
 struct ModelConfig {
   std::string dir;                       // checkpoint folder
   std::string model_type;                // top-level model_type
@@ -105,6 +115,7 @@ struct ModelConfig {
   std::vector<int64_t> eos_token_ids;  // generation_config.json, else config.json
   std::optional<int64_t> bos_token_id;
   bool has_quantization_config = false;
+  std::optional<QuantizationConfig> quantization;  // set when has_quantization_config
 
   // Reads DIR/config.json (and DIR/generation_config.json when present). Throws Error naming the file
   // and the field that is missing or wrong, or the model_type that is not supported.

@@ -56,9 +56,26 @@ struct ExpertsWeights {
   Tensor gate_up_proj_bias;  // [E, 2I]  (has_gate && has_bias)
   Tensor up_proj_bias;       // [E, I]   (!has_gate && has_bias)
   Tensor down_proj_bias;     // [E, H]   (has_bias)
+  // FP8 experts (SPEC section 5; moekit/quant.h): the three weights above in f8e4m3, [E, out, in] (not
+  // transposed), each with its 128 x 128 block scales, f32 or ue8m0, beside it. The fused gate_up_proj's gate
+  // and up halves have their own blocks (as the per-expert gate_proj and up_proj they are made from):
+  Tensor gate_up_proj_scale_inv;  // [E, 2 * ceil(I / 128), ceil(H / 128)]
+  Tensor up_proj_scale_inv;       // [E, ceil(I / 128), ceil(H / 128)]
+  Tensor down_proj_scale_inv;     // [E, ceil(H / 128), ceil(I / 128)]
+  // FP4 experts (MXFP4, FP4 with UE8M0 scales): the weights in f4e2m1, [E, out, in] packed two per byte (low
+  // nibble first; in a multiple of 32), each *_scale_inv in ue8m0 [E, out, in / 32] (one power of two per row and
+  // 32 inputs). Activations are quantized to FP8 per token and 128 inputs (w4a8, FP4 checkpoints with UE8M0 scales)
+  // unless fp4_float_activations (MXFP4 as transformers runs it where its kernels are absent: the weights
+  // dequantized, the activations as they are).
+  bool fp4_float_activations = false;
 
   const Tensor& first() const { return gate_up_proj.defined() ? gate_up_proj : up_proj; }
   const Tensor& first_bias() const { return gate_up_proj.defined() ? gate_up_proj_bias : up_proj_bias; }
+  const Tensor& first_scale_inv() const { return gate_up_proj.defined() ? gate_up_proj_scale_inv : up_proj_scale_inv; }
+  // Whether the weights are FP8 (block-scaled e4m3), FP4 (e2m1 with ue8m0 scales per 32), either.
+  bool is_fp8() const { return first().defined() && first().dtype() == DType::f8e4m3; }
+  bool is_fp4() const { return first().defined() && first().dtype() == DType::f4e2m1; }
+  bool is_quantized() const { return is_fp8() || is_fp4(); }
 };
 
 // One forward call: every view already validated by Experts::forward_into.
@@ -86,7 +103,8 @@ class Experts {
   const ExpertsSpec& spec() const { return spec_; }
   const ExpertsWeights& weights() const { return weights_; }
   Device device() const;
-  DType weight_dtype() const;
+  DType weight_dtype() const;  // f8e4m3 for FP8 experts, f4e2m1 for FP4
+  bool is_quantized() const { return weights_.is_quantized(); }
 
   const std::string& implementation() const { return implementation_; }
   // Switches backend at run time (no weight reload). Unknown names throw with the valid list;
@@ -133,7 +151,7 @@ class Experts {
 };
 
 // Builds ExpertsWeights from the tensors of a transformers Experts module, by parameter name
-// (gate_up_proj, down_proj, up_proj, *_bias), checking shapes against the spec.
+// (gate_up_proj, down_proj, up_proj, *_bias, *_scale_inv), checking shapes against the spec.
 ExpertsWeights make_experts_weights(const ExpertsSpec& spec, const std::map<std::string, Tensor>& params);
 
 // The relative L2 error against the f64 reference that every backend meets, by activation dtype (SPEC
@@ -145,5 +163,9 @@ double experts_tolerance(DType act_dtype);
 // ([E, in, out], gpt-oss) into the [E, out, in] one, or back. Used by the model loader and by the CUDA
 // backends' prepare. Weights on a GPU are staged through host memory.
 Tensor transpose_expert_weight(const Tensor& w);
+
+// FP8 / FP4 experts' weights dequantized to `dtype` (f32, bf16 or f16; moekit/quant.h), scales dropped; other
+// weights are returned as they are.
+ExpertsWeights dequantize_experts(const ExpertsSpec& spec, const ExpertsWeights& w, DType dtype);
 
 }  // namespace moekit

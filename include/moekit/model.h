@@ -73,6 +73,10 @@ struct ModelOptions {
   // through ParallelExperts in `ep_mode`; every rank runs the same calls (same prompt, same options).
   ExpertGroupPtr expert_group;
   EpMode ep_mode = EpMode::all_reduce;
+  // FP8 checkpoints (quantization_config fp8, SPEC section 5): the routed experts stay FP8 (run by the CPU
+  // backends) and every other quantized linear layer is dequantized at load; with dequantize, the experts are
+  // dequantized to the model dtype too.
+  bool dequantize = false;
 
   std::string to_string() const;
 };

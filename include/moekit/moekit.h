@@ -5,6 +5,7 @@
 #include "moekit/experts.h"
 #include "moekit/interface.h"
 #include "moekit/parallel.h"
+#include "moekit/quant.h"
 #include "moekit/tensor.h"
 #include "moekit/tokenizer.h"
 #if __has_include("moekit/model.h")

@@ -18,6 +18,7 @@
 #include "base/parallel.h"
 #include "moekit/dtype.h"
 #include "moekit/error.h"
+#include "moekit/quant.h"
 
 namespace moekit::cpu {
 namespace {
@@ -222,6 +223,32 @@ void gemm(const GemmKernels& kern, const float* a, int64_t lda, int64_t m, const
     const int64_t n0 = t * kern.max_tile_n, n1 = std::min(w.n, n0 + kern.max_tile_n);
     kern.gemm_tile(a, lda, m, w, n0, n1, c, ldc, work);
   });
+}
+
+int64_t fp8_row_k(int64_t k) { return (k + kFp8K - 1) / kFp8K * kFp8K; }
+
+int64_t fp8_work_doubles(int64_t k) { return kFp8MaxNR * (fp8_row_k(k) + fp8_row_k(k) / kFp8K); }
+
+void fp8_quantize_rows(const float* src, int64_t lds, int64_t m, int64_t k, bool pow2_scales, double* dst,
+                       int64_t ldd, float* sa, int64_t ldsa) {
+  const int64_t kp = fp8_row_k(k);
+  std::vector<float> q(size_t(std::max<int64_t>(k, 1)));
+  for (int64_t i = 0; i < m; ++i) {
+    quantize_activations_fp8(src + i * lds, k, pow2_scales, q.data(), sa + i * ldsa);
+    double* d = dst + i * ldd;
+    for (int64_t j = 0; j < k; ++j) d[j] = double(q[size_t(j)]) * 512.0;  // e4m3 value times 2^9: an integer
+    for (int64_t j = k; j < kp; ++j) d[j] = 0.0;
+  }
+}
+
+void plain_rows(const float* src, int64_t lds, int64_t m, int64_t k, double* dst, int64_t ldd, float* sa,
+                int64_t ldsa) {
+  const int64_t kp = fp8_row_k(k);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < k; ++j) dst[i * ldd + j] = double(src[i * lds + j]);
+    for (int64_t j = k; j < kp; ++j) dst[i * ldd + j] = 0.0;
+    for (int64_t g = 0; g < kp / kFp8K; ++g) sa[i * ldsa + g] = 1.0f;
+  }
 }
 
 int64_t packed_bf16_k(int64_t k) { return (k + kPackK - 1) / kPackK * kPackK; }

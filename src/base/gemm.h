@@ -47,6 +47,40 @@ void pack_bf16(const WeightMatrix& w, uint16_t* dst);
 // dst[i, 0:kp) = bf16(src[i, 0:k)) rounded to nearest even, zero past k, for i < m (row strides lds, kp).
 void rows_to_bf16(const float* src, int64_t lds, int64_t m, int64_t k, uint16_t* dst, int64_t kp);
 
+// FP8 block-scaled weights (SPEC section 5): logical W [n, k] in e4m3 stored [n, k], with f32 block scales
+// scales[row(j) * kblocks + k / 128], row(j) = (j / seg) * ceil(seg / 128) + (j % seg) / 128 (seg: rows per segment,
+// n for one matrix, I for the halves of a fused gate_up). No e4m3 NaN byte (0x7f, 0xff) may occur.
+constexpr int64_t kFp8K = 128;  // k block of the scales, and of the activation groups
+constexpr int64_t kFp8MaxNR = 4;  // weight rows per register tile, at most (every ISA)
+struct Fp8Matrix {
+  const uint8_t* data;
+  const float* scales;
+  int64_t n, k, seg;
+};
+// FP4 weights (MXFP4, FP4 with UE8M0 scales): logical W [n, k] in e2m1 packed two per byte (element k of row j in
+// byte (j * k + k) / 2, low nibble first), k a multiple of 32, with one ue8m0 scale per row and 32 inputs
+// scales[j * k / 32 + k / 32]. act_unit: what one unit of the activation rows is worth (2^-9 for FP8-quantized rows,
+// whose values are e4m3 times 2^9; 1 for rows of plain values).
+struct Fp4Matrix {
+  const uint8_t* data;
+  const uint8_t* scales;
+  int64_t n, k;
+  double act_unit;
+};
+// Activation rows for the FP8 tile: each row quantized per 128 inputs (moekit/quant.h quantize_activations_fp8),
+// stored as the e4m3 values times 2^9 (integers, exact in f64) zero-padded to fp8_row_k(k), with the f32 group
+// scales beside them.
+int64_t fp8_row_k(int64_t k);  // k rounded up to kFp8K
+// Scratch (doubles) of one gemm_fp8_tile call on weights with k inputs.
+int64_t fp8_work_doubles(int64_t k);
+constexpr int64_t kFp8TileN = 128;  // the column tile the backends split FP8 products on
+// dst[i, 0:fp8_row_k(k)) and sa[i, 0:ceil(k/128)) for i < m (row strides ldd, ldsa): the rows of src quantized.
+void fp8_quantize_rows(const float* src, int64_t lds, int64_t m, int64_t k, bool pow2_scales, double* dst,
+                       int64_t ldd, float* sa, int64_t ldsa);
+// The same rows unquantized (for FP4 weights with float activations): dst = f64(src) zero-padded, sa = 1.
+void plain_rows(const float* src, int64_t lds, int64_t m, int64_t k, double* dst, int64_t ldd, float* sa,
+                int64_t ldsa);
+
 struct GemmKernels {
   Isa isa;
   int64_t max_tile_n;    // widest column range [n0, n1) one gemm_tile call accepts
@@ -61,6 +95,16 @@ struct GemmKernels {
   // accumulates in f32. Single-threaded; an element's result depends only on m, K and the ISA.
   void (*gemm_bf16_tile)(const uint16_t* a, int64_t lda, int64_t m, const PackedBf16& w, int64_t n0, int64_t n1,
                          float* c, int64_t ldc);
+  // C[m, n0:n1) (row stride ldc) = f32(sum over k blocks b of sa[i, b] * scale(j, b) * dot_b(A[i], W[j])) with A
+  // quantized rows (fp8_quantize_rows: row stride lda, scales sa with row stride ldsa) and W FP8. Each block's dot
+  // product is exact (products of e4m3 values summed in f64), so an element's result does not depend on the ISA,
+  // the tile or the threads. `work`: fp8_work_doubles(w.k) doubles. Single-threaded.
+  void (*gemm_fp8_tile)(const double* a, int64_t lda, const float* sa, int64_t ldsa, int64_t m, const Fp8Matrix& w,
+                        int64_t n0, int64_t n1, float* c, int64_t ldc, double* work);
+  // The same with FP4 weights: each row's e2m1 values times their scales decoded once into f64 (exact), then
+  // C[i, j] = f32(sum over 128-input groups g of sa[i, g] * act_unit * dot_g(A[i], W[j])) (f64 sums).
+  void (*gemm_fp4_tile)(const double* a, int64_t lda, const float* sa, int64_t ldsa, int64_t m, const Fp4Matrix& w,
+                        int64_t n0, int64_t n1, float* c, int64_t ldc, double* work);
 };
 
 extern const GemmKernels kGemmScalar;  // gemm_scalar.cpp: portable, auto-vectorised

@@ -45,9 +45,41 @@ constexpr int64_t kKC = 256, kMC = 240, kTileN = 128;
 
 #include "base/gemm_kernels.h"
 
+// e4m3 -> f16 bits (sign to bit 15, exponent and mantissa shifted by 7: the value times 2^-8, subnormals included)
+// -> f32 -> f64, 16 at a time.
+inline int64_t f8_decode_run(const uint8_t* src, int64_t n, double* dst) {
+  int64_t i = 0;
+  const __m256i mag = _mm256_set1_epi16(0x3f80), sign = _mm256_set1_epi16(int16_t(0x8000));
+  for (; i + 16 <= n; i += 16) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    const __m256i h =
+        _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(b, 7), mag), _mm256_and_si256(_mm256_slli_epi16(b, 8), sign));
+    const __m512 f = _mm512_cvtph_ps(h);
+    _mm512_storeu_pd(dst + i, _mm512_cvtps_pd(_mm512_castps512_ps256(f)));
+    _mm512_storeu_pd(dst + i + 8, _mm512_cvtps_pd(_mm512_extractf32x8_ps(f, 1)));
+  }
+  return i;
+}
+
+typedef double F8D __attribute__((vector_size(64)));
+inline void f8_decode16(const uint8_t* src, F8D* out) {
+  const __m256i mag = _mm256_set1_epi16(0x3f80), sign = _mm256_set1_epi16(int16_t(0x8000));
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  const __m256i h =
+      _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(b, 7), mag), _mm256_and_si256(_mm256_slli_epi16(b, 8), sign));
+  const __m512 f = _mm512_cvtph_ps(h);
+  out[0] = F8D(_mm512_cvtps_pd(_mm512_castps512_ps256(f)));
+  out[1] = F8D(_mm512_cvtps_pd(_mm512_extractf32x8_ps(f, 1)));
+}
+
+// FP8 tile: 8 f64 lanes, 4 x 4 register tiles.
+constexpr int kF8L = 8, kF8MR = 4, kF8NR = 4;
+#include "base/gemm_fp8_kernels.h"
+
 }  // namespace avx512_kernels
 
 const GemmKernels kGemmAvx512 = {Isa::avx512, avx512_kernels::kTileN, avx512_kernels::kWorkFloats,
-                                 avx512_kernels::kDirectMaxM, &avx512_kernels::gemm_tile, nullptr};
+                                 avx512_kernels::kDirectMaxM, &avx512_kernels::gemm_tile, nullptr, &avx512_kernels::gemm_fp8_tile,
+                                 &avx512_kernels::gemm_fp4_tile};
 
 }  // namespace moekit::cpu

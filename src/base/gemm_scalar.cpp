@@ -64,9 +64,26 @@ constexpr int64_t kKC = 256, kMC = 240, kTileN = 128;
 
 #include "base/gemm_kernels.h"
 
+// e4m3 decoding: the integer formula of the shared header, one value at a time.
+typedef double F8D __attribute__((vector_size(16)));
+inline double f8_scalar_value(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const int mag = e == 0 ? m : (8 + m) << (e - 1);
+  return double((b & 0x80) ? -mag : mag) * 0x1p-17;
+}
+inline void f8_decode16(const uint8_t* src, F8D* out) {
+  for (int v = 0; v < 8; ++v) out[v] = F8D{f8_scalar_value(src[2 * v]), f8_scalar_value(src[2 * v + 1])};
+}
+inline int64_t f8_decode_run(const uint8_t*, int64_t, double*) { return 0; }
+
+// FP8 tile: 2 f64 lanes, 2 x 4 register tiles.
+constexpr int kF8L = 2, kF8MR = 2, kF8NR = 4;
+#include "base/gemm_fp8_kernels.h"
+
 }  // namespace scalar_kernels
 
 const GemmKernels kGemmScalar = {Isa::scalar, scalar_kernels::kTileN, scalar_kernels::kWorkFloats,
-                                 scalar_kernels::kDirectMaxM, &scalar_kernels::gemm_tile, nullptr};
+                                 scalar_kernels::kDirectMaxM, &scalar_kernels::gemm_tile, nullptr, &scalar_kernels::gemm_fp8_tile,
+                                 &scalar_kernels::gemm_fp4_tile};
 
 }  // namespace moekit::cpu

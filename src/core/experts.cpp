@@ -1,10 +1,12 @@
 #include "moekit/experts.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <sstream>
 
 #include "moekit/interface.h"
+#include "moekit/quant.h"
 
 namespace moekit {
 
@@ -86,6 +88,78 @@ void validate_weights(const ExpertsSpec& s, const ExpertsWeights& w) {
   }
   MOEKIT_CHECK(w.down_proj.dtype() == first.dtype(), "experts weights have different dtypes: ",
                dtype_name(first.dtype()), " and ", dtype_name(w.down_proj.dtype()));
+  const char* first_name = s.has_gate ? "gate_up_proj" : "up_proj";
+  MOEKIT_CHECK(!w.fp4_float_activations || w.is_fp4(), "ExpertsWeights.fp4_float_activations is set but the weights are ",
+               dtype_name(first.dtype()), ", not FP4 (f4e2m1)");
+  if (w.is_fp4()) {
+    // FP4: [E, out, in] e2m1 with one ue8m0 scale per row and 32 inputs.
+    MOEKIT_CHECK(!s.is_transposed, "FP4 experts are stored [E, out, in]; is_transposed = true is not an FP4 layout");
+    auto check = [&](const char* name, const Tensor& q, const Tensor& sc, int64_t n, int64_t k) {
+      MOEKIT_CHECK(k % kFp4Group == 0, "FP4 experts need inputs in multiples of 32; '", name, "' has ", k);
+      const Shape expect{E, n, k / kFp4Group};
+      MOEKIT_CHECK(sc.defined(), "experts weight '", name, "' is missing: FP4 weights need their ue8m0 scales, shape ",
+                   shape_to_string(expect));
+      MOEKIT_CHECK(sc.shape() == expect && sc.dtype() == DType::ue8m0, "experts weight '", name, "' is ",
+                   sc.view().to_string(), ", expected ue8m0 ", shape_to_string(expect), " (one per row and 32 inputs)");
+      MOEKIT_CHECK(sc.view().is_contiguous() && sc.device() == q.device(), "experts weight '", name,
+                   "' must be contiguous and on ", q.device().to_string());
+      if (!sc.device().is_cpu()) return;
+      const uint8_t* p = sc.ptr<uint8_t>();
+      for (int64_t i = 0; i < sc.numel(); ++i)
+        MOEKIT_CHECK(p[i] != 0xff, "experts weight '", name, "' holds the ue8m0 NaN (0xff) at flat index ", i);
+    };
+    check(s.has_gate ? "gate_up_proj_scale_inv" : "up_proj_scale_inv", first, w.first_scale_inv(),
+          s.has_gate ? 2 * I : I, H);
+    check("down_proj_scale_inv", w.down_proj, w.down_proj_scale_inv, H, I);
+    MOEKIT_CHECK(!(s.has_gate ? w.up_proj_scale_inv : w.gate_up_proj_scale_inv).defined(), "experts weight '",
+                 s.has_gate ? "up_proj_scale_inv" : "gate_up_proj_scale_inv", "' given but not used by this spec (",
+                 first_name, " is the first projection)");
+    return;
+  }
+  if (!w.is_fp8()) {
+    for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"gate_up_proj_scale_inv", &w.gate_up_proj_scale_inv},
+                                  {"up_proj_scale_inv", &w.up_proj_scale_inv},
+                                  {"down_proj_scale_inv", &w.down_proj_scale_inv}})
+      MOEKIT_CHECK(!t->defined(), "experts weight '", name, "' given but the weights are ", dtype_name(first.dtype()),
+                   ", not FP8 (f8e4m3)");
+    return;
+  }
+  // FP8: [E, out, in] e4m3 with 128 x 128 block scales; the fused gate_up halves have their own blocks.
+  MOEKIT_CHECK(!s.is_transposed, "FP8 experts are stored [E, out, in]; is_transposed = true is not an FP8 layout");
+  MOEKIT_CHECK(!s.has_gate || s.is_concatenated,
+               "FP8 experts need a concatenated gate_up_proj ([gate | up]); interleaved is not an FP8 layout");
+  const int64_t n1 = s.has_gate ? 2 * I : I, seg1 = s.has_gate ? 2 : 1;
+  auto check_scale = [&](const char* name, const Tensor& q, const Tensor& sc, int64_t n, int64_t k, int64_t segs) {
+    MOEKIT_CHECK(sc.defined(), "experts weight '", name, "' is missing: FP8 weights need their block scales, shape ",
+                 shape_to_string({E, segs * fp8_blocks(n / segs), fp8_blocks(k)}));
+    const Shape expect{E, segs * fp8_blocks(n / segs), fp8_blocks(k)};
+    MOEKIT_CHECK(sc.shape() == expect, "experts weight '", name, "' has shape ", shape_to_string(sc.shape()),
+                 ", expected ", shape_to_string(expect), " (128 x 128 blocks)");
+    MOEKIT_CHECK(sc.dtype() == DType::f32 || sc.dtype() == DType::ue8m0, "experts weight '", name,
+                 "' must be f32 or ue8m0, got ", dtype_name(sc.dtype()));
+    MOEKIT_CHECK(sc.view().is_contiguous() && sc.device() == q.device(), "experts weight '", name,
+                 "' must be contiguous and on ", q.device().to_string());
+    if (!sc.device().is_cpu()) return;
+    const int64_t count = sc.numel();
+    for (int64_t i = 0; i < count; ++i) {
+      const float v = sc.dtype() == DType::ue8m0 ? ue8m0_to_f32(sc.ptr<uint8_t>()[i]) : sc.ptr<float>()[i];
+      MOEKIT_CHECK(std::isfinite(v) && v >= 0.0f, "experts weight '", name, "' has a scale ", v, " at flat index ", i,
+                   "; block scales must be finite and >= 0");
+    }
+    // e4m3fn's NaN (0x7f / 0xff) is no weight value.
+    const uint8_t* p = q.ptr<uint8_t>();
+    const int64_t nq = q.numel();
+    for (int64_t i = 0; i < nq; ++i)
+      MOEKIT_CHECK((p[i] & 0x7f) != 0x7f, "experts weight '", name, "' belongs to an FP8 weight holding NaN at flat index ",
+                   i);
+  };
+  check_scale(s.has_gate ? "gate_up_proj_scale_inv" : "up_proj_scale_inv", first, w.first_scale_inv(), n1, H, seg1);
+  check_scale("down_proj_scale_inv", w.down_proj, w.down_proj_scale_inv, H, I, 1);
+  MOEKIT_CHECK(w.down_proj_scale_inv.dtype() == w.first_scale_inv().dtype(), "experts scales have different dtypes: ",
+               dtype_name(w.first_scale_inv().dtype()), " and ", dtype_name(w.down_proj_scale_inv.dtype()));
+  MOEKIT_CHECK(!(s.has_gate ? w.up_proj_scale_inv : w.gate_up_proj_scale_inv).defined(), "experts weight '",
+               s.has_gate ? "up_proj_scale_inv" : "gate_up_proj_scale_inv", "' given but not used by this spec (",
+               first_name, " is the first projection)");
 }
 }  // namespace
 
@@ -130,6 +204,10 @@ Experts Experts::to(Device device) const {
   w.gate_up_proj_bias = mv(weights_.gate_up_proj_bias);
   w.up_proj_bias = mv(weights_.up_proj_bias);
   w.down_proj_bias = mv(weights_.down_proj_bias);
+  w.gate_up_proj_scale_inv = mv(weights_.gate_up_proj_scale_inv);
+  w.up_proj_scale_inv = mv(weights_.up_proj_scale_inv);
+  w.down_proj_scale_inv = mv(weights_.down_proj_scale_inv);
+  w.fp4_float_activations = weights_.fp4_float_activations;
   Experts e(spec_, std::move(w), implementation_);
   return e;
 }
@@ -213,8 +291,12 @@ ExpertsWeights make_experts_weights(const ExpertsSpec& spec, const std::map<std:
     else if (name == "gate_up_proj_bias") w.gate_up_proj_bias = t;
     else if (name == "up_proj_bias") w.up_proj_bias = t;
     else if (name == "down_proj_bias") w.down_proj_bias = t;
+    else if (name == "gate_up_proj_scale_inv") w.gate_up_proj_scale_inv = t;
+    else if (name == "up_proj_scale_inv") w.up_proj_scale_inv = t;
+    else if (name == "down_proj_scale_inv") w.down_proj_scale_inv = t;
     else MOEKIT_FAIL(invalid_argument, "unknown experts parameter '", name,
-                     "'; expected gate_up_proj, up_proj, down_proj, gate_up_proj_bias, up_proj_bias, down_proj_bias");
+                     "'; expected gate_up_proj, up_proj, down_proj, gate_up_proj_bias, up_proj_bias, down_proj_bias, "
+                     "gate_up_proj_scale_inv, up_proj_scale_inv, down_proj_scale_inv");
   }
   validate_weights(spec, w);
   return w;
@@ -247,6 +329,27 @@ Tensor transpose_expert_weight(const Tensor& w) {
           for (int64_t b = b0; b < std::min(B, b0 + kBlock); ++b)
             std::memcpy(o + size_t((e * B + b) * A + a) * es, in + size_t((e * A + a) * B + b) * es, es);
   return out;
+}
+
+ExpertsWeights dequantize_experts(const ExpertsSpec& spec, const ExpertsWeights& w, DType dtype) {
+  if (!w.is_quantized()) return w;
+  ExpertsWeights r = w;
+  const Device dev = w.first().device();
+  if (w.is_fp4()) {
+    (spec.has_gate ? r.gate_up_proj : r.up_proj) = dequantize_fp4(w.first(), w.first_scale_inv(), dtype,
+                                                                  spec.has_gate ? "gate_up_proj" : "up_proj").to(dev);
+    r.down_proj = dequantize_fp4(w.down_proj, w.down_proj_scale_inv, dtype, "down_proj").to(dev);
+    r.gate_up_proj_scale_inv = r.up_proj_scale_inv = r.down_proj_scale_inv = Tensor();
+    r.fp4_float_activations = false;
+    return r;
+  }
+  if (spec.has_gate)
+    r.gate_up_proj = dequantize_fp8(w.gate_up_proj, w.gate_up_proj_scale_inv, dtype, 2, "gate_up_proj").to(dev);
+  else
+    r.up_proj = dequantize_fp8(w.up_proj, w.up_proj_scale_inv, dtype, 1, "up_proj").to(dev);
+  r.down_proj = dequantize_fp8(w.down_proj, w.down_proj_scale_inv, dtype, 1, "down_proj").to(dev);
+  r.gate_up_proj_scale_inv = r.up_proj_scale_inv = r.down_proj_scale_inv = Tensor();
+  return r;
 }
 
 }  // namespace moekit

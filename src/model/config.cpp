@@ -348,6 +348,24 @@ ModelConfig ModelConfig::parse(const std::string& config_json, const std::string
   for (const auto& [key, value] : j.items())
     if (value.is_object() && model::is_sub_config_key(key)) mc.sub_configs.push_back(key);
   mc.has_quantization_config = top.has("quantization_config");
+  if (mc.has_quantization_config && j["quantization_config"].is_object()) {
+    const nlohmann::json& q = j["quantization_config"];
+    QuantizationConfig qc;
+    auto text = [&](const char* key) {
+      return q.contains(key) && q[key].is_string() ? q[key].get<std::string>() : std::string();
+    };
+    qc.quant_method = text("quant_method");
+    qc.fmt = text("fmt");
+    qc.activation_scheme = text("activation_scheme");
+    qc.scale_fmt = text("scale_fmt");
+    if (q.contains("weight_block_size") && q["weight_block_size"].is_array())
+      for (const auto& v : q["weight_block_size"])
+        qc.weight_block_size.push_back(v.is_number_integer() ? v.get<int64_t>() : -1);
+    for (const nlohmann::json* c : {&j, j.contains("text_config") ? &j["text_config"] : &j})
+      if (c->is_object() && c->contains("expert_dtype") && (*c)["expert_dtype"].is_string())
+        qc.expert_dtype = (*c)["expert_dtype"].get<std::string>();
+    mc.quantization = qc;
+  }
 
   const auto find_parser = [](const std::string& type) -> const model::ArchParser* {
     for (const auto& p : model::arch_parsers())

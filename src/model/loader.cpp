@@ -9,6 +9,7 @@
 #include "io/input.h"
 #include "model/model_impl.h"
 #include "moekit/error.h"
+#include "moekit/quant.h"
 
 namespace moekit::model {
 namespace {
@@ -55,6 +56,18 @@ class TensorReader {
   }
 
   bool dry() const { return dry_; }
+  // FP8 checkpoints: f8e4m3 tensors load with their `_scale_inv` (dequantized by host() and get()).
+  void set_quant(const LoadQuant& q) { quant_ = q; }
+  const LoadQuant& quant() const { return quant_; }
+  // The name of the block scales beside an FP8 tensor: X.weight -> X.weight_scale_inv, X -> X_scale_inv.
+  static std::string scale_name(const std::string& name) {
+    const std::string w = ".weight";
+    if (name.size() > w.size() && name.compare(name.size() - w.size(), w.size(), w) == 0)
+      return name.substr(0, name.size() - w.size()) + ".weight_scale_inv";
+    return name + "_scale_inv";
+  }
+  // Whether the checkpoint stores `name` in FP8.
+  bool is_fp8(const std::string& name) const { return ck_.contains(name) && ck_.get(name).dtype() == DType::f8e4m3; }
   const std::vector<std::string>& read() const { return read_; }
 
   bool has(const std::string& name) const { return ck_.contains(name); }
@@ -70,8 +83,9 @@ class TensorReader {
     if (out.data() != t.data()) release(name);  // converted: the mapped bytes are no longer needed
     return out;
   }
-  // The checkpoint tensor as stored (CPU, zero-copy), after the same checks.
-  Tensor host(const std::string& name, const Shape& shape) {
+  // The checkpoint tensor as stored (CPU, zero-copy), after the same checks; an FP8 tensor comes dequantized to f32
+  // (a new tensor) with its block scales, unless `raw`.
+  Tensor host(const std::string& name, const Shape& shape, bool raw = false) {
     if (!ck_.contains(name)) {
       missing(name + " " + shape_to_string(shape));
       return {};
@@ -91,6 +105,57 @@ class TensorReader {
       progress_.bytes = std::min(progress_.bytes + t.nbytes(), progress_.total_bytes);
       fn_(progress_);
     }
+    if (t.dtype() == DType::f8e4m3) {
+      if (!quant_.fp8) {
+        wrong(name + " is f8e4m3 but config.json has no FP8 quantization_config");
+        return {};
+      }
+      if (shape.size() < 2) {
+        wrong(name + " is f8e4m3 but not a matrix (block-scaled FP8 holds linear layers' weights)");
+        return {};
+      }
+      const std::string sn = scale_name(name);
+      Shape expect = shape;
+      expect[expect.size() - 2] = fp8_blocks(shape[shape.size() - 2]);
+      expect.back() = fp8_blocks(shape.back());
+      if (!raw && !scale(sn, expect).defined()) return {};
+      if (raw || dry_) return t;
+      Tensor d = dequantize_fp8(t, ck_.get(sn), DType::f32, 1, name);
+      release(name);
+      release(sn);
+      return d;
+    }
+    return t;
+  }
+  // A checkpoint tensor of one of `dtypes` as stored (no conversion: packed weights and scale bytes).
+  Tensor bytes(const std::string& name, const Shape& shape, std::initializer_list<DType> dtypes) {
+    if (!ck_.contains(name)) {
+      missing(name + " " + shape_to_string(shape));
+      return {};
+    }
+    Tensor t = ck_.get(name);
+    bool ok = false;
+    for (DType d : dtypes) ok = ok || t.dtype() == d;
+    if (t.shape() != shape || !ok) {
+      wrong(name + " is " + dtype_name(t.dtype()) + shape_to_string(t.shape()) + ", expected " +
+            dtype_name(*dtypes.begin()) + shape_to_string(shape));
+      return {};
+    }
+    return t;
+  }
+  // The block scales `name` (f32 or ue8m0) of an FP8 tensor, checked against `shape`.
+  Tensor scale(const std::string& name, const Shape& shape) {
+    if (!ck_.contains(name)) {
+      missing(name + " " + shape_to_string(shape) + " (the block scales of an f8e4m3 weight)");
+      return {};
+    }
+    Tensor t = ck_.get(name);
+    if (t.shape() != shape || (t.dtype() != DType::f32 && t.dtype() != DType::ue8m0)) {
+      wrong(name + " is " + dtype_name(t.dtype()) + shape_to_string(t.shape()) + ", expected f32 or ue8m0 " +
+            shape_to_string(shape) + " (128 x 128 blocks)");
+      return {};
+    }
+    if (dry_ && t.dtype() == DType::f32) read_.push_back(name);
     return t;
   }
   // Peak memory stays near the checkpoint's size: once a tensor is copied, its mapped pages go.
@@ -127,6 +192,7 @@ class TensorReader {
   Device device_;
   bool dry_ = false;
   std::optional<ExpertSlice> shard_;
+  LoadQuant quant_;
   std::vector<std::string> missing_, wrong_, read_;
   std::function<void(const LoadProgress&)> fn_;
   LoadProgress progress_;
@@ -218,6 +284,132 @@ void load_attention(TensorReader& r, const std::string& p, const TextConfig& c, 
   if (c.attention_sinks) a.sinks = r.get(p + "sinks", {Hq}, DType::f32);
 }
 
+// Tensors stacked along their first dimension into a new tensor of `dtype` on `device`, as bytes (packed FP4 parts
+// stored as I8 / U8 become f4e2m1); each part released once copied.
+Tensor stack_bytes(const std::vector<Tensor>& parts, const Shape& shape, DType dtype, Device device,
+                   const std::function<void(size_t)>& release) {
+  Tensor out = Tensor::empty(shape, dtype, Device::cpu());
+  size_t off = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    MOEKIT_ASSERT(off + parts[i].nbytes() <= out.nbytes());
+    std::memcpy(static_cast<char*>(out.data()) + off, parts[i].contiguous().data(), parts[i].nbytes());
+    off += parts[i].nbytes();
+    release(i);
+  }
+  MOEKIT_ASSERT(off == out.nbytes());
+  return out.to(device);
+}
+
+// FP8 experts as published (SPEC section 5), kept in FP8: per-expert `{gate,up,down}_proj.weight` f8e4m3 [N, K]
+// with `weight_scale_inv` [ceil(N/128), ceil(K/128)] beside each (gate and up stacked into gate_up_proj with
+// their own blocks), or fused `gate_up_proj` / `down_proj` with `_scale_inv`.
+ExpertsWeights load_fp8_experts(TensorReader& r, const Checkpoint& ck, const std::string& p, const ExpertsSpec& spec,
+                                const MoeNaming& n) {
+  const int64_t E = spec.num_experts, H = spec.hidden, I = spec.intermediate;
+  const int64_t bi = fp8_blocks(I), bh = fp8_blocks(H);
+  ExpertsWeights w;
+  if (ck.contains(p + "gate_up_proj")) {
+    Tensor gu = r.host(p + "gate_up_proj", {E, 2 * I, H}, true), d = r.host(p + "down_proj", {E, H, I}, true);
+    Tensor gs = r.scale(p + "gate_up_proj_scale_inv", {E, 2 * bi, bh}),
+           ds = r.scale(p + "down_proj_scale_inv", {E, bh, bi});
+    if (r.dry() || !gu.defined() || !d.defined() || !gs.defined() || !ds.defined()) return w;
+    const Device dev = r.device();
+    w.gate_up_proj = gu.contiguous().to(dev);
+    w.down_proj = d.contiguous().to(dev);
+    w.gate_up_proj_scale_inv = gs.contiguous().to(dev);
+    w.down_proj_scale_inv = ds.contiguous().to(dev);
+    return w;
+  }
+  std::vector<Tensor> gu, d, gus, ds;
+  std::vector<std::string> gu_names, d_names;
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string q = p + std::to_string(e) + ".";
+    const std::string gn = q + n.gate_proj + ".weight", un = q + n.up_proj + ".weight", dn = q + n.down_proj + ".weight";
+    Tensor g = r.host(gn, {I, H}, true), u = r.host(un, {I, H}, true), dd = r.host(dn, {H, I}, true);
+    Tensor gs = r.scale(TensorReader::scale_name(gn), {bi, bh}), us = r.scale(TensorReader::scale_name(un), {bi, bh}),
+           dsc = r.scale(TensorReader::scale_name(dn), {bh, bi});
+    for (const Tensor* t : {&g, &u, &dd})
+      if (t->defined() && t->dtype() != DType::f8e4m3) r.wrong(q + " experts mix f8e4m3 and " + dtype_name(t->dtype()));
+    if (!g.defined() || !u.defined() || !dd.defined() || !gs.defined() || !us.defined() || !dsc.defined()) return w;
+    gu.insert(gu.end(), {g, u});
+    d.push_back(dd);
+    gus.insert(gus.end(), {gs, us});
+    ds.push_back(dsc);
+    gu_names.insert(gu_names.end(), {gn, un});
+    d_names.push_back(dn);
+  }
+  if (r.dry()) return w;
+  const DType sdt = gus[0].dtype();
+  for (const Tensor& t : gus) MOEKIT_CHECK(t.dtype() == sdt, p, ": expert block scales mix f32 and ue8m0");
+  for (const Tensor& t : ds) MOEKIT_CHECK(t.dtype() == sdt, p, ": expert block scales mix f32 and ue8m0");
+  const Device dev = r.device();
+  w.gate_up_proj = stack_bytes(gu, {E, 2 * I, H}, DType::f8e4m3, dev, [&](size_t i) { r.release(gu_names[i]); });
+  w.down_proj = stack_bytes(d, {E, H, I}, DType::f8e4m3, dev, [&](size_t i) { r.release(d_names[i]); });
+  w.gate_up_proj_scale_inv = stack_bytes(gus, {E, 2 * bi, bh}, sdt, dev, [](size_t) {});
+  w.down_proj_scale_inv = stack_bytes(ds, {E, bh, bi}, sdt, dev, [](size_t) {});
+  return w;
+}
+
+// FP4 experts as published: per-expert I8 `.weight` [N, K/2] (two e2m1 per byte, low nibble first) with F8_E8M0
+// `.weight_scale_inv` [N, K/32] (expert_dtype "fp4"), or gpt-oss's MXFP4 `gate_up_proj_blocks` U8 [E, 2I, H/32, 16]
+// with `gate_up_proj_scales` U8 [E, 2I, H/32] (and down_proj's), both [E, out, in]; the module's f4e2m1 weights hold
+// the same bytes.
+ExpertsWeights load_fp4_experts(TensorReader& r, const Checkpoint& ck, const std::string& p, const ExpertsSpec& spec,
+                                const MoeNaming& n) {
+  const int64_t E = spec.num_experts, H = spec.hidden, I = spec.intermediate, N1 = spec.has_gate ? 2 * I : I;
+  ExpertsWeights w;
+  const Device dev = r.device();
+  if (r.quant().mxfp4) {
+    const std::string gu = spec.has_gate ? "gate_up_proj" : "up_proj";
+    if (H % 32 != 0 || I % 32 != 0) {
+      r.wrong(p + gu + "_blocks: MXFP4 needs hidden and intermediate sizes in multiples of 32, got " + str(H) + " and " +
+              str(I));
+      return w;
+    }
+    Tensor b1 = r.bytes(p + gu + "_blocks", {E, N1, H / 32, 16}, {DType::u8, DType::i8}),
+           s1 = r.bytes(p + gu + "_scales", {E, N1, H / 32}, {DType::u8, DType::ue8m0}),
+           b2 = r.bytes(p + "down_proj_blocks", {E, H, I / 32, 16}, {DType::u8, DType::i8}),
+           s2 = r.bytes(p + "down_proj_scales", {E, H, I / 32}, {DType::u8, DType::ue8m0});
+    if (spec.has_bias) {
+      (spec.has_gate ? w.gate_up_proj_bias : w.up_proj_bias) = r.get(p + gu + "_bias", {E, N1});
+      w.down_proj_bias = r.get(p + "down_proj_bias", {E, H});
+    }
+    if (r.dry() || !b1.defined() || !s1.defined() || !b2.defined() || !s2.defined()) return w;
+    auto keep = [](size_t) {};
+    (spec.has_gate ? w.gate_up_proj : w.up_proj) = stack_bytes({b1}, {E, N1, H}, DType::f4e2m1, dev, keep);
+    (spec.has_gate ? w.gate_up_proj_scale_inv : w.up_proj_scale_inv) =
+        stack_bytes({s1}, {E, N1, H / 32}, DType::ue8m0, dev, keep);
+    w.down_proj = stack_bytes({b2}, {E, H, I}, DType::f4e2m1, dev, keep);
+    w.down_proj_scale_inv = stack_bytes({s2}, {E, H, I / 32}, DType::ue8m0, dev, keep);
+    w.fp4_float_activations = true;  // as transformers runs MXFP4 where its kernels are absent
+    return w;
+  }
+  std::vector<Tensor> gu, d, gus, ds;
+  std::vector<std::string> gu_names, d_names;
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string q = p + std::to_string(e) + ".";
+    const std::string gn = q + n.gate_proj + ".weight", un = q + n.up_proj + ".weight", dn = q + n.down_proj + ".weight";
+    Tensor g = r.bytes(gn, {I, H / 2}, {DType::i8, DType::u8}), u = r.bytes(un, {I, H / 2}, {DType::i8, DType::u8}),
+           dd = r.bytes(dn, {H, I / 2}, {DType::i8, DType::u8});
+    Tensor gs = r.bytes(TensorReader::scale_name(gn), {I, H / 32}, {DType::ue8m0}),
+           us = r.bytes(TensorReader::scale_name(un), {I, H / 32}, {DType::ue8m0}),
+           dsc = r.bytes(TensorReader::scale_name(dn), {H, I / 32}, {DType::ue8m0});
+    if (!g.defined() || !u.defined() || !dd.defined() || !gs.defined() || !us.defined() || !dsc.defined()) return w;
+    gu.insert(gu.end(), {g, u});
+    d.push_back(dd);
+    gus.insert(gus.end(), {gs, us});
+    ds.push_back(dsc);
+    gu_names.insert(gu_names.end(), {gn, un});
+    d_names.push_back(dn);
+  }
+  if (r.dry()) return w;
+  w.gate_up_proj = stack_bytes(gu, {E, 2 * I, H}, DType::f4e2m1, dev, [&](size_t i) { r.release(gu_names[i]); });
+  w.down_proj = stack_bytes(d, {E, H, I}, DType::f4e2m1, dev, [&](size_t i) { r.release(d_names[i]); });
+  w.gate_up_proj_scale_inv = stack_bytes(gus, {E, 2 * I, H / 32}, DType::ue8m0, dev, [](size_t) {});
+  w.down_proj_scale_inv = stack_bytes(ds, {E, H, I / 32}, DType::ue8m0, dev, [](size_t) {});
+  return w;
+}
+
 // Already-fused experts (gpt-oss, qwen3_vl_moe, or checkpoints saved fused) load as they are; the layout
 // follows the shapes as transformers' loading does ([E, 2I, H] as is, [E, H, 2I] transposed).
 // Per-expert tensors are fused into gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I].
@@ -229,6 +421,24 @@ ExpertsWeights load_experts(TensorReader& r, const Checkpoint& ck, const std::st
   const int64_t El = sh.count();
   ExpertsWeights w;
   const std::string gu_name = p + "gate_up_proj";
+  const bool quantized = r.quant().mxfp4 || r.quant().fp4_experts || r.quant().fp8;
+  if (quantized && El != E)
+    MOEKIT_FAIL(not_supported, p, ": expert parallelism (", El, " of ", E,
+                " experts on this rank) does not take quantized (FP8 / FP4) checkpoints yet; run them on one rank");
+  if (r.quant().mxfp4 || r.quant().fp4_experts) {  // stored [E, out, in]
+    stored_transposed = false;
+    spec.is_transposed = false;
+    w = load_fp4_experts(r, ck, p, spec, n);
+    if (r.quant().dequantize && w.is_quantized()) w = dequantize_experts(spec, w, r.dtype());
+    return w;
+  }
+  if (r.quant().fp8 && spec.has_gate && !spec.is_transposed &&
+      (r.is_fp8(gu_name) || r.is_fp8(p + "0." + n.gate_proj + ".weight"))) {
+    stored_transposed = false;
+    w = load_fp8_experts(r, ck, p, spec, n);
+    if (r.quant().dequantize && w.is_fp8()) w = dequantize_experts(spec, w, r.dtype());
+    return w;
+  }
   if (ck.contains(gu_name) || spec.is_transposed) {
     const Shape plain{E, 2 * I, H}, transposed{E, H, 2 * I};
     Shape gu_shape = spec.is_transposed ? transposed : plain;
@@ -442,10 +652,11 @@ void check_finite_weights(const Checkpoint& ck, const std::vector<std::string>& 
 Weights load_weights(const Checkpoint& ck, TextConfig& c, DType dtype, Device device,
                      const std::string& experts_implementation, std::optional<bool> check_finite,
                      const std::function<void(const LoadProgress&)>& progress,
-                     std::optional<ExpertSlice> shard) {
+                     std::optional<ExpertSlice> shard, const LoadQuant& quant) {
   check_config_against_checkpoint(ck, c);
   // Everything checked on the zero-copy checkpoint tensors before anything is converted or allocated.
   TensorReader dry(ck, dtype, device, /*dry=*/true, shard);
+  dry.set_quant(quant);
   read_weights(dry, ck, c, experts_implementation);
   const bool small = checkpoint_bytes(ck) <= kFiniteCheckDefaultBytes;
   if (check_finite.value_or(small)) {
@@ -457,6 +668,7 @@ Weights load_weights(const Checkpoint& ck, TextConfig& c, DType dtype, Device de
                  printable(ck.dir()).c_str(), double(checkpoint_bytes(ck)) / 1e9);
   }
   TensorReader r(ck, dtype, device, /*dry=*/false, shard);
+  r.set_quant(quant);
   if (progress) r.report_to(progress, dry);
   Weights w = read_weights(r, ck, c, experts_implementation);
   r.finish();
@@ -502,5 +714,34 @@ Weights read_weights(TensorReader& r, const Checkpoint& ck, TextConfig& c, const
 }
 
 }  // namespace
+
+LoadQuant check_quantization(const ModelConfig& mc, const std::string& dir) {
+  LoadQuant r;
+  if (!mc.has_quantization_config) return r;
+  MOEKIT_CHECK_CODE(mc.quantization.has_value(), not_supported, dir,
+                    ": config.json's quantization_config is not an object");
+  const QuantizationConfig& q = *mc.quantization;
+  if (q.quant_method == "mxfp4") {
+    r.mxfp4 = true;
+    return r;
+  }
+  MOEKIT_CHECK_CODE(q.quant_method == "fp8", not_supported, dir, ": quantization_config.quant_method '",
+                    printable(q.quant_method), "' is not loaded by this build (it loads \"fp8\" and \"mxfp4\")");
+  MOEKIT_CHECK_CODE(q.expert_dtype.empty() || q.expert_dtype == "fp8" || q.expert_dtype == "fp4", not_supported, dir,
+                    ": expert_dtype '", printable(q.expert_dtype), "' is not \"fp8\" or \"fp4\"");
+  MOEKIT_CHECK_CODE(q.fmt.empty() || q.fmt == "e4m3", not_supported, dir, ": quantization_config.fmt '",
+                    printable(q.fmt), "' is not loaded; FP8 checkpoints are \"e4m3\"");
+  MOEKIT_CHECK_CODE(q.activation_scheme.empty() || q.activation_scheme == "dynamic", not_supported, dir,
+                    ": quantization_config.activation_scheme '", printable(q.activation_scheme),
+                    "' is not supported: moekit quantizes activations dynamically (per token and 128 inputs); a "
+                    "static scheme's activation scales are not used");
+  MOEKIT_CHECK_CODE(q.weight_block_size == std::vector<int64_t>({128, 128}), not_supported, dir,
+                    ": quantization_config.weight_block_size must be [128, 128] (block-scaled FP8)");
+  MOEKIT_CHECK_CODE(q.scale_fmt.empty() || q.scale_fmt == "float" || q.scale_fmt == "ue8m0", not_supported, dir,
+                    ": quantization_config.scale_fmt '", printable(q.scale_fmt), "' is not \"ue8m0\" or float");
+  r.fp8 = true;
+  r.fp4_experts = q.expert_dtype == "fp4";
+  return r;
+}
 
 }  // namespace moekit::model

@@ -59,7 +59,7 @@ std::string ModelOptions::to_string() const {
   os << "ModelOptions{.device=" << device.to_string() << ", .dtype=" << (dtype ? dtype_name(*dtype) : "auto")
      << ", .experts_implementation="
      << (experts_implementation.empty() ? "default" : experts_implementation.to_string())
-     << ", .cuda_graph=" << (cuda_graph ? "true" : "false");
+     << ", .cuda_graph=" << (cuda_graph ? "true" : "false") << (dequantize ? ", .dequantize=true" : "");
   if (expert_group && expert_group->size() > 1)
     os << ", .expert_group=" << expert_group->engine() << " rank " << expert_group->rank() << " of "
        << expert_group->size() << ", .ep_mode=" << ep_mode_name(ep_mode);
@@ -151,9 +151,8 @@ Model Model::from_pretrained(const std::string& dir, const ModelOptions& options
   im->config = ModelConfig::load(dir);
   im->options = options;
   const ModelConfig& mc = im->config;
-  MOEKIT_CHECK_CODE(!mc.has_quantization_config, not_supported, dir,
-                    ": quantized checkpoints (config.json has quantization_config) are not supported by the model "
-                    "loader; use a floating-point checkpoint");
+  model::LoadQuant quant = model::check_quantization(mc, dir);
+  quant.dequantize = options.dequantize;
   im->dtype = resolve_dtype(mc, options.dtype);
   const Device dev = options.device;
   // Expert parallelism: this rank reads and holds only its slice of each MoE layer's experts.
@@ -193,7 +192,7 @@ Model Model::from_pretrained(const std::string& dir, const ModelOptions& options
 
   const Checkpoint ck = Checkpoint::open(dir);
   im->weights = model::load_weights(ck, im->config.text, im->dtype, dev, decoder_choice, options.check_finite,
-                                    options.on_load_progress, shard);
+                                    options.on_load_progress, shard, quant);
   if (shard) {
     auto ep = std::make_shared<const ParallelExperts>(group, mc.text.num_experts, options.ep_mode);
     for (auto& L : im->weights.layers)

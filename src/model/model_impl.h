@@ -64,11 +64,23 @@ struct Weights {
 // zero-copy checkpoint tensors (nothing converted before the whole decoder is known to be there), then
 // (check_finite: default on for checkpoints up to kFiniteCheckDefaultBytes, else a warning) that the
 // weights read hold no NaN or Inf, then converts.
+// FP8 checkpoints: `fp8` lets f8e4m3 tensors with a `_scale_inv` beside them load (dequantized at load, but the
+// routed experts, which stay FP8 unless `dequantize`).
+struct LoadQuant {
+  bool fp8 = false;         // quantization_config fp8: f8e4m3 tensors with their weight_scale_inv
+  bool fp4_experts = false;  // ... with "expert_dtype": "fp4": routed experts in I8-packed e2m1 with ue8m0 scales
+  bool mxfp4 = false;        // quantization_config mxfp4 (gpt-oss): experts' _blocks / _scales
+  bool dequantize = false;   // ModelOptions::dequantize
+};
+// What the checkpoint's quantization_config loads as (nothing set without one): fp8 / e4m3 / dynamic / [128, 128]
+// (f32 or ue8m0 scales; FP4 experts with expert_dtype "fp4"), or mxfp4. Anything else (a static activation scheme,
+// another method or block size) throws not_supported naming the field.
+LoadQuant check_quantization(const ModelConfig& mc, const std::string& dir);
 // `shard`: read only these experts of each MoE layer (expert parallelism); every expert when absent.
 Weights load_weights(const Checkpoint& ckpt, TextConfig& c, DType dtype, Device device,
                      const std::string& experts_implementation, std::optional<bool> check_finite = std::nullopt,
                      const std::function<void(const LoadProgress&)>& progress = {},
-                     std::optional<ExpertSlice> shard = std::nullopt);
+                     std::optional<ExpertSlice> shard = std::nullopt, const LoadQuant& quant = {});
 constexpr uint64_t kFiniteCheckDefaultBytes = 4ull << 30;
 uint64_t checkpoint_bytes(const Checkpoint& ckpt);
 // Throws Error(invalid_argument) naming the first tensor (and element) with a NaN or Inf.

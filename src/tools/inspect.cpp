@@ -47,6 +47,7 @@ void print_config_summary(const nlohmann::json& c, const std::string& indent) {
       {"moe intermediate", {"moe_intermediate_size"}},
       {"shared experts", {"n_shared_experts", "shared_expert_intermediate_size"}},
       {"activation", {"hidden_act", "mlp_hidden_act"}},
+      {"expert dtype", {"expert_dtype"}},
   };
   for (const auto& [label, keys] : rows) {
     const std::string v = field(c, keys);

@@ -20,7 +20,7 @@ namespace {
 
 struct BenchArgs {
   std::string shapes, dims, tokens = "1,8,64,512", backends = "all", device = "cpu", dtype = "bf16",
-                              index_dtype = "i64", routing = "uniform", json, plot;
+                              index_dtype = "i64", routing = "uniform", json, plot, quant;
   bool graph = false, quiet = false;
   int64_t graph_max_tokens = -1;
   int64_t ep = 1;
@@ -60,6 +60,7 @@ bench::BenchOptions to_options(const BenchArgs& a) {
   }
   o.device = Device::parse(a.device);
   o.dtype = parse_dtype(a.dtype);
+  o.quant = a.quant;
   o.index_dtype = parse_dtype(a.index_dtype);
   o.graph = a.graph;
   if (a.graph_max_tokens > 0) o.graph_max_tokens = a.graph_max_tokens;
@@ -86,6 +87,7 @@ std::string command_line(const BenchArgs& a, const bench::BenchOptions& o) {
   s += fmt::format(" --tokens {} --backends {} --device {} --dtype {} --routing {}", a.tokens, a.backends, a.device,
                    a.dtype, a.routing);
   if (a.index_dtype != "i64") s += " --index-dtype " + a.index_dtype;
+  if (!a.quant.empty()) s += " --quant " + a.quant;
   if (o.graph) s += a.graph_max_tokens > 0 ? fmt::format(" --graph --graph-max-tokens {}", a.graph_max_tokens) : " --graph";
   s += fmt::format(" --warmup {} --iters {} --min-iters {} --min-time {} --max-seconds {}", a.warmup, a.iters,
                    a.min_iters, a.min_time, a.max_seconds);
@@ -229,6 +231,10 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--backends", a->backends, "backend names, comma-separated, or all")->capture_default_str();
   cmd->add_option("--device", a->device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   cmd->add_option("--dtype", a->dtype, "weights and activations")->check(CLI::IsMember({"bf16", "f16", "f32"}))->capture_default_str();
+  cmd->add_option("--quant", a->quant,
+                  "quantized experts made from the random weights: fp8 (128 x 128 blocks), fp4 (UE8M0 per 32, FP8 "
+                  "activations), mxfp4 (float activations); the floor counts their bytes (CPU backends)")
+      ->check(CLI::IsMember({"fp8", "fp4", "mxfp4"}));
   cmd->add_option("--index-dtype", a->index_dtype, "top_k_index dtype")->check(CLI::IsMember({"i32", "i64"}))->capture_default_str();
   cmd->add_flag("--graph", a->graph, "also time CUDA-graph replays of the capturable backends (CUDA)");
   cmd->add_option("--graph-max-tokens", a->graph_max_tokens, "graph replays only up to this many tokens");

@@ -10,4 +10,5 @@ void add_run_command(CLI::App& app);       // run.cpp
 void add_inspect_command(CLI::App& app);   // inspect.cpp
 void add_bench_command(CLI::App& app);     // bench.cpp
 void add_tokenize_command(CLI::App& app);  // tokenize.cpp
+void add_quantize_command(CLI::App& app);  // quantize.cpp
 }  // namespace moekit::cli

@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
   moekit::cli::add_inspect_command(app);
   moekit::cli::add_bench_command(app);
   moekit::cli::add_tokenize_command(app);
+  moekit::cli::add_quantize_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

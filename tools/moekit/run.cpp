@@ -36,7 +36,7 @@ struct RunOptions {
   double temperature = 1.0, top_p = 1.0, repetition_penalty = 1.0;
   std::string seed = "0";
   bool sample = false, greedy = false, json = false, cuda_graph = false, quiet = false, check_finite = false,
-       no_check_finite = false, progress = false;
+       no_check_finite = false, progress = false, dequantize = false;
   // Options given on the command line (the others keep generation_config.json's values).
   bool set_max_new_tokens = false, set_temperature = false, set_top_k = false, set_top_p = false,
        set_repetition_penalty = false, set_seed = false, set_prompt = false, set_prompt_file = false,
@@ -220,6 +220,7 @@ void run(const RunOptions& o, const ExpertGroupPtr& group = nullptr, std::option
   mo.cuda_graph = o.cuda_graph;
   if (o.check_finite) mo.check_finite = true;
   if (o.no_check_finite) mo.check_finite = false;
+  mo.dequantize = o.dequantize;
   const bool terminal = ::isatty(STDERR_FILENO) == 1;
   if (!silent && (o.progress || (terminal && !o.quiet))) mo.on_load_progress = load_progress_printer(terminal);
   MOEKIT_CHECK(int(o.set_prompt) + int(o.set_prompt_file) + int(o.set_prompt_ids) + int(o.set_prompts_file) == 1,
@@ -474,6 +475,8 @@ void add_run_command(CLI::App& app) {
   auto* cf = cmd->add_flag("--check-finite", o->check_finite,
                            "refuse weights holding NaN or Inf (default: on for checkpoints up to 4 GiB)");
   cmd->add_flag("--no-check-finite", o->no_check_finite, "do not scan the weights for NaN or Inf")->excludes(cf);
+  cmd->add_flag("--dequantize", o->dequantize,
+                "FP8 checkpoints: dequantize the routed experts at load too (they stay FP8 otherwise)");
   cmd->callback([=] {
     o->set_prompt = prompt->count() > 0;
     o->set_prompt_file = prompt_file->count() > 0;

@@ -1,4 +1,4 @@
-// moekit tiny --arch ARCH --out DIR [--seed N] [--dtype f32|bf16|f16] [--shards N]: a small random
+// moekit tiny --arch ARCH --out DIR [--seed N] [--dtype f32|bf16|f16] [--shards N] [--quantize fp8|fp4|mxfp4]: a small random
 // checkpoint in transformers' format.
 
 #include <fmt/core.h>
@@ -11,7 +11,7 @@
 namespace moekit::cli {
 void add_tiny_command(CLI::App& app) {
   struct Opts {
-    std::string arch, out, dtype = "f32";
+    std::string arch, out, dtype = "f32", quantize;
     std::string seed = "0";
     int shards = 1;
     bool list = false;
@@ -27,6 +27,10 @@ void add_tiny_command(CLI::App& app) {
   cmd->add_option("--dtype", o->dtype, "weight dtype")->check(CLI::IsMember({"f32", "bf16", "f16"}));
   cmd->add_option("--shards", o->shards, "number of safetensors shards (> 1 writes model.safetensors.index.json)")
       ->check(CLI::Range(1, 99));
+  cmd->add_option("--quantize", o->quantize,
+                  "write a quantized checkpoint in the published layout: fp8 (block-scaled), fp4 (FP4 experts with "
+                  "UE8M0 scales), mxfp4 (gpt-oss)")
+      ->check(CLI::IsMember({"fp8", "fp4", "mxfp4"}));
   cmd->add_flag("--list", o->list, "list the architectures and exit");
   cmd->callback([o] {
     if (o->list) {
@@ -35,10 +39,10 @@ void add_tiny_command(CLI::App& app) {
     }
     if (o->arch.empty() || o->out.empty()) throw CLI::RequiredError("--arch and --out");
     write_tiny_checkpoint(
-        o->arch, o->out, TinyOptions{.seed = parse_seed(o->seed), .dtype = parse_dtype(o->dtype), .shards = o->shards});
+        o->arch, o->out, TinyOptions{.seed = parse_seed(o->seed), .dtype = parse_dtype(o->dtype), .shards = o->shards, .quantize = o->quantize});
     const tools::CheckpointTotals t = tools::checkpoint_totals(o->out);
-    fmt::print("wrote {}: {} ({}), {} tensors, {} bytes in {} file{}, seed {}\n", o->out, o->arch, o->dtype,
-               t.tensors, t.bytes, t.files, t.files == 1 ? "" : "s", o->seed);
+    fmt::print("wrote {}: {} ({}{}), {} tensors, {} bytes in {} file{}, seed {}\n", o->out, o->arch, o->dtype,
+               o->quantize.empty() ? "" : ", " + o->quantize, t.tensors, t.bytes, t.files, t.files == 1 ? "" : "s", o->seed);
   });
 }
 }  // namespace moekit::cli

@@ -34,6 +34,27 @@ void batched_chunk(const Plan& p, const ExpertsCall& call) {
   FloatBuffer h1 = make_buffer(pairs * N1);  // [pairs, N1] first projection; gated activations in [:, :I]
   FloatBuffer y = make_buffer(pairs * H);    // [pairs, H] down outputs
   gather_rows(p, call, nullptr, T, x.get());
+  if (p.quantized()) {  // FP8 / FP4 tiles: activations quantized per token and 128 inputs, weights decoded in the tile
+    const Fp8Rows xa = fp8_rows(p, x.get(), H, T, H);
+    const int64_t b1 = (N1 + kFp8TileN - 1) / kFp8TileN;
+    parallel_tasks(pairs * b1, fp8_work_floats(H), pairs * N1 * H, [&](int64_t task, float* work) {
+      const int64_t j = task / b1, n0 = (task % b1) * kFp8TileN;
+      quant_tile(p, false, pair_expert[size_t(j)], xa, pair_token[size_t(j)], 1, n0, std::min(N1, n0 + kFp8TileN),
+                 h1.get() + j * N1, N1, work);
+    });
+    parallel_for(pairs, 8, pairs * N1 * kGateCost,
+                 [&](int64_t j) { first_epilogue_row(p, pair_expert[size_t(j)], h1.get() + j * N1); });
+    const Fp8Rows ha = fp8_rows(p, h1.get(), N1, pairs, p.I);
+    const int64_t b2 = (H + kFp8TileN - 1) / kFp8TileN;
+    parallel_tasks(pairs * b2, fp8_work_floats(p.I), pairs * H * p.I, [&](int64_t task, float* work) {
+      const int64_t j = task / b2, n0 = (task % b2) * kFp8TileN, n1 = std::min(H, n0 + kFp8TileN);
+      const int64_t e = pair_expert[size_t(j)];
+      quant_tile(p, true, e, ha, j, 1, n0, n1, y.get() + j * H, H, work);
+      down_epilogue(p, e, y.get() + j * H, H, 1, n0, n1);
+    });
+    combine(p, call, y.get(), H, row_of_pair.data());
+    return;
+  }
   if (p.packed) {  // bf16 tile over the packed weights: one row per (pair, column block)
     const int64_t kp1 = p.packed->kp1, kp2 = p.packed->kp2;
     const Bf16Buffer xa = bf16_rows(x.get(), H, T, H, kp1);

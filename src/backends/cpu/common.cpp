@@ -39,6 +39,13 @@ void add_bias(float* x, const Tensor& bias, int64_t e, int64_t n0, int64_t n) {
 
 // ---- plan ----
 
+namespace {
+// ue8m0 block scales as f32, once per module (state "cpu_fp8_scales").
+struct Fp8Scales : BackendState {
+  std::vector<float> s1, s2;
+};
+}  // namespace
+
 Plan make_plan(const Experts& experts, const ExpertsCall& call) {
   const ExpertsSpec& s = experts.spec();
   const ExpertsWeights& w = experts.weights();
@@ -50,7 +57,7 @@ Plan make_plan(const Experts& experts, const ExpertsCall& call) {
   p.N1 = s.has_gate ? 2 * s.intermediate : s.intermediate;
   p.w1 = w.first().data();
   p.w2 = w.down_proj.data();
-  p.wtype = weight_type(w.first().dtype());
+  p.wtype = w.is_quantized() ? WType::f32 : weight_type(w.first().dtype());  // quantized: Plan::q1 / q2 instead
   p.welem = dtype_nbytes(w.first().dtype(), 1);
   MOEKIT_CHECK(w.first().device().is_cpu() && w.down_proj.device().is_cpu(), "CPU backends need CPU weights, got ",
                w.first().device().to_string());
@@ -60,6 +67,40 @@ Plan make_plan(const Experts& experts, const ExpertsCall& call) {
   }
   p.act = call.hidden_states.dtype;
   p.kernels = &gemm_kernels();
+  if (w.is_fp4()) {
+    p.fp4 = true;
+    p.fp4_float_acts = w.fp4_float_activations;
+    p.pow2_scales = true;  // w4a8: the activations' FP8 scales rounded up to powers of two, as the weights' are
+    p.q1 = static_cast<const uint8_t*>(w.first().data());
+    p.q2 = static_cast<const uint8_t*>(w.down_proj.data());
+    p.u1 = w.first_scale_inv().ptr<uint8_t>();
+    p.u2 = w.down_proj_scale_inv.ptr<uint8_t>();
+    return p;
+  }
+  if (w.is_fp8()) {
+    p.q1 = static_cast<const uint8_t*>(w.first().data());
+    p.q2 = static_cast<const uint8_t*>(w.down_proj.data());
+    p.sper1 = w.first_scale_inv().numel() / p.E;
+    p.sper2 = w.down_proj_scale_inv.numel() / p.E;
+    p.pow2_scales = w.first_scale_inv().dtype() == DType::ue8m0;
+    if (p.pow2_scales) {
+      const Fp8Scales& sc = experts.state<Fp8Scales>("cpu_fp8_scales", [&] {
+        auto r = std::make_unique<Fp8Scales>();
+        for (const Tensor* t : {&w.first_scale_inv(), &w.down_proj_scale_inv}) {
+          std::vector<float>& dst = t == &w.down_proj_scale_inv ? r->s2 : r->s1;
+          dst.resize(size_t(t->numel()));
+          for (int64_t i = 0; i < t->numel(); ++i) dst[size_t(i)] = ue8m0_to_f32(t->ptr<uint8_t>()[i]);
+        }
+        return r;
+      });
+      p.s1 = sc.s1.data();
+      p.s2 = sc.s2.data();
+    } else {
+      p.s1 = w.first_scale_inv().ptr<float>();
+      p.s2 = w.down_proj_scale_inv.ptr<float>();
+    }
+    return p;
+  }
   if (p.act == DType::bf16 && p.wtype == WType::bf16 && p.kernels->gemm_bf16_tile) {
     prepare(experts);
     p.packed = &experts.state<PackedExperts>("cpu_packed", [] { return std::make_unique<PackedExperts>(); });
@@ -126,6 +167,43 @@ void for_each_token_chunk(const ExpertsCall& call, int64_t floats_per_pair,
                   rows(call.out, H), call.stream};
     fn(c);
   }
+}
+
+Fp8Rows fp8_rows(const Plan& p, const float* src, int64_t lds, int64_t rows, int64_t k) {
+  Fp8Rows r;
+  r.ld = fp8_row_k(k);
+  r.lds = r.ld / kFp8K;
+  r.q.reset(new double[size_t(std::max<int64_t>(rows * r.ld, 1))]);
+  r.s.reset(new float[size_t(std::max<int64_t>(rows * r.lds, 1))]);
+  parallel_for(rows, 8, rows * k * 4, [&](int64_t i) {
+    if (p.fp4 && p.fp4_float_acts)
+      plain_rows(src + i * lds, lds, 1, k, r.q.get() + i * r.ld, r.ld, r.s.get() + i * r.lds, r.lds);
+    else
+      fp8_quantize_rows(src + i * lds, lds, 1, k, p.pow2_scales, r.q.get() + i * r.ld, r.ld, r.s.get() + i * r.lds,
+                        r.lds);
+  });
+  return r;
+}
+
+void quant_tile(const Plan& p, bool down, int64_t e, const Fp8Rows& a, int64_t r0, int64_t m, int64_t n0, int64_t n1,
+                float* c, int64_t ldc, float* work) {
+  const double* q = a.q.get() + r0 * a.ld;
+  const float* s = a.s.get() + r0 * a.lds;
+  double* wk = reinterpret_cast<double*>(work);
+  if (p.fp4)
+    p.kernels->gemm_fp4_tile(q, a.ld, s, a.lds, m, down ? p.down_fp4(e) : p.first_fp4(e), n0, n1, c, ldc, wk);
+  else
+    p.kernels->gemm_fp8_tile(q, a.ld, s, a.lds, m, down ? p.down_fp8(e) : p.first_fp8(e), n0, n1, c, ldc, wk);
+}
+
+void quant_gemm(const Plan& p, bool down, int64_t e, const Fp8Rows& a, int64_t r0, int64_t m, float* c, int64_t ldc) {
+  const int64_t n = down ? p.H : p.N1, k = down ? p.I : p.H;
+  if (m <= 0) return;
+  const int64_t tiles = (n + kFp8TileN - 1) / kFp8TileN;
+  parallel_tasks(tiles, fp8_work_floats(k), m * n * k, [&](int64_t t, float* work) {
+    const int64_t n0 = t * kFp8TileN;
+    quant_tile(p, down, e, a, r0, m, n0, std::min(n, n0 + kFp8TileN), c, ldc, work);
+  });
 }
 
 FloatBuffer make_buffer(int64_t n) { return FloatBuffer(new float[size_t(std::max<int64_t>(n, 1))]); }
@@ -234,9 +312,14 @@ Support supports(const Experts& experts, DType act) {
   if (!experts.device().is_cpu())
     return Support::no("the CPU backends need experts on the CPU, got " + experts.device().to_string());
   const DType w = experts.weight_dtype();
+  if (experts.is_quantized()) {
+    if (act != DType::f32 && act != DType::bf16 && act != DType::f16)
+      return Support::no(std::string("CPU backends take f32, bf16 or f16 activations, got ") + dtype_name(act));
+    return Support::yes();
+  }
   if (w != DType::f32 && w != DType::bf16 && w != DType::f16)
-    return Support::no(std::string("CPU backends take f32, bf16 or f16 weights, got ") + dtype_name(w) +
-                       " (quantized experts are not in this build)");
+    return Support::no(std::string("CPU backends take f32, bf16, f16 or FP8 (f8e4m3 with block scales) weights, got ") +
+                       dtype_name(w));
   if (act != DType::f32 && act != DType::bf16 && act != DType::f16)
     return Support::no(std::string("CPU backends take f32, bf16 or f16 activations, got ") + dtype_name(act));
   return Support::yes();

@@ -46,6 +46,30 @@ struct Plan {
   // bf16 value), a packed copy, and kernels with a bf16 tile.
   const PackedExperts* packed = nullptr;
 
+  // Set for FP8 experts: e4m3 weights and their block scales as f32 (the module's own when f32, a converted copy
+  // when ue8m0), pow2_scales for ue8m0 (activation scales are then rounded up to powers of two as well).
+  const uint8_t* q1 = nullptr;
+  const uint8_t* q2 = nullptr;
+  const float* s1 = nullptr;
+  const float* s2 = nullptr;
+  int64_t sper1 = 0, sper2 = 0;  // scales per expert
+  bool pow2_scales = false;
+  // FP4 experts: q1 / q2 hold packed e2m1, u1 / u2 their ue8m0 scales per row and 32 inputs; activations quantized
+  // to FP8 unless fp4_float_acts.
+  bool fp4 = false, fp4_float_acts = false;
+  const uint8_t* u1 = nullptr;
+  const uint8_t* u2 = nullptr;
+  // Quantized experts (FP8 or FP4): the products run on the quantized tiles (quant_tile).
+  bool quantized() const { return q1 != nullptr; }
+  Fp4Matrix first_fp4(int64_t e) const {
+    return {q1 + e * N1 * H / 2, u1 + e * N1 * (H / 32), N1, H, fp4_float_acts ? 1.0 : 0x1p-9};
+  }
+  Fp4Matrix down_fp4(int64_t e) const { return {q2 + e * H * I / 2, u2 + e * H * (I / 32), H, I, fp4_float_acts ? 1.0 : 0x1p-9}; }
+  Fp8Matrix first_fp8(int64_t e) const {
+    return {q1 + e * N1 * H, s1 + e * sper1, N1, H, spec->has_gate ? I : N1};
+  }
+  Fp8Matrix down_fp8(int64_t e) const { return {q2 + e * H * I, s2 + e * sper2, H, I, H}; }
+
   PackedBf16 first_packed(int64_t e) const { return {packed->w1.data() + e * packed->per1, N1, H, packed->kp1}; }
   PackedBf16 down_packed(int64_t e) const { return {packed->w2.data() + e * packed->per2, H, I, packed->kp2}; }
 
@@ -70,6 +94,24 @@ void for_each_token_chunk(const ExpertsCall& call, int64_t floats_per_pair,
 // dst[i, 0:kp) = bf16(src[i, 0:k)), zero past k (all threads).
 using Bf16Buffer = std::unique_ptr<uint16_t[]>;
 Bf16Buffer bf16_rows(const float* src, int64_t lds, int64_t rows, int64_t k, int64_t kp);
+
+// Rows for the quantized tiles: quantized to FP8 (base/gemm.h fp8_quantize_rows), or plain values for FP4 weights
+// with float activations (plain_rows): q [rows, ld] and scales s [rows, lds].
+struct Fp8Rows {
+  std::unique_ptr<double[]> q;
+  std::unique_ptr<float[]> s;
+  int64_t ld = 0, lds = 0;
+};
+// The first k values of `rows` rows of src (row stride lds), quantized per 128 inputs (all threads).
+Fp8Rows fp8_rows(const Plan& p, const float* src, int64_t lds, int64_t rows, int64_t k);
+// Per-thread scratch (floats) of one FP8 tile over weights with k inputs.
+inline int64_t fp8_work_floats(int64_t k) { return 2 * fp8_work_doubles(k); }
+// c[m, n0:n1) = rows r0 .. r0 + m of a times the first (down: the down) projection of expert e on quantized weights
+// (FP8 or FP4 tile). `work`: fp8_work_floats(k) floats. Single-threaded.
+void quant_tile(const Plan& p, bool down, int64_t e, const Fp8Rows& a, int64_t r0, int64_t m, int64_t n0, int64_t n1,
+                float* c, int64_t ldc, float* work);
+// The same over all columns (all threads over column tiles).
+void quant_gemm(const Plan& p, bool down, int64_t e, const Fp8Rows& a, int64_t r0, int64_t m, float* c, int64_t ldc);
 
 // Uninitialised float buffer.
 using FloatBuffer = std::unique_ptr<float[]>;

@@ -17,6 +17,15 @@ void eager_chunk(const Plan& p, const ExpertsCall& call) {
     float* x = xy.get() + r0 * H;
     float* h = h1.get() + r0 * N1;
     gather_rows(p, call, r.sorted_pairs.data() + r0, m, x);
+    if (p.quantized()) {  // activations quantized per row and 128 inputs, weights decoded in the tile
+      const Fp8Rows xa = fp8_rows(p, x, H, m, H);
+      quant_gemm(p, false, e, xa, 0, m, h, N1);
+      parallel_for(m, 8, m * N1 * kGateCost, [&](int64_t i) { first_epilogue_row(p, e, h + i * N1); });
+      const Fp8Rows ha = fp8_rows(p, h, N1, m, p.I);
+      quant_gemm(p, true, e, ha, 0, m, x, H);
+      parallel_for(m, 8, m * H, [&](int64_t i) { down_epilogue(p, e, x + i * H, H, 1, 0, H); });
+      continue;
+    }
     if (p.packed) {  // bf16 tile over the packed weights
       const Bf16Buffer xa = bf16_rows(x, H, m, H, p.packed->kp1);
       gemm_bf16(*p.kernels, xa.get(), p.packed->kp1, m, p.first_packed(e), h, N1);

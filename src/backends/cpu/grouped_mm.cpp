@@ -66,6 +66,29 @@ void grouped_bf16(const Plan& p, const ExpertRouting& r, float* xy, float* h1, c
   });
 }
 
+// The two projections on quantized (FP8 / FP4) weights: activations quantized per row and 128 inputs, (expert, column tile) tasks
+// over all rows of the expert, weights decoded in the tile.
+void grouped_fp8(const Plan& p, const ExpertRouting& r, float* xy, float* h1, const int64_t* row_expert) {
+  const int64_t rows = r.routed(), H = p.H, N1 = p.N1;
+  const GemmKernels& k = *p.kernels;
+  const Fp8Rows xa = fp8_rows(p, xy, H, rows, H);
+  const std::vector<Tile> up = grouped_tiles(r, N1, kFp8TileN);
+  parallel_tasks(int64_t(up.size()), fp8_work_floats(H), rows * N1 * H, [&](int64_t i, float* work) {
+    const Tile& t = up[size_t(i)];
+    const int64_t r0 = r.offsets[size_t(t.expert)];
+    quant_tile(p, false, t.expert, xa, r0, r.counts[size_t(t.expert)], t.n0, t.n1, h1 + r0 * N1, N1, work);
+  });
+  parallel_for(rows, 8, rows * N1 * kGateCost, [&](int64_t i) { first_epilogue_row(p, row_expert[i], h1 + i * N1); });
+  const Fp8Rows ha = fp8_rows(p, h1, N1, rows, p.I);
+  const std::vector<Tile> down = grouped_tiles(r, H, kFp8TileN);
+  parallel_tasks(int64_t(down.size()), fp8_work_floats(p.I), rows * H * p.I, [&](int64_t i, float* work) {
+    const Tile& t = down[size_t(i)];
+    const int64_t r0 = r.offsets[size_t(t.expert)], m = r.counts[size_t(t.expert)];
+    quant_tile(p, true, t.expert, ha, r0, m, t.n0, t.n1, xy + r0 * H, H, work);
+    down_epilogue(p, t.expert, xy + r0 * H, H, m, t.n0, t.n1);
+  });
+}
+
 void grouped_chunk(const Plan& p, const ExpertsCall& call) {
   const ExpertRouting r = route_top_k(call.top_k_index.data, call.top_k_index.dtype, call.tokens(), call.top_k(), p.E);
   const int64_t rows = r.routed(), H = p.H, N1 = p.N1;
@@ -77,6 +100,11 @@ void grouped_chunk(const Plan& p, const ExpertsCall& call) {
     for (int64_t i = r.offsets[size_t(e)]; i < r.offsets[size_t(e + 1)]; ++i) row_expert[size_t(i)] = e;
 
   gather_rows(p, call, r.sorted_pairs.data(), rows, xy.get());
+  if (p.quantized()) {
+    grouped_fp8(p, r, xy.get(), h1.get(), row_expert.data());
+    combine(p, call, xy.get(), H, r.position.data());
+    return;
+  }
   if (p.packed) {
     grouped_bf16(p, r, xy.get(), h1.get(), row_expert.data());
     combine(p, call, xy.get(), H, r.position.data());

@@ -51,9 +51,12 @@ Support supports(std::string_view backend, const Experts& experts, DType act_dty
   if (!avail) return avail;
   const ExpertsSpec& s = experts.spec();
   const DType wt = experts.weight_dtype();
+  if (experts.is_quantized())
+    return no(backend, std::string("has no CUDA kernel for quantized (") + dtype_name(wt) +
+                           " block-scaled) experts yet; run them on the CPU backends, or load the checkpoint with "
+                           "dequantize (moekit run --dequantize) to run bf16 weights on the GPU");
   if (wt != DType::f32 && wt != DType::bf16 && wt != DType::f16)
-    return no(backend, std::string("takes f32, bf16 or f16 weights, got ") + dtype_name(wt) +
-                           " (quantized experts are not in this build)");
+    return no(backend, std::string("takes f32, bf16 or f16 weights, got ") + dtype_name(wt));
   if (act_dtype != wt)
     return no(backend, std::string("activations must have the weights' dtype (") + dtype_name(wt) + "), got " +
                            dtype_name(act_dtype) + "; convert the hidden states or the weights");

@@ -42,13 +42,14 @@ Ceilings given_ceilings(Device device, double peak_tflops, double bandwidth_gbps
 // ---- the roofline of one forward ----
 // 2 * T * K * (H * N1 + I * H), N1 = 2I for gated experts, I otherwise.
 double forward_flops(const ShapePreset& shape, int64_t tokens);
-// Bytes of one expert's weights and biases.
-double expert_bytes(const ShapePreset& shape, DType weight_dtype);
+// Bytes of one expert's weights and biases; with `quant` (fp8, fp4, mxfp4: BenchOptions::quant) the quantized
+// weights' bytes and their scales'.
+double expert_bytes(const ShapePreset& shape, DType weight_dtype, const std::string& quant = "");
 // Expected number of distinct experts hit by T tokens under uniform routing: E (1 - (1 - K/E)^T).
 double expected_experts_touched(const ShapePreset& shape, int64_t tokens);
 // Distinct experts' weights plus the activations read and written (hidden_states, out, routing).
 double forward_bytes(const ShapePreset& shape, int64_t tokens, double experts_touched, DType dtype,
-                     DType index_dtype);
+                     DType index_dtype, const std::string& quant = "");
 // max(flops / peak, bytes / bandwidth), in microseconds.
 double floor_us(double flops, double bytes, const Ceilings& c);
 
@@ -59,6 +60,10 @@ struct BenchOptions {
   std::vector<std::string> backends;  // empty: every registered backend
   Device device = Device::cpu();
   DType dtype = DType::bf16;          // weights and activations
+  // "" or a quantized format of the experts (made from the random weights; CPU backends): fp8 (e4m3, 128 x 128
+  // f32 block scales, activations quantized per token and 128), fp4 (e2m1 with a ue8m0 scale per row and 32,
+  // activations in FP8), mxfp4 (the same weights, activations as they are). The floor counts their bytes.
+  std::string quant;
   DType index_dtype = DType::i64;     // top_k_index, as transformers passes it
   bool graph = false;                 // also time CUDA-graph replays of capturable backends
   int64_t graph_max_tokens = std::numeric_limits<int64_t>::max();

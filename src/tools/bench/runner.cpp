@@ -13,6 +13,7 @@
 
 #include "bench/bench.h"
 #include "bench/workload.h"
+#include "moekit/quant.h"
 #include "moekit/interface.h"
 #ifdef MOEKIT_WITH_CUDA
 #include "bench/cuda_bench.h"
@@ -53,10 +54,10 @@ std::string BenchOptions::to_string() const {
   return fmt::format(
       "BenchOptions{{.shapes={}, .tokens={}, .backends={}, .device={}, .dtype={}, .index_dtype={}, .graph={}, "
       ".graph_max_tokens={}, .routing={}, .warmup={}, .iters={}, .min_iters={}, .min_time_s={}, .max_seconds={}, "
-      ".tolerance={}, .check_macs={}, .seed={}}}",
+      ".tolerance={}, .check_macs={}, .seed={}, .quant={}}}",
       shape_names, token_list, backend_names.empty() ? "all" : backend_names, device.to_string(), dtype_name(dtype),
       dtype_name(index_dtype), graph, graph_max_tokens, routing_name(routing), warmup, iters, min_iters, min_time_s,
-      max_seconds, tolerance, check_macs, seed);
+      max_seconds, tolerance, check_macs, seed, quant.empty() ? "none" : quant);
 }
 
 // ---- roofline ----
@@ -65,11 +66,16 @@ double forward_flops(const ShapePreset& s, int64_t T) {
   return 2.0 * double(T) * double(s.top_k) * (double(s.hidden) * n1 + double(s.intermediate) * double(s.hidden));
 }
 
-double expert_bytes(const ShapePreset& s, DType wt) {
+double expert_bytes(const ShapePreset& s, DType wt, const std::string& quant) {
   const double H = double(s.hidden), I = double(s.intermediate);
-  double elems = H * 2 * I + I * H;
-  if (s.has_bias) elems += 2 * I + H;
-  return elems * double(dtype_nbytes(wt, 1));
+  const double weights = H * 2 * I + I * H, biases = s.has_bias ? 2 * I + H : 0;
+  if (quant == "fp8")  // e4m3, one f32 scale per 128 x 128 block
+    return weights + 4.0 * (double(2 * fp8_blocks(s.intermediate) * fp8_blocks(s.hidden)) +
+                            double(fp8_blocks(s.hidden) * fp8_blocks(s.intermediate))) +
+           biases * double(dtype_nbytes(wt, 1));
+  if (quant == "fp4" || quant == "mxfp4")  // e2m1, one ue8m0 scale per row and 32 inputs
+    return weights * (0.5 + 1.0 / 32) + biases * double(dtype_nbytes(wt, 1));
+  return (weights + biases) * double(dtype_nbytes(wt, 1));
 }
 
 double expected_experts_touched(const ShapePreset& s, int64_t T) {
@@ -77,10 +83,11 @@ double expected_experts_touched(const ShapePreset& s, int64_t T) {
   return E * (1.0 - std::pow(1.0 - K / E, double(T)));
 }
 
-double forward_bytes(const ShapePreset& s, int64_t T, double touched, DType dtype, DType index_dtype) {
+double forward_bytes(const ShapePreset& s, int64_t T, double touched, DType dtype, DType index_dtype,
+                     const std::string& quant) {
   const double act = 2.0 * double(T) * double(s.hidden) * double(dtype_nbytes(dtype, 1));
   const double routing = double(T) * double(s.top_k) * double(dtype_nbytes(index_dtype, 1) + dtype_nbytes(dtype, 1));
-  return touched * expert_bytes(s, dtype) + act + routing;
+  return touched * expert_bytes(s, dtype, quant) + act + routing;
 }
 
 double floor_us(double flops, double bytes, const Ceilings& c) {
@@ -173,7 +180,7 @@ class ShapeRunner {
 
   // Runs every case of this shape; `cases` are the (backend, graph) pairs that can run at all.
   void run(const std::vector<Case>& cases, const std::function<void(const std::string&)>& step) {
-    const Experts experts = make_random_experts(shape_, opt_.dtype, opt_.device, opt_.seed);
+    const Experts experts = make_random_experts(shape_, opt_.dtype, opt_.device, opt_.seed, opt_.quant);
     std::vector<Case> runnable;
     for (const auto& c : cases) {
       const Support s = ExpertsInterface::global().get(c.backend)->supports(experts, opt_.dtype);
@@ -197,7 +204,8 @@ class ShapeRunner {
       if (it != data.end()) return it->second;
       TokenData& d = data[T];
       // Input sets: together beyond the cache (activations and the experts each set hits).
-      const double per_set = forward_bytes(shape_, T, expected_experts_touched(shape_, T), opt_.dtype, opt_.index_dtype);
+      const double per_set =
+          forward_bytes(shape_, T, expected_experts_touched(shape_, T), opt_.dtype, opt_.index_dtype, opt_.quant);
       const double act_per_set = 2.0 * double(T) * double(shape_.hidden) * double(dtype_nbytes(opt_.dtype, 1));
       const double act_budget = opt_.device.is_cpu() ? 1e9 : 4e9;
       int n_sets = int(std::clamp(std::ceil(3.0 * double(ceil_.cache_bytes) / per_set), 3.0, 64.0));
@@ -266,7 +274,7 @@ class ShapeRunner {
       BenchRecord rec = time_case(experts, c, T, d.sets, d.ref, tol);
       rec.experts_touched = d.touched;
       rec.flops = forward_flops(shape_, T);
-      rec.bytes = forward_bytes(shape_, T, d.touched, opt_.dtype, opt_.index_dtype);
+      rec.bytes = forward_bytes(shape_, T, d.touched, opt_.dtype, opt_.index_dtype, opt_.quant);
       rec.moved_bytes =
           ExpertsInterface::global().get(c.backend)->bytes_moved(shape_.spec(), T, shape_.top_k, d.touched, opt_.dtype);
       rec.floor_us = floor_us(rec.flops, rec.bytes, ceil_);
@@ -366,6 +374,7 @@ class ShapeRunner {
     r.backend = c.backend;
     r.device = opt_.device.to_string();
     r.dtype = dtype_name(opt_.dtype);
+    if (!opt_.quant.empty()) r.dtype += "+" + opt_.quant;  // activations + quantized weights
     r.routing = routing_name(opt_.routing);
     r.tokens = T;
     r.graph = c.graph;
@@ -426,7 +435,7 @@ BenchReport run_bench(const BenchOptions& opt, const Ceilings& ceilings, const P
       for (int64_t T : opt.tokens)
         if (!c.graph || T <= opt.graph_max_tokens) step(fmt::format("{} {} T={}{}", shape.name, c.backend, T, c.graph ? " graph" : ""));
     };
-    const double weights = double(shape.num_experts) * expert_bytes(shape, opt.dtype);
+    const double weights = double(shape.num_experts) * expert_bytes(shape, opt.dtype, opt.quant);
     const double room = usable_memory_bytes(opt.device);
     for (const auto& n : names) {
       const auto backend = registry.get(n);

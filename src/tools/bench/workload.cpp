@@ -9,6 +9,7 @@
 #include <random>
 
 #include "backends/reference.h"
+#include "moekit/quant.h"
 #include "bench/random.h"
 #ifdef MOEKIT_WITH_CUDA
 #include "bench/cuda_bench.h"
@@ -99,7 +100,10 @@ std::vector<int64_t> route(int64_t T, int64_t K, int64_t E, Routing routing, con
 
 }  // namespace
 
-Experts make_random_experts(const ShapePreset& shape, DType dtype, Device device, uint64_t seed) {
+Experts quantize_random_experts(ExpertsSpec spec, ExpertsWeights w, const std::string& quant);
+
+Experts make_random_experts(const ShapePreset& shape, DType dtype, Device device, uint64_t seed,
+                            const std::string& quant) {
   const ExpertsSpec spec = shape.spec();
   const int64_t E = shape.num_experts, H = shape.hidden, I = shape.intermediate;
   ExpertsWeights w;
@@ -109,6 +113,34 @@ Experts make_random_experts(const ShapePreset& shape, DType dtype, Device device
   if (spec.has_bias) {
     w.gate_up_proj_bias = random_tensor({E, 2 * I}, dtype, device, 0.02, seed * 8 + 3);
     w.down_proj_bias = random_tensor({E, H}, dtype, device, 0.02, seed * 8 + 4);
+  }
+  if (!quant.empty()) return quantize_random_experts(spec, std::move(w), quant);
+  return Experts(spec, std::move(w), "eager");
+}
+
+// The weights of make_random_experts in a quantized format, [E, out, in], on their device.
+Experts quantize_random_experts(ExpertsSpec spec, ExpertsWeights w, const std::string& quant) {
+  MOEKIT_CHECK(quant == "fp8" || quant == "fp4" || quant == "mxfp4", "bench: --quant takes fp8, fp4 or mxfp4, got '",
+               quant, "'");
+  const Device dev = w.down_proj.device();
+  Tensor& first = spec.has_gate ? w.gate_up_proj : w.up_proj;
+  Tensor& first_scale = spec.has_gate ? w.gate_up_proj_scale_inv : w.up_proj_scale_inv;
+  if (spec.is_transposed) {
+    first = transpose_expert_weight(first);
+    w.down_proj = transpose_expert_weight(w.down_proj);
+    spec.is_transposed = false;
+  }
+  if (quant == "fp8") {
+    MOEKIT_CHECK(!spec.has_gate || spec.is_concatenated, "bench --quant fp8: interleaved gate/up experts (",
+                 "this shape) have no FP8 layout; use fp4 or mxfp4");
+    auto [q1, s1] = quantize_fp8(first, DType::f32, spec.has_gate ? 2 : 1);
+    auto [q2, s2] = quantize_fp8(w.down_proj);
+    first = q1.to(dev), first_scale = s1.to(dev), w.down_proj = q2.to(dev), w.down_proj_scale_inv = s2.to(dev);
+  } else {
+    auto [q1, s1] = quantize_fp4(first);
+    auto [q2, s2] = quantize_fp4(w.down_proj);
+    first = q1.to(dev), first_scale = s1.to(dev), w.down_proj = q2.to(dev), w.down_proj_scale_inv = s2.to(dev);
+    w.fp4_float_activations = quant == "mxfp4";
   }
   return Experts(spec, std::move(w), "eager");
 }
@@ -201,6 +233,10 @@ ReferenceRows reference_rows(const Experts& experts, const ShapePreset& shape, c
   cw.gate_up_proj_bias = gather(W.gate_up_proj_bias);
   cw.up_proj_bias = gather(W.up_proj_bias);
   cw.down_proj_bias = gather(W.down_proj_bias);
+  cw.gate_up_proj_scale_inv = gather(W.gate_up_proj_scale_inv);
+  cw.up_proj_scale_inv = gather(W.up_proj_scale_inv);
+  cw.down_proj_scale_inv = gather(W.down_proj_scale_inv);
+  cw.fp4_float_activations = W.fp4_float_activations;
   ExpertsSpec spec = experts.spec();
   spec.num_experts = En;
   const Experts host(spec, std::move(cw), "eager");

@@ -9,8 +9,10 @@
 
 namespace moekit::bench {
 
-// Weights and biases normal(0, 0.02) in `dtype`, made on `device` (on the GPU by a kernel).
-Experts make_random_experts(const ShapePreset& shape, DType dtype, Device device, uint64_t seed);
+// Weights and biases normal(0, 0.02) in `dtype`, made on `device` (on the GPU by a kernel); with `quant` (fp8, fp4,
+// mxfp4) the weights are then quantized into that format ([E, out, in]).
+Experts make_random_experts(const ShapePreset& shape, DType dtype, Device device, uint64_t seed,
+                            const std::string& quant = "");
 
 // One input set of a case. The host copies are kept only where the reference check needs them.
 struct InputSet {

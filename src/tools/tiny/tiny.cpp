@@ -3,11 +3,14 @@
 #include "tiny/tiny.h"
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
 
+#include "moekit/experts.h"
+#include "moekit/quant.h"
 #include "moekit/safetensors.h"
 
 namespace moekit {
@@ -312,8 +315,133 @@ void write_tiny_checkpoint(const std::string& arch, const std::string& dir, uint
   write_tiny_checkpoint(arch, dir, TinyOptions{.seed = seed});
 }
 
+bool fp8_quantized_tensor(const std::string& name, const Shape& shape) {
+  auto ends = [&](const std::string& s) {
+    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+  };
+  if (shape.size() != 2 || !ends(".weight")) return false;
+  for (const char* skip : {"embed_tokens", "lm_head", "visual.", "vision"})
+    if (name.find(skip) != std::string::npos) return false;
+  return !ends(".gate.weight") && !ends("shared_expert_gate.weight") && !ends(".router.weight");
+}
+
+nlohmann::json fp8_quantization_config() {
+  return {{"quant_method", "fp8"},
+          {"fmt", "e4m3"},
+          {"activation_scheme", "dynamic"},
+          {"weight_block_size", {kFp8Block, kFp8Block}}};
+}
+
+namespace {
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+}  // namespace
+
+void quantize_tensors(std::vector<std::pair<std::string, Tensor>>& tensors, nlohmann::json& config,
+                      const std::string& format) {
+  MOEKIT_CHECK(format == "fp8" || format == "fp4" || format == "mxfp4", "quantize: the format is fp8, fp4 or mxfp4, got '",
+               format, "'");
+  MOEKIT_CHECK(!config.contains("quantization_config"), "quantize: the checkpoint is already quantized (",
+               config["quantization_config"].dump(), ")");
+  nlohmann::json& text = config.contains("text_config") ? config["text_config"] : config;
+  std::vector<std::pair<std::string, Tensor>> out;
+  bool any_experts = false;
+  for (auto& [name, t] : tensors) {
+    const bool fused = ends_with(name, "experts.gate_up_proj") || ends_with(name, "experts.down_proj");
+    if (format == "mxfp4") {
+      if (!fused) {
+        out.push_back({name, t});
+        continue;
+      }
+      MOEKIT_CHECK(t.dim() == 3, "quantize mxfp4: ", name, " is ", shape_to_string(t.shape()), ", expected [E, in, out]");
+      // gpt-oss stores [E, in, out]; MXFP4 blocks are [E, out, in / 32, 16].
+      auto [q, sc] = quantize_fp4(transpose_expert_weight(t.to(DType::f32)));
+      const int64_t E = q.size(0), N = q.size(1), K = q.size(2);
+      Tensor blocks = Tensor::empty({E, N, K / 32, 16}, DType::u8), scales = Tensor::empty({E, N, K / 32}, DType::u8);
+      std::memcpy(blocks.data(), q.data(), q.nbytes());
+      std::memcpy(scales.data(), sc.data(), sc.nbytes());
+      out.push_back({name + "_blocks", blocks});
+      out.push_back({name + "_scales", scales});
+      any_experts = true;
+      continue;
+    }
+    MOEKIT_CHECK(!fused, "quantize ", format, ": ", name, " holds fused experts; ", format,
+                 " checkpoints store per-expert weights (mxfp4 is the format of gpt-oss's fused experts)");
+    if (!fp8_quantized_tensor(name, t.shape())) {
+      out.push_back({name, t});
+      continue;
+    }
+    const std::string sn = name.substr(0, name.size() - 7) + ".weight_scale_inv";
+    if (format == "fp4" && name.find(".experts.") != std::string::npos) {
+      auto [q, sc] = quantize_fp4(t);
+      Tensor packed = Tensor::empty({q.size(0), q.size(1) / 2}, DType::i8);
+      std::memcpy(packed.data(), q.data(), q.nbytes());
+      out.push_back({name, packed});
+      out.push_back({sn, sc});
+      any_experts = true;
+      continue;
+    }
+    auto [q, sc] = quantize_fp8(t, format == "fp4" ? DType::ue8m0 : DType::f32);
+    out.push_back({name, q});
+    out.push_back({sn, sc});
+    if (name.find(".experts.") != std::string::npos) any_experts = true;
+  }
+  MOEKIT_CHECK(any_experts, "quantize ", format, ": no routed experts found to quantize (",
+               format == "mxfp4" ? "mxfp4 needs gpt-oss's fused experts.gate_up_proj / down_proj"
+                                 : "expected per-expert experts.{e}.*.weight tensors", ")");
+  tensors = std::move(out);
+  std::sort(tensors.begin(), tensors.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  if (format == "mxfp4") {
+    config["quantization_config"] = {
+        {"quant_method", "mxfp4"},
+        {"modules_to_not_convert", {"model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                    "lm_head"}}};
+  } else {
+    config["quantization_config"] = fp8_quantization_config();
+    if (format == "fp4") {
+      config["quantization_config"]["scale_fmt"] = "ue8m0";
+      text["expert_dtype"] = "fp4";
+    }
+  }
+}
+
+int64_t quantize_checkpoint(const std::string& in, const std::string& out, const std::string& format) {
+  const fs::path src(in), dst(out);
+  MOEKIT_CHECK_CODE(fs::is_regular_file(src / "config.json"), not_found, in, ": no config.json");
+  std::error_code ec;
+  MOEKIT_CHECK(!fs::equivalent(src, dst, ec), "quantize: --out must be another folder than --in");
+  nlohmann::json config = nlohmann::json::parse(std::ifstream(src / "config.json"));
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  std::vector<SafetensorsFile> files;
+  for (const auto& f : fs::directory_iterator(src))
+    if (f.path().extension() == ".safetensors") files.push_back(SafetensorsFile::open(f.path().string()));
+  MOEKIT_CHECK_CODE(!files.empty(), not_found, in, ": no *.safetensors file");
+  for (const auto& f : files)
+    for (const auto& name : f.names()) tensors.push_back({name, f.get(name)});
+  quantize_tensors(tensors, config, format);
+  fs::create_directories(dst, ec);
+  MOEKIT_CHECK_CODE(fs::is_directory(dst), io, out, ": cannot create the folder (", ec.message(), ")");
+  for (const auto& f : fs::directory_iterator(src)) {
+    const std::string n = f.path().filename().string();
+    if (f.path().extension() == ".safetensors" || n == "model.safetensors.index.json" || n == "config.json" ||
+        !f.is_regular_file())
+      continue;
+    fs::copy_file(f.path(), dst / n, fs::copy_options::overwrite_existing);
+  }
+  for (const auto& f : fs::directory_iterator(dst))
+    if (f.path().extension() == ".safetensors" || f.path().filename() == "model.safetensors.index.json")
+      fs::remove(f.path());
+  write_json(dst / "config.json", config);
+  save_safetensors((dst / "model.safetensors").string(), tensors, {{"format", "pt"}});
+  return int64_t(tensors.size());
+}
+
 void write_tiny_checkpoint(const std::string& arch, const std::string& dir, const TinyOptions& options) {
   nlohmann::json config = tiny_config(arch);
+  const bool quantized = !options.quantize.empty();
+  // gpt-oss's MXFP4 needs inputs in multiples of 32: intermediate 96 (2I != H still).
+  if (options.quantize == "mxfp4" && arch == "gpt_oss") config["intermediate_size"] = 96;
   const char* dtype = torch_dtype_name(options.dtype);
   MOEKIT_CHECK(options.shards >= 1 && options.shards <= 99, "tiny: shards must be in [1, 99], got ", options.shards);
   config["dtype"] = dtype;
@@ -321,6 +449,19 @@ void write_tiny_checkpoint(const std::string& arch, const std::string& dir, cons
     if (config.contains(sub) && config[sub].contains("dtype")) config[sub]["dtype"] = dtype;
   const auto shapes = tiny_tensor_shapes(config);
 
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  uint64_t total_bytes = 0, total_params = 0;
+  for (const auto& [name, shape] : shapes) {
+    Tensor t = random_tensor(name, shape, options.seed);
+    // DeepSeek-V3 keeps its router correction bias in float32 whatever the checkpoint dtype.
+    if (name.find("e_score_correction_bias") == std::string::npos) t = t.to(options.dtype);
+    tensors.push_back({name, std::move(t)});
+  }
+  if (quantized) quantize_tensors(tensors, config, options.quantize);
+  for (const auto& [name, t] : tensors) {
+    total_bytes += t.nbytes();
+    total_params += uint64_t(t.numel());
+  }
   const fs::path d(dir);
   std::error_code ec;
   fs::create_directories(d, ec);
@@ -343,16 +484,6 @@ void write_tiny_checkpoint(const std::string& arch, const std::string& dir, cons
   const nlohmann::json& text_config = config.contains("text_config") ? config["text_config"] : config;
   write_json(d / "tokenizer.json", tiny_tokenizer(get_int(text_config, "vocab_size")));
 
-  std::vector<std::pair<std::string, Tensor>> tensors;
-  uint64_t total_bytes = 0, total_params = 0;
-  for (const auto& [name, shape] : shapes) {
-    Tensor t = random_tensor(name, shape, options.seed);
-    // DeepSeek-V3 keeps its router correction bias in float32 whatever the checkpoint dtype.
-    if (name.find("e_score_correction_bias") == std::string::npos) t = t.to(options.dtype);
-    total_bytes += t.nbytes();
-    total_params += uint64_t(t.numel());
-    tensors.push_back({name, std::move(t)});
-  }
   const std::map<std::string, std::string> meta = {{"format", "pt"}};
   if (options.shards == 1) {
     save_safetensors((d / "model.safetensors").string(), tensors, meta);
