@@ -300,6 +300,32 @@ Tensor stack_bytes(const std::vector<Tensor>& parts, const Shape& shape, DType d
   return out.to(device);
 }
 
+// Per-expert quantized tensors gathered for one module: gate and up rows (gate first) and down, with their scales.
+struct PerExpertQuant {
+  std::vector<Tensor> gu, d, gus, ds;
+  std::vector<std::string> gu_names, d_names;
+  void add(const std::string& gn, const std::string& un, const std::string& dn, const Tensor& g, const Tensor& u,
+           const Tensor& dd, const Tensor& gs, const Tensor& us, const Tensor& dsc) {
+    gu.insert(gu.end(), {g, u});
+    d.push_back(dd);
+    gus.insert(gus.end(), {gs, us});
+    ds.push_back(dsc);
+    gu_names.insert(gu_names.end(), {gn, un});
+    d_names.push_back(dn);
+  }
+  // The module's stacked weights (`wdt`) and scales (`sdt`); each weight's mapped pages go once copied.
+  ExpertsWeights stack(TensorReader& r, DType wdt, DType sdt, const Shape& gu_shape, const Shape& d_shape,
+                       const Shape& gus_shape, const Shape& ds_shape) const {
+    ExpertsWeights w;
+    const Device dev = r.device();
+    w.gate_up_proj = stack_bytes(gu, gu_shape, wdt, dev, [&](size_t i) { r.release(gu_names[i]); });
+    w.down_proj = stack_bytes(d, d_shape, wdt, dev, [&](size_t i) { r.release(d_names[i]); });
+    w.gate_up_proj_scale_inv = stack_bytes(gus, gus_shape, sdt, dev, [](size_t) {});
+    w.down_proj_scale_inv = stack_bytes(ds, ds_shape, sdt, dev, [](size_t) {});
+    return w;
+  }
+};
+
 // FP8 experts as published (SPEC section 5), kept in FP8: per-expert `{gate,up,down}_proj.weight` f8e4m3 [N, K]
 // with `weight_scale_inv` [ceil(N/128), ceil(K/128)] beside each (gate and up stacked into gate_up_proj with
 // their own blocks), or fused `gate_up_proj` / `down_proj` with `_scale_inv`.
@@ -320,8 +346,7 @@ ExpertsWeights load_fp8_experts(TensorReader& r, const Checkpoint& ck, const std
     w.down_proj_scale_inv = ds.contiguous().to(dev);
     return w;
   }
-  std::vector<Tensor> gu, d, gus, ds;
-  std::vector<std::string> gu_names, d_names;
+  PerExpertQuant parts;
   for (int64_t e = 0; e < E; ++e) {
     const std::string q = p + std::to_string(e) + ".";
     const std::string gn = q + n.gate_proj + ".weight", un = q + n.up_proj + ".weight", dn = q + n.down_proj + ".weight";
@@ -331,23 +356,13 @@ ExpertsWeights load_fp8_experts(TensorReader& r, const Checkpoint& ck, const std
     for (const Tensor* t : {&g, &u, &dd})
       if (t->defined() && t->dtype() != DType::f8e4m3) r.wrong(q + " experts mix f8e4m3 and " + dtype_name(t->dtype()));
     if (!g.defined() || !u.defined() || !dd.defined() || !gs.defined() || !us.defined() || !dsc.defined()) return w;
-    gu.insert(gu.end(), {g, u});
-    d.push_back(dd);
-    gus.insert(gus.end(), {gs, us});
-    ds.push_back(dsc);
-    gu_names.insert(gu_names.end(), {gn, un});
-    d_names.push_back(dn);
+    parts.add(gn, un, dn, g, u, dd, gs, us, dsc);
   }
   if (r.dry()) return w;
-  const DType sdt = gus[0].dtype();
-  for (const Tensor& t : gus) MOEKIT_CHECK(t.dtype() == sdt, p, ": expert block scales mix f32 and ue8m0");
-  for (const Tensor& t : ds) MOEKIT_CHECK(t.dtype() == sdt, p, ": expert block scales mix f32 and ue8m0");
-  const Device dev = r.device();
-  w.gate_up_proj = stack_bytes(gu, {E, 2 * I, H}, DType::f8e4m3, dev, [&](size_t i) { r.release(gu_names[i]); });
-  w.down_proj = stack_bytes(d, {E, H, I}, DType::f8e4m3, dev, [&](size_t i) { r.release(d_names[i]); });
-  w.gate_up_proj_scale_inv = stack_bytes(gus, {E, 2 * bi, bh}, sdt, dev, [](size_t) {});
-  w.down_proj_scale_inv = stack_bytes(ds, {E, bh, bi}, sdt, dev, [](size_t) {});
-  return w;
+  const DType sdt = parts.gus[0].dtype();
+  for (const auto* v : {&parts.gus, &parts.ds})
+    for (const Tensor& t : *v) MOEKIT_CHECK(t.dtype() == sdt, p, ": expert block scales mix f32 and ue8m0");
+  return parts.stack(r, DType::f8e4m3, sdt, {E, 2 * I, H}, {E, H, I}, {E, 2 * bi, bh}, {E, bh, bi});
 }
 
 // FP4 experts as published: per-expert I8 `.weight` [N, K/2] (two e2m1 per byte, low nibble first) with F8_E8M0
@@ -384,8 +399,7 @@ ExpertsWeights load_fp4_experts(TensorReader& r, const Checkpoint& ck, const std
     w.fp4_float_activations = true;  // as transformers runs MXFP4 where its kernels are absent
     return w;
   }
-  std::vector<Tensor> gu, d, gus, ds;
-  std::vector<std::string> gu_names, d_names;
+  PerExpertQuant parts;
   for (int64_t e = 0; e < E; ++e) {
     const std::string q = p + std::to_string(e) + ".";
     const std::string gn = q + n.gate_proj + ".weight", un = q + n.up_proj + ".weight", dn = q + n.down_proj + ".weight";
@@ -395,19 +409,10 @@ ExpertsWeights load_fp4_experts(TensorReader& r, const Checkpoint& ck, const std
            us = r.bytes(TensorReader::scale_name(un), {I, H / 32}, {DType::ue8m0}),
            dsc = r.bytes(TensorReader::scale_name(dn), {H, I / 32}, {DType::ue8m0});
     if (!g.defined() || !u.defined() || !dd.defined() || !gs.defined() || !us.defined() || !dsc.defined()) return w;
-    gu.insert(gu.end(), {g, u});
-    d.push_back(dd);
-    gus.insert(gus.end(), {gs, us});
-    ds.push_back(dsc);
-    gu_names.insert(gu_names.end(), {gn, un});
-    d_names.push_back(dn);
+    parts.add(gn, un, dn, g, u, dd, gs, us, dsc);
   }
   if (r.dry()) return w;
-  w.gate_up_proj = stack_bytes(gu, {E, 2 * I, H}, DType::f4e2m1, dev, [&](size_t i) { r.release(gu_names[i]); });
-  w.down_proj = stack_bytes(d, {E, H, I}, DType::f4e2m1, dev, [&](size_t i) { r.release(d_names[i]); });
-  w.gate_up_proj_scale_inv = stack_bytes(gus, {E, 2 * I, H / 32}, DType::ue8m0, dev, [](size_t) {});
-  w.down_proj_scale_inv = stack_bytes(ds, {E, H, I / 32}, DType::ue8m0, dev, [](size_t) {});
-  return w;
+  return parts.stack(r, DType::f4e2m1, DType::ue8m0, {E, 2 * I, H}, {E, H, I}, {E, 2 * I, H / 32}, {E, H, I / 32});
 }
 
 // Already-fused experts (gpt-oss, qwen3_vl_moe, or checkpoints saved fused) load as they are; the layout
