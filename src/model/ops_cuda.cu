@@ -184,6 +184,30 @@ class CudaOps final : public DeviceOps {
         kernels::rope(x.data, t, x.stride(0), x.stride(1), T, NH, offset, pos.value, pos.device, a, stream()));
   }
 
+  void qk_norm_rope_cache(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& q_norm,
+                          const TensorView& k_norm, float eps, bool weight_before_cast, Position pos,
+                          const RopeSpec& rope, const TensorView& k_cache, const TensorView& v_cache) const override {
+    const int t = code(q, "qk_norm_rope_cache q");
+    const auto [T, Hq, Hkv, D] = check_qk_norm_rope_cache(q, k, v, q_norm, k_norm, pos.value, rope, k_cache, v_cache);
+    const int64_t half = int64_t(rope.inv_freq.size());
+    MOEKIT_CHECK(half <= kernels::kMaxRopeHalf, "rope: ", 2 * half, " rotated dims; the CUDA ops support up to ",
+                 2 * kernels::kMaxRopeHalf);
+    MOEKIT_CHECK(D <= kernels::kMaxQkvHeadDim, "qk_norm_rope_cache: heads of ", D,
+                 " dims; the CUDA kernel supports up to ", kernels::kMaxQkvHeadDim);
+    const int qwt = q_norm.data ? code(q_norm, "q norm weight") : 0;
+    const int kwt = k_norm.data ? code(k_norm, "k norm weight") : 0;
+    if (T == 0) return;
+    kernels::RopeArgs a;
+    for (int64_t i = 0; i < half; ++i) a.inv_freq[i] = rope.inv_freq[size_t(i)];
+    a.half = int(half);
+    a.interleaved = rope.interleaved ? 1 : 0;
+    a.scaling = rope.attention_scaling;
+    DeviceGuard g(q.device.index);
+    MOEKIT_CUDA_CALL(kernels::qk_norm_rope_cache(q.data, k.data, v.data, t, T, Hq, Hkv, D, q_norm.data, qwt,
+                                                 k_norm.data, kwt, eps, weight_before_cast, pos.value, pos.device,
+                                                 k_cache.data, v_cache.data, k_cache.shape[0], a, stream()));
+  }
+
   void attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out, Position pos,
                  float scale, int64_t window, const TensorView& sinks) const override {
     const int qt = code(q, "attention q");
