@@ -28,11 +28,15 @@ s=$SECONDS
 timeout 75 "$B/test_cuda_model" > "$LOG/test_cuda_model.log" 2>&1
 rc=$?
 [ $rc -eq 0 ] || status=1
-echo "test_cuda_model rc=$rc $((SECONDS - s))s $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$LOG/test_cuda_model.log" | tr '\n' ' ')"
-grep -E '^\[  FAILED  \]|^\[       OK \] .*(Fused|FixtureModel)' "$LOG/test_cuda_model.log" | head -20
+echo "test_cuda_model rc=$rc $((SECONDS - s))s $(grep -E '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]+ tests?' "$LOG/test_cuda_model.log" | tr '\n' ' ')"
+grep -qE '^\[  PASSED  \] 0 tests' "$LOG/test_cuda_model.log" && { echo "WARNING: no test ran (no GPU?)"; status=1; }
+grep -E '^\[  FAILED  \] [A-Za-z]|^\[       OK \] .*(Fused|FixtureModel)' "$LOG/test_cuda_model.log" | head -24
 
 # The decode timing: one checkpoint, two runs (same prompt, 64 new tokens greedy, graphs on).
-CKPT=$LOG/qwen3_moe_30b_shapes_4l
+# DECODE_CHECK_CKPT: an existing checkpoint instead; DECODE_CHECK_DEVICE: cpu to try the script without a GPU.
+CKPT=${DECODE_CHECK_CKPT:-$LOG/qwen3_moe_30b_shapes_4l}
+DEVICE=${DECODE_CHECK_DEVICE:-cuda}
+GRAPH=$([ "$DEVICE" = cpu ] || echo --cuda-graph)
 s=$SECONDS
 if [ ! -f "$CKPT/config.json" ]; then
   timeout 120 python3 - "$ROOT/scripts" "$CKPT" > "$LOG/checkpoint.log" 2>&1 <<'EOF'
@@ -41,14 +45,17 @@ sys.path.insert(0, sys.argv[1])
 from model_bench import make_checkpoint
 make_checkpoint(sys.argv[2], 4, 32000, 0)
 EOF
-  echo "checkpoint rc=$? $((SECONDS - s))s"
+  rc=$?
+  echo "checkpoint rc=$rc $((SECONDS - s))s"
+  [ $rc -eq 0 ] || tail -3 "$LOG/checkpoint.log"
 fi
-IDS=$(python3 -c "import random; r = random.Random(1); print(','.join(str(r.randrange(32000)) for _ in range(128)))")
+VOCAB=$(python3 -c "import json, sys; c = json.load(open(sys.argv[1])); print(c.get('text_config', c)['vocab_size'])" "$CKPT/config.json" 2>/dev/null || echo 32000)
+IDS=$(python3 -c "import random, sys; r = random.Random(1); print(','.join(str(r.randrange(int(sys.argv[1]))) for _ in range(128)))" "$VOCAB")
 for fused in 1 0; do
   s=$SECONDS
-  MOEKIT_FUSED_DECODE=$fused timeout 60 "$B/moekit" run --model "$CKPT" --device cuda --dtype bf16 \
+  MOEKIT_FUSED_DECODE=$fused timeout 60 "$B/moekit" run --model "$CKPT" --device "$DEVICE" --dtype bf16 \
     --experts grouped_mm --prompt-ids "$IDS" --max-new-tokens 64 --min-new-tokens 64 --json --quiet --warmup 2 \
-    --cuda-graph > "$LOG/run_fused$fused.json" 2> "$LOG/run_fused$fused.err"
+    $GRAPH > "$LOG/run_fused$fused.json" 2> "$LOG/run_fused$fused.err"
   rc=$?
   [ $rc -eq 0 ] || { status=1; tail -5 "$LOG/run_fused$fused.err"; }
   echo "moekit run MOEKIT_FUSED_DECODE=$fused rc=$rc $((SECONDS - s))s"
