@@ -3,6 +3,7 @@
 # the fused kernel against the unfused ops, the fixture models against transformers with the decode step fused
 # and unfused), then the decode step of a 4-layer Qwen3-30B-A3B-shaped bf16 checkpoint (scripts/model_bench.py's
 # make_checkpoint) timed with `moekit run --cuda-graph`, fused (default) and unfused (MOEKIT_FUSED_DECODE=0).
+# The test log's "decode step kernels" lines count the kernel nodes of one recorded decode step per fixture model.
 #
 #   scripts/decode_gpu_check.sh BUILD_DIR      (needs BUILD_DIR/bin/test_cuda_model and BUILD_DIR/bin/moekit;
 #                                               python3 with torch and transformers for the checkpoint)
@@ -31,6 +32,7 @@ rc=$?
 echo "test_cuda_model rc=$rc $((SECONDS - s))s $(grep -E '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]+ tests?' "$LOG/test_cuda_model.log" | tr '\n' ' ')"
 grep -qE '^\[  PASSED  \] 0 tests' "$LOG/test_cuda_model.log" && { echo "WARNING: no test ran (no GPU?)"; status=1; }
 grep -E '^\[  FAILED  \] [A-Za-z]|^\[       OK \] .*(Fused|FixtureModel)' "$LOG/test_cuda_model.log" | head -24
+grep -E 'decode step kernels' "$LOG/test_cuda_model.log"
 
 # The decode timing: one checkpoint, two runs (same prompt, 64 new tokens greedy, graphs on).
 # DECODE_CHECK_CKPT: an existing checkpoint instead; DECODE_CHECK_DEVICE: cpu to try the script without a GPU.

@@ -486,6 +486,8 @@ TEST(CudaModel, FusedDecodeStepMatchesTheUnfusedOne) {
     const int64_t L = ids.size(1), n_new = gen.size(1) - L;
     const std::vector<int64_t> expect(gen.ptr<int64_t>() + L, gen.ptr<int64_t>() + gen.size(1));
     std::vector<std::vector<GenerationResult>> batched;
+    int64_t kernels[2] = {0, 0};  // kernel nodes of one decode step's graph, unfused and fused
+    int64_t layers = 0;
     for (bool fused : {false, true}) {
       SCOPED_TRACE(fused ? "fused" : "unfused");
       model::set_fused_decode(fused);
@@ -495,7 +497,11 @@ TEST(CudaModel, FusedDecodeStepMatchesTheUnfusedOne) {
       GenerationConfig gc;
       gc.max_new_tokens = n_new;
       gc.min_new_tokens = n_new;
-      EXPECT_EQ(model.generate(test::row_ids(ids, 0), gc).tokens, expect);
+      const GenerationResult res = model.generate(test::row_ids(ids, 0), gc);
+      EXPECT_EQ(res.tokens, expect);
+      EXPECT_GT(res.graph_replays, 0);
+      kernels[fused ? 1 : 0] = model::last_capture_kernel_nodes();
+      layers = model.config().text.num_hidden_layers;
       // Decode steps of two sequences at different positions (one row per sequence, graphed per batch size).
       const std::vector<int64_t> p0 = test::row_ids(ids, 0);
       const std::vector<int64_t> p1(p0.begin(), p0.begin() + std::max<int64_t>(1, L - 2));
@@ -503,6 +509,10 @@ TEST(CudaModel, FusedDecodeStepMatchesTheUnfusedOne) {
       ASSERT_EQ(batched.back().size(), 2u);
     }
     for (size_t i = 0; i < 2; ++i) EXPECT_EQ(batched[1][i].tokens, batched[0][i].tokens) << "sequence " << i;
+    std::printf("  %-14s decode step kernels (one sequence, %lld layers): unfused %lld, fused %lld\n", name.c_str(),
+                (long long)layers, (long long)kernels[0], (long long)kernels[1]);
+    EXPECT_GT(kernels[0], 0);
+    if (name != "deepseek_v3") EXPECT_LT(kernels[1], kernels[0]);  // MLA has no fused form
   }
   model::set_fused_decode(was);
 }

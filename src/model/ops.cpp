@@ -13,6 +13,7 @@ namespace moekit::model {
 
 #ifndef MOEKIT_WITH_CUDA
 const DeviceOps* cuda_ops() { return nullptr; }
+int64_t last_capture_kernel_nodes() { return 0; }
 #endif
 
 namespace {

@@ -153,6 +153,9 @@ QkvDims check_qk_norm_rope_cache(const TensorView& q, const TensorView& k, const
 // recorded decode graph keeps the form it was recorded with).
 bool fused_decode();
 void set_fused_decode(bool on);
+// The kernel nodes of the last graph the CUDA ops' capture() recorded in this process (0 before any, and
+// without CUDA): what one decode step launches, for tests and measurements.
+int64_t last_capture_kernel_nodes();
 // The row stride of a 2-D view with unit inner stride.
 int64_t row_stride(const TensorView& v, const char* what);
 

@@ -9,9 +9,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "base/activation.h"
 #include "base/cuda_device.h"
@@ -38,6 +40,8 @@ int code(const TensorView& v, const char* what) {
     default: MOEKIT_FAIL(invalid_argument, what, " must be f32, bf16 or f16, got ", v.to_string());
   }
 }
+
+std::atomic<int64_t> g_capture_kernels{0};
 
 class CudaGraph final : public StepGraph {
  public:
@@ -381,7 +385,19 @@ class CudaOps final : public DeviceOps {
     int dev = 0;
     MOEKIT_CUDA_CALL(cudaGetDevice(&dev));
     const cuda::RecordedGraph g = cuda::record_graph(s, body);
-    return std::make_unique<CudaGraph>(g.graph, g.exec, s, dev);
+    auto out = std::make_unique<CudaGraph>(g.graph, g.exec, s, dev);  // owns them from here
+    size_t n = 0;
+    MOEKIT_CUDA_CALL(cudaGraphGetNodes(g.graph, nullptr, &n));
+    std::vector<cudaGraphNode_t> nodes(n);
+    if (n > 0) MOEKIT_CUDA_CALL(cudaGraphGetNodes(g.graph, nodes.data(), &n));
+    int64_t kernels = 0;
+    for (size_t i = 0; i < n; ++i) {
+      cudaGraphNodeType type{};
+      MOEKIT_CUDA_CALL(cudaGraphNodeGetType(nodes[i], &type));
+      kernels += type == cudaGraphNodeTypeKernel ? 1 : 0;
+    }
+    g_capture_kernels.store(kernels);
+    return out;
   }
 
  private:
@@ -407,6 +423,8 @@ class CudaOps final : public DeviceOps {
 };
 
 }  // namespace
+
+int64_t last_capture_kernel_nodes() { return g_capture_kernels.load(); }
 
 const DeviceOps* cuda_ops() {
   static const CudaOps ops;
