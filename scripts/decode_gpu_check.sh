@@ -36,7 +36,8 @@ grep -E 'decode step kernels' "$LOG/test_cuda_model.log"
 
 # The decode timing: one checkpoint, two runs (same prompt, 64 new tokens greedy, graphs on).
 # DECODE_CHECK_CKPT: an existing checkpoint instead; DECODE_CHECK_DEVICE: cpu to try the script without a GPU.
-CKPT=${DECODE_CHECK_CKPT:-$LOG/qwen3_moe_30b_shapes_4l}
+# (about 5 GB: under /tmp, not with the logs)
+CKPT=${DECODE_CHECK_CKPT:-${TMPDIR:-/tmp}/moekit_decode_check/qwen3_moe_30b_shapes_4l}
 DEVICE=${DECODE_CHECK_DEVICE:-cuda}
 GRAPH=$([ "$DEVICE" = cpu ] || echo --cuda-graph)
 s=$SECONDS
