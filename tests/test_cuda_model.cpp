@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "model/ops.h"
@@ -127,6 +128,76 @@ TEST_F(CudaModelOps, RopeMatchesCpuWithHostAndDevicePositions) {
       EXPECT_TRUE(test::bitwise_equal(on_cpu(g1), on_cpu(g2)));
     }
   }
+}
+
+// The decode step's fused kernel (per-head q/k norms, rotary and both cache writes in one launch) against the
+// same ops run one by one on the GPU (DeviceOps' default) and on the CPU: norms on and off, interleaved and
+// partial rotary, host and device positions; cache rows outside [pos, pos + T) stay as they were.
+TEST_F(CudaModelOps, FusedQkNormRopeCacheMatchesTheUnfusedOps) {
+  RopeConfig rc;
+  rc.theta = 10000.0;
+  for (DType t : {DType::f32, DType::bf16, DType::f16}) {
+    for (bool norm : {false, true}) {
+      for (bool interleaved : {false, true}) {
+        for (int64_t D : {int64_t(16), int64_t(128), int64_t(40)}) {
+          const int64_t rot = D == 40 ? 24 : D;  // partial rotary on the odd size
+          const int64_t T = D == 16 ? 3 : 1, Hq = 6, Hkv = 2, S = 19, pos0 = D == 128 ? 18 : 7;
+          SCOPED_TRACE(::testing::Message() << dtype_name(t) << " norm " << norm << " interleaved " << interleaved
+                                            << " D " << D << " T " << T);
+          model::RopeSpec spec = model::make_rope(rc, rot, 4096);
+          spec.interleaved = interleaved;
+          spec.attention_scaling = 1.25f;
+          const Tensor q = test::randn({T, Hq, D}, t, rng, 2.0), k = test::randn({T, Hkv, D}, t, rng, 2.0);
+          const Tensor v = test::randn({T, Hkv, D}, t, rng), qw = test::randn({D}, t, rng);
+          const Tensor kw = test::randn({D}, DType::f32, rng);
+          const Tensor kc = test::randn({S, Hkv, D}, t, rng), vc = test::randn({S, Hkv, D}, t, rng);
+          // CPU (the ops one by one), GPU one by one, GPU fused with a host and with a device position.
+          Tensor cq = Tensor::copy_of(q.view(), Device::cpu()), ck = Tensor::copy_of(k.view(), Device::cpu());
+          Tensor ckc = Tensor::copy_of(kc.view(), Device::cpu()), cvc = Tensor::copy_of(vc.view(), Device::cpu());
+          cpu().qk_norm_rope_cache(cq.view(), ck.view(), v.view(), norm ? qw.view() : TensorView(),
+                                   norm ? kw.view() : TensorView(), 1e-6f, false, Position{pos0}, spec, ckc.view(),
+                                   cvc.view());
+          Tensor gv = on_gpu(v), gqw = on_gpu(qw), gkw = on_gpu(kw);
+          Tensor uq = on_gpu(q), uk = on_gpu(k), ukc = on_gpu(kc), uvc = on_gpu(vc);
+          gpu().DeviceOps::qk_norm_rope_cache(uq.view(), uk.view(), gv.view(), norm ? gqw.view() : TensorView(),
+                                              norm ? gkw.view() : TensorView(), 1e-6f, false, Position{pos0}, spec,
+                                              ukc.view(), uvc.view());
+          const Tensor p = device_scalar(pos0);
+          for (bool dev_pos : {false, true}) {
+            Tensor fq = on_gpu(q), fk = on_gpu(k), fkc = on_gpu(kc), fvc = on_gpu(vc);
+            const Position at = dev_pos ? Position{0, p.ptr<int64_t>()} : Position{pos0};
+            gpu().qk_norm_rope_cache(fq.view(), fk.view(), gv.view(), norm ? gqw.view() : TensorView(),
+                                     norm ? gkw.view() : TensorView(), 1e-6f, false, at, spec, fkc.view(), fvc.view());
+            EXPECT_LT(dist(fq, uq), tol(t));
+            EXPECT_LT(dist(fk, uk), tol(t));
+            EXPECT_LT(dist(fkc, ukc), tol(t));
+            EXPECT_LT(dist(fq, cq), tol(t));
+            EXPECT_LT(dist(fkc, ckc), tol(t));
+            EXPECT_TRUE(test::bitwise_equal(on_cpu(fvc), on_cpu(uvc)));  // v: a copy
+            EXPECT_TRUE(test::bitwise_equal(on_cpu(fvc), cvc));
+            // Rows outside [pos0, pos0 + T) untouched; the rows inside hold the new keys.
+            const Tensor hk = on_cpu(fkc);
+            const size_t row = size_t(Hkv * D) * dtype_nbytes(t, 1);
+            const auto* got = static_cast<const char*>(hk.data());
+            const auto* was = static_cast<const char*>(kc.data());
+            EXPECT_EQ(std::memcmp(got, was, size_t(pos0) * row), 0);
+            EXPECT_EQ(std::memcmp(got + (pos0 + T) * row, was + (pos0 + T) * row, size_t(S - pos0 - T) * row), 0);
+            EXPECT_EQ(std::memcmp(got + pos0 * row, on_cpu(fk).data(), size_t(T) * row), 0);
+          }
+        }
+      }
+    }
+  }
+  // Bad shapes are refused before any launch.
+  const Tensor q = on_gpu(test::randn({1, 4, 8}, DType::f32, rng)), k = on_gpu(test::randn({1, 2, 8}, DType::f32, rng));
+  const Tensor kc = on_gpu(test::randn({4, 2, 8}, DType::f32, rng));
+  model::RopeSpec spec = model::make_rope(rc, 8, 4096);
+  EXPECT_THROW(gpu().qk_norm_rope_cache(q.view(), k.view(), k.view(), {}, {}, 1e-6f, false, Position{4}, spec,
+                                        kc.view(), kc.view()),
+               Error);
+  EXPECT_THROW(gpu().qk_norm_rope_cache(q.view(), q.view(), q.view(), {}, {}, 1e-6f, false, Position{0}, spec,
+                                        kc.view(), kc.view()),
+               Error);
 }
 
 TEST_F(CudaModelOps, AttentionMatchesCpuAndReadsNoKeyPastThePosition) {
@@ -399,6 +470,51 @@ TEST(CudaModel, SonicmoeFixtureModelsInBf16) {
                 res.tokens == expect ? "==" : "!=", base_tokens == expect ? "==" : "!=");
   }
   EXPECT_GE(same_tokens, 1);
+}
+
+// The decode step with and without the fused forms (one QKV projection, one kernel for the norms, rotary and
+// cache writes), with decode graphs: the same greedy tokens as transformers' on every fixture model, and the
+// decode logits of one batched step close to each other.
+TEST(CudaModel, FusedDecodeStepMatchesTheUnfusedOne) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  const bool was = model::fused_decode();
+  for (const std::string& name : test::fixture_models()) {
+    SCOPED_TRACE(name);
+    const std::string dir = test::models_dir() + "/" + name;
+    const auto ref = SafetensorsFile::open(dir + "/reference.safetensors");
+    const Tensor ids = ref.get("input_ids"), gen = ref.get("generated_ids");
+    const int64_t L = ids.size(1), n_new = gen.size(1) - L;
+    const std::vector<int64_t> expect(gen.ptr<int64_t>() + L, gen.ptr<int64_t>() + gen.size(1));
+    std::vector<std::vector<GenerationResult>> batched;
+    int64_t kernels[2] = {0, 0};  // kernel nodes of one decode step's graph, unfused and fused
+    int64_t layers = 0;
+    for (bool fused : {false, true}) {
+      SCOPED_TRACE(fused ? "fused" : "unfused");
+      model::set_fused_decode(fused);
+      Model model = Model::from_pretrained(
+          dir, ModelOptions{.device = kDev, .dtype = DType::f32, .cuda_graph = true});
+      model.set_experts_implementation("batched_mm");
+      GenerationConfig gc;
+      gc.max_new_tokens = n_new;
+      gc.min_new_tokens = n_new;
+      const GenerationResult res = model.generate(test::row_ids(ids, 0), gc);
+      EXPECT_EQ(res.tokens, expect);
+      EXPECT_GT(res.graph_replays, 0);
+      kernels[fused ? 1 : 0] = model::last_capture_kernel_nodes();
+      layers = model.config().text.num_hidden_layers;
+      // Decode steps of two sequences at different positions (one row per sequence, graphed per batch size).
+      const std::vector<int64_t> p0 = test::row_ids(ids, 0);
+      const std::vector<int64_t> p1(p0.begin(), p0.begin() + std::max<int64_t>(1, L - 2));
+      batched.push_back(model.generate_batch({p0, p1}, gc));
+      ASSERT_EQ(batched.back().size(), 2u);
+    }
+    for (size_t i = 0; i < 2; ++i) EXPECT_EQ(batched[1][i].tokens, batched[0][i].tokens) << "sequence " << i;
+    std::printf("  %-14s decode step kernels (one sequence, %lld layers): unfused %lld, fused %lld\n", name.c_str(),
+                (long long)layers, (long long)kernels[0], (long long)kernels[1]);
+    EXPECT_GT(kernels[0], 0);
+    if (name != "deepseek_v3") EXPECT_LT(kernels[1], kernels[0]);  // MLA has no fused form
+  }
+  model::set_fused_decode(was);
 }
 
 TEST(CudaModel, LowPrecisionModelsStayCloseToTheCpu) {

@@ -158,6 +158,70 @@ TEST(ModelOps, RopeHalvesAndInterleavedPairs) {
   }
 }
 
+// The decode step's attention inputs: per-head norms, rotary on the first rot_dim dims, then the keys and values
+// at cache rows [pos0, pos0 + T), against a double loop; other cache rows untouched; bad operands refused.
+TEST(ModelOps, QkNormRopeCacheMatchesDoubleReference) {
+  std::mt19937_64 rng(15);
+  RopeConfig rc;
+  rc.theta = 500.0;
+  const model::RopeSpec spec = model::make_rope(rc, 8, 256);
+  const int64_t T = 2, Hq = 4, Hkv = 2, D = 12, S = 7, pos0 = 3, half = 4;
+  const double eps = 1e-6;
+  for (bool norm : {false, true}) {
+    SCOPED_TRACE(norm ? "norms" : "no norms");
+    Tensor q = test::randn({T, Hq, D}, DType::f32, rng), k = test::randn({T, Hkv, D}, DType::f32, rng);
+    const Tensor v = test::randn({T, Hkv, D}, DType::f32, rng);
+    const Tensor qw = test::randn({D}, DType::f32, rng), kw = test::randn({D}, DType::f32, rng);
+    Tensor kc = test::randn({S, Hkv, D}, DType::f32, rng), vc = test::randn({S, Hkv, D}, DType::f32, rng);
+    const auto q0 = as_f64(q.view()), k0 = as_f64(k.view()), kc0 = as_f64(kc.view()), vc0 = as_f64(vc.view());
+    const auto v0 = as_f64(v.view()), qw0 = as_f64(qw.view()), kw0 = as_f64(kw.view());
+    cpu().qk_norm_rope_cache(q.view(), k.view(), v.view(), norm ? qw.view() : TensorView(),
+                             norm ? kw.view() : TensorView(), float(eps), false, model::Position{pos0}, spec,
+                             kc.view(), vc.view());
+    auto head = [&](const double* in, const std::vector<double>& w, int64_t t, double* o) {
+      std::vector<double> x(in, in + D);
+      if (norm) {
+        double ss = 0;
+        for (double e : x) ss += e * e;
+        const double inv = 1.0 / std::sqrt(ss / double(D) + eps);
+        for (int64_t i = 0; i < D; ++i) x[size_t(i)] = w[size_t(i)] * x[size_t(i)] * inv;
+      }
+      std::copy(x.begin(), x.end(), o);
+      for (int64_t i = 0; i < half; ++i) {
+        const double f = double(pos0 + t) * std::pow(500.0, -double(2 * i) / 8.0);
+        o[i] = x[size_t(i)] * std::cos(f) - x[size_t(i + half)] * std::sin(f);
+        o[i + half] = x[size_t(i + half)] * std::cos(f) + x[size_t(i)] * std::sin(f);
+      }
+    };
+    std::vector<double> rq(q0.size()), rk(k0.size()), rkc = kc0, rvc = vc0;
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t h = 0; h < Hq; ++h) head(q0.data() + (t * Hq + h) * D, qw0, t, rq.data() + (t * Hq + h) * D);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        head(k0.data() + (t * Hkv + h) * D, kw0, t, rk.data() + (t * Hkv + h) * D);
+        for (int64_t i = 0; i < D; ++i) {
+          rkc[size_t(((pos0 + t) * Hkv + h) * D + i)] = rk[size_t((t * Hkv + h) * D + i)];
+          rvc[size_t(((pos0 + t) * Hkv + h) * D + i)] = v0[size_t((t * Hkv + h) * D + i)];
+        }
+      }
+    }
+    EXPECT_LT(rel_err(q, rq), 1e-5);
+    EXPECT_LT(rel_err(k, rk), 1e-5);
+    EXPECT_LT(rel_err(kc, rkc), 1e-5);
+    EXPECT_EQ(as_f64(vc.view()), rvc);
+    for (int64_t i = 0; i < pos0 * Hkv * D; ++i) ASSERT_EQ(as_f64(kc.view())[size_t(i)], kc0[size_t(i)]);
+  }
+  Tensor q = test::randn({1, 4, 8}, DType::f32, rng), k = test::randn({1, 2, 8}, DType::f32, rng);
+  Tensor kc = test::randn({4, 2, 8}, DType::f32, rng), w = test::randn({6}, DType::f32, rng);
+  const model::RopeSpec wide = model::make_rope(rc, 10, 256);
+  auto call = [&](const TensorView& kk, const TensorView& qn, int64_t pos, const model::RopeSpec& r) {
+    cpu().qk_norm_rope_cache(q.view(), kk, kk, qn, {}, 1e-6f, false, model::Position{pos}, r, kc.view(), kc.view());
+  };
+  EXPECT_NE(test::error_of([&] { call(k.view(), {}, 4, spec); }).find("out of range"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { call(q.view(), {}, 0, spec); }).find("do not match"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { call(k.view(), w.view(), 0, spec); }).find("q norm weight"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { call(k.view(), {}, 0, wide); }).find("rotated dims"), std::string::npos);
+}
+
 TEST(ModelOps, RmsNormAndRouters) {
   std::mt19937_64 rng(15);
   Tensor x = test::randn({5, 24}, DType::f32, rng), w = test::randn({24}, DType::f32, rng);

@@ -270,9 +270,40 @@ void load_attention(TensorReader& r, const std::string& p, const TextConfig& c, 
     a.o = linear(r, p + "o_proj", H, Hq * c.v_head_dim, c.o_bias);
     return;
   }
-  a.q = linear(r, p + "q_proj", Hq * D, H, c.qkv_bias);
-  a.k = linear(r, p + "k_proj", Hkv * D, H, c.qkv_bias);
-  a.v = linear(r, p + "v_proj", Hkv * D, H, c.qkv_bias);
+  {
+    // q, k and v stacked into one projection; q, k and v stay as row views of it (no extra memory).
+    const int64_t Nq = Hq * D, Nk = Hkv * D, N = Nq + 2 * Nk;
+    const std::string names[3] = {p + "q_proj", p + "k_proj", p + "v_proj"};
+    const int64_t outs[3] = {Nq, Nk, Nk};
+    std::vector<Tensor> w, b;
+    bool ok = true;
+    for (int i = 0; i < 3; ++i) {
+      w.push_back(r.host(names[i] + ".weight", {outs[i], H}));
+      ok = ok && w.back().defined();
+      if (c.qkv_bias) {
+        b.push_back(r.host(names[i] + ".bias", {outs[i]}));
+        ok = ok && b.back().defined();
+      }
+    }
+    if (ok && !r.dry()) {
+      a.qkv.w = stack_rows(w, {N, H}, r.dtype(), r.device());
+      if (c.qkv_bias) a.qkv.b = stack_rows(b, {N}, r.dtype(), r.device());
+      w.clear();
+      b.clear();
+      for (int i = 0; i < 3; ++i) {
+        r.release(names[i] + ".weight");
+        if (c.qkv_bias) r.release(names[i] + ".bias");
+      }
+      const auto keep_w = std::make_shared<Tensor>(a.qkv.w), keep_b = std::make_shared<Tensor>(a.qkv.b);
+      Linear* parts[3] = {&a.q, &a.k, &a.v};
+      int64_t begin = 0;
+      for (int i = 0; i < 3; ++i) {
+        parts[i]->w = Tensor::wrap(model::rows(a.qkv.w.view(), begin, outs[i]), keep_w);
+        if (c.qkv_bias) parts[i]->b = Tensor::wrap(model::rows(a.qkv.b.view(), begin, outs[i]), keep_b);
+        begin += outs[i];
+      }
+    }
+  }
   a.o = linear(r, p + "o_proj", H, Hq * D, c.o_bias);
   if (c.qk_norm == QkNorm::per_head) {
     a.q_norm = r.get(p + "q_norm.weight", {D});

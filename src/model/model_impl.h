@@ -17,7 +17,8 @@ struct Linear {
 
 struct AttentionWeights {
   // grouped-query attention
-  Linear q, k, v, o;
+  Linear q, k, v, o;  // q, k and v: row views of qkv when it is set
+  Linear qkv;         // [q; k; v] stacked into one [(Hq + 2 Hkv) D, H] projection (one GEMM for the decode step)
   Tensor q_norm, k_norm;  // [head_dim] (per head) or [heads * head_dim] (full projection)
   Tensor sinks;           // [Hq] f32 (gpt-oss)
   // multi-head latent attention

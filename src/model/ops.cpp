@@ -2,7 +2,10 @@
 #include "model/ops.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "moekit/error.h"
 
@@ -10,6 +13,7 @@ namespace moekit::model {
 
 #ifndef MOEKIT_WITH_CUDA
 const DeviceOps* cuda_ops() { return nullptr; }
+int64_t last_capture_kernel_nodes() { return 0; }
 #endif
 
 namespace {
@@ -72,6 +76,64 @@ AttentionDims check_attention(const TensorView& q, const TensorView& k, const Te
     MOEKIT_CHECK(sinks.numel() == d.Hq, "attention sinks must have ", d.Hq, " values, got ", sinks.to_string());
   return d;
 }
+
+QkvDims check_qk_norm_rope_cache(const TensorView& q, const TensorView& k, const TensorView& v,
+                                 const TensorView& q_norm, const TensorView& k_norm, int64_t pos0,
+                                 const RopeSpec& rope, const TensorView& k_cache, const TensorView& v_cache) {
+  for (const auto* t : {&q, &k, &v, &k_cache, &v_cache})
+    MOEKIT_CHECK(t->dim() == 3 && t->is_contiguous() && t->dtype == q.dtype && t->device == q.device,
+                 "qk_norm_rope_cache: q ", q.to_string(), ", k ", k.to_string(), ", v ", v.to_string(), ", caches ",
+                 k_cache.to_string(), " and ", v_cache.to_string(), " must be contiguous 3-D tensors of one dtype and device");
+  const QkvDims d{q.shape[0], q.shape[1], k.shape[1], q.shape[2]};
+  MOEKIT_CHECK(k.shape == Shape({d.T, d.Hkv, d.D}) && v.shape == k.shape && k_cache.shape[1] == d.Hkv &&
+                   k_cache.shape[2] == d.D && v_cache.shape == k_cache.shape,
+               "qk_norm_rope_cache: q ", q.to_string(), ", k ", k.to_string(), ", v ", v.to_string(), ", caches ",
+               k_cache.to_string(), " and ", v_cache.to_string(), " do not match");
+  MOEKIT_CHECK(!q_norm.data || q_norm.numel() == d.D, "qk_norm_rope_cache: q norm weight ", q_norm.to_string(),
+               " must have ", d.D, " values");
+  MOEKIT_CHECK(!k_norm.data || k_norm.numel() == d.D, "qk_norm_rope_cache: k norm weight ", k_norm.to_string(),
+               " must have ", d.D, " values");
+  MOEKIT_CHECK(rope.rot_dim() <= d.D, "qk_norm_rope_cache: ", rope.rot_dim(), " rotated dims do not fit heads of ",
+               d.D);
+  MOEKIT_CHECK(pos0 >= 0 && pos0 + d.T <= k_cache.shape[0], "qk_norm_rope_cache: rows [", pos0, ", ", pos0 + d.T,
+               ") out of range for the cache ", k_cache.to_string());
+  return d;
+}
+
+void DeviceOps::qk_norm_rope_cache(const TensorView& q, const TensorView& k, const TensorView& v,
+                                   const TensorView& q_norm, const TensorView& k_norm, float eps,
+                                   bool weight_before_cast, Position pos0, const RopeSpec& rope,
+                                   const TensorView& k_cache, const TensorView& v_cache) const {
+  const auto [T, Hq, Hkv, D] = check_qk_norm_rope_cache(q, k, v, q_norm, k_norm, pos0.value, rope, k_cache, v_cache);
+  if (T == 0) return;
+  if (q_norm.data) {
+    const TensorView q2 = reshaped(q, {T * Hq, D});
+    rmsnorm(q2, q_norm, eps, weight_before_cast, q2);
+  }
+  if (k_norm.data) {
+    const TensorView k2 = reshaped(k, {T * Hkv, D});
+    rmsnorm(k2, k_norm, eps, weight_before_cast, k2);
+  }
+  this->rope(q, 0, pos0, rope);
+  this->rope(k, 0, pos0, rope);
+  write_rows(k, k_cache, pos0);
+  write_rows(v, v_cache, pos0);
+}
+
+namespace {
+std::atomic<int> g_fused_decode{-1};  // -1: not read yet
+}
+bool fused_decode() {
+  int on = g_fused_decode.load(std::memory_order_relaxed);
+  if (on < 0) {
+    const char* v = std::getenv("MOEKIT_FUSED_DECODE");
+    int expected = -1;
+    g_fused_decode.compare_exchange_strong(expected, (v && std::string(v) == "0") ? 0 : 1);
+    on = g_fused_decode.load(std::memory_order_relaxed);
+  }
+  return on != 0;
+}
+void set_fused_decode(bool on) { g_fused_decode.store(on ? 1 : 0); }
 
 RouteDims check_route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
                       const TensorView& index, const TensorView& weights) {

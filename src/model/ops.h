@@ -107,6 +107,16 @@ class DeviceOps {
   // caches k [S, H, nope + rope] and v [S, H, dv].
   virtual void mla_expand(const TensorView& kvb, const TensorView& k_rot, int64_t nope, const TensorView& k,
                           const TensorView& v, Position row0) const = 0;
+  // The attention inputs of one sequence's new tokens, prepared for attention: q [T, Hq, D] and k [T, Hkv, D]
+  // get the per-head RMS norms q_norm / k_norm [D] (when their data are set; else none), then the rotary
+  // embedding of dims [0, rot_dim) at positions pos0 + t, in place; then the rows of k and v [T, Hkv, D]
+  // go to rows [pos0, pos0 + T) of the caches k_cache / v_cache [S, Hkv, D]. All contiguous, one dtype.
+  // Same result as rmsnorm, rope and write_rows in that order (this default runs them); a device may
+  // override it with one kernel (the decode step's fusion).
+  virtual void qk_norm_rope_cache(const TensorView& q, const TensorView& k, const TensorView& v,
+                                  const TensorView& q_norm, const TensorView& k_norm, float eps,
+                                  bool weight_before_cast, Position pos0, const RopeSpec& rope,
+                                  const TensorView& k_cache, const TensorView& v_cache) const;
   // Records what `body` enqueues on the current stream into a graph (nothing runs). Throws
   // Error(not_supported) on devices without graphs.
   virtual std::unique_ptr<StepGraph> capture(const std::function<void()>& body) const = 0;
@@ -132,6 +142,20 @@ struct RouteDims {
 };
 RouteDims check_route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
                       const TensorView& index, const TensorView& weights);
+struct QkvDims {
+  int64_t T, Hq, Hkv, D;
+};
+QkvDims check_qk_norm_rope_cache(const TensorView& q, const TensorView& k, const TensorView& v,
+                                 const TensorView& q_norm, const TensorView& k_norm, int64_t pos0,
+                                 const RopeSpec& rope, const TensorView& k_cache, const TensorView& v_cache);
+// Whether the model's decode step uses the fused forms (one QKV projection, qk_norm_rope_cache): on unless
+// the environment sets MOEKIT_FUSED_DECODE=0 (read once), or set_fused_decode says otherwise (tests; a model's
+// recorded decode graph keeps the form it was recorded with).
+bool fused_decode();
+void set_fused_decode(bool on);
+// The kernel nodes of the last graph the CUDA ops' capture() recorded in this process (0 before any, and
+// without CUDA): what one decode step launches, for tests and measurements.
+int64_t last_capture_kernel_nodes();
 // The row stride of a 2-D view with unit inner stride.
 int64_t row_stride(const TensorView& v, const char* what);
 

@@ -9,9 +9,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "base/activation.h"
 #include "base/cuda_device.h"
@@ -38,6 +40,8 @@ int code(const TensorView& v, const char* what) {
     default: MOEKIT_FAIL(invalid_argument, what, " must be f32, bf16 or f16, got ", v.to_string());
   }
 }
+
+std::atomic<int64_t> g_capture_kernels{0};
 
 class CudaGraph final : public StepGraph {
  public:
@@ -182,6 +186,30 @@ class CudaOps final : public DeviceOps {
     DeviceGuard g(x.device.index);
     MOEKIT_CUDA_CALL(
         kernels::rope(x.data, t, x.stride(0), x.stride(1), T, NH, offset, pos.value, pos.device, a, stream()));
+  }
+
+  void qk_norm_rope_cache(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& q_norm,
+                          const TensorView& k_norm, float eps, bool weight_before_cast, Position pos,
+                          const RopeSpec& rope, const TensorView& k_cache, const TensorView& v_cache) const override {
+    const int t = code(q, "qk_norm_rope_cache q");
+    const auto [T, Hq, Hkv, D] = check_qk_norm_rope_cache(q, k, v, q_norm, k_norm, pos.value, rope, k_cache, v_cache);
+    const int64_t half = int64_t(rope.inv_freq.size());
+    MOEKIT_CHECK(half <= kernels::kMaxRopeHalf, "rope: ", 2 * half, " rotated dims; the CUDA ops support up to ",
+                 2 * kernels::kMaxRopeHalf);
+    MOEKIT_CHECK(D <= kernels::kMaxQkvHeadDim, "qk_norm_rope_cache: heads of ", D,
+                 " dims; the CUDA kernel supports up to ", kernels::kMaxQkvHeadDim);
+    const int qwt = q_norm.data ? code(q_norm, "q norm weight") : 0;
+    const int kwt = k_norm.data ? code(k_norm, "k norm weight") : 0;
+    if (T == 0) return;
+    kernels::RopeArgs a;
+    for (int64_t i = 0; i < half; ++i) a.inv_freq[i] = rope.inv_freq[size_t(i)];
+    a.half = int(half);
+    a.interleaved = rope.interleaved ? 1 : 0;
+    a.scaling = rope.attention_scaling;
+    DeviceGuard g(q.device.index);
+    MOEKIT_CUDA_CALL(kernels::qk_norm_rope_cache(q.data, k.data, v.data, t, T, Hq, Hkv, D, q_norm.data, qwt,
+                                                 k_norm.data, kwt, eps, weight_before_cast, pos.value, pos.device,
+                                                 k_cache.data, v_cache.data, k_cache.shape[0], a, stream()));
   }
 
   void attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out, Position pos,
@@ -357,7 +385,19 @@ class CudaOps final : public DeviceOps {
     int dev = 0;
     MOEKIT_CUDA_CALL(cudaGetDevice(&dev));
     const cuda::RecordedGraph g = cuda::record_graph(s, body);
-    return std::make_unique<CudaGraph>(g.graph, g.exec, s, dev);
+    auto out = std::make_unique<CudaGraph>(g.graph, g.exec, s, dev);  // owns them from here
+    size_t n = 0;
+    MOEKIT_CUDA_CALL(cudaGraphGetNodes(g.graph, nullptr, &n));
+    std::vector<cudaGraphNode_t> nodes(n);
+    if (n > 0) MOEKIT_CUDA_CALL(cudaGraphGetNodes(g.graph, nodes.data(), &n));
+    int64_t kernels = 0;
+    for (size_t i = 0; i < n; ++i) {
+      cudaGraphNodeType type{};
+      MOEKIT_CUDA_CALL(cudaGraphNodeGetType(nodes[i], &type));
+      kernels += type == cudaGraphNodeTypeKernel ? 1 : 0;
+    }
+    g_capture_kernels.store(kernels);
+    return out;
   }
 
  private:
@@ -383,6 +423,8 @@ class CudaOps final : public DeviceOps {
 };
 
 }  // namespace
+
+int64_t last_capture_kernel_nodes() { return g_capture_kernels.load(); }
 
 const DeviceOps* cuda_ops() {
   static const CudaOps ops;

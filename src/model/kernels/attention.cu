@@ -1,5 +1,7 @@
 // Attention kernels of the model: rotary embedding in place, and causal attention as an online softmax
 // over tiles of keys, split over blocks for decode (flash-decoding) and merged by a second kernel.
+#include <algorithm>
+
 #include "model/kernels/layer_device.cuh"
 
 namespace moekit::model::kernels {
@@ -29,6 +31,74 @@ __global__ void rope_kernel(void* x, int t, int64_t s0, int64_t s1, int64_t NH, 
     const float x2 = a.interleaved ? v[2 * i + 1] : v[i + a.half];
     st(x, t, base + i, x1 * c - x2 * s);
     st(x, t, base + i + a.half, x2 * c + x1 * s);
+  }
+}
+
+// One block per (token, head) of q then k: the head's per-head RMS norm (w null: none) rounded to the storage
+// type as rmsnorm stores it, then the rotation as rope_kernel computes it, written back in place; a k block also
+// writes its k head and the matching v head at cache row pos + token (when below S).
+__global__ void qk_norm_rope_cache_kernel(void* q, void* k, const void* v, int t, int64_t Hq, int64_t Hkv, int64_t D,
+                                          const void* q_norm, int qwt, const void* k_norm, int kwt, float eps,
+                                          int weight_before_cast, int64_t pos_value, const int64_t* pos_device,
+                                          void* k_cache, void* v_cache, int64_t S, RopeArgs a) {
+  extern __shared__ float x[];  // [D]
+  __shared__ float red[32];
+  const int64_t NH = Hq + Hkv;
+  const int64_t row = blockIdx.x / NH, head = blockIdx.x % NH;
+  const bool is_q = head < Hq;
+  void* p = is_q ? q : k;
+  const int64_t base = is_q ? (row * Hq + head) * D : (row * Hkv + (head - Hq)) * D;
+  const void* w = is_q ? q_norm : k_norm;
+  const int wt = is_q ? qwt : kwt;
+  float ss = 0;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+    const float e = ld(p, t, base + i);
+    x[i] = e;
+    ss += e * e;
+  }
+  if (w) {  // the same for the whole block
+    const float inv = rsqrtf(block_sum(ss, red) / float(D) + eps);
+    for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+      const float h = x[i] * inv, wv = ld(w, wt, i);
+      x[i] = round_as(t, weight_before_cast ? wv * h : wv * round_as(t, h));
+    }
+  }
+  __syncthreads();
+  const int64_t pos = position(pos_value, pos_device) + row;
+  const float fpos = float(pos);
+  // Each thread owns the pairs i = threadIdx.x, threadIdx.x + blockDim.x, ...: read all, sync, write all.
+  constexpr int kMaxPairs = (kMaxRopeHalf + 31) / 32;
+  float o1[kMaxPairs], o2[kMaxPairs];
+#pragma unroll
+  for (int j = 0; j < kMaxPairs; ++j) {
+    const int i = threadIdx.x + j * int(blockDim.x);
+    if (i < a.half) {
+      const float f = fpos * a.inv_freq[i];
+      const float c = round_as(t, cosf(f) * a.scaling), s = round_as(t, sinf(f) * a.scaling);
+      const float x1 = a.interleaved ? x[2 * i] : x[i];
+      const float x2 = a.interleaved ? x[2 * i + 1] : x[i + a.half];
+      o1[j] = round_as(t, x1 * c - x2 * s);
+      o2[j] = round_as(t, x2 * c + x1 * s);
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kMaxPairs; ++j) {
+    const int i = threadIdx.x + j * int(blockDim.x);
+    if (i < a.half) {
+      x[i] = o1[j];
+      x[i + a.half] = o2[j];
+    }
+  }
+  __syncthreads();
+  const bool to_cache = !is_q && pos >= 0 && pos < S;
+  const int64_t cbase = (pos * Hkv + (head - Hq)) * D;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+    st(p, t, base + i, x[i]);
+    if (to_cache) {
+      st(k_cache, t, cbase + i, x[i]);
+      st(v_cache, t, cbase + i, ld(v, t, base + i));
+    }
   }
 }
 
@@ -150,6 +220,19 @@ cudaError_t rope(void* x, int t, int64_t s0, int64_t s1, int64_t T, int64_t NH, 
   const int threads = a.half >= 64 ? 64 : 32;
   rope_kernel<<<unsigned(T * NH), threads, size_t(2 * a.half) * sizeof(float), s>>>(x, t, s0, s1, NH, offset,
                                                                                     pos_value, pos_device, a);
+  return cudaGetLastError();
+}
+
+cudaError_t qk_norm_rope_cache(void* q, void* k, const void* v, int t, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                               const void* q_norm, int qwt, const void* k_norm, int kwt, float eps,
+                               bool weight_before_cast, int64_t pos_value, const int64_t* pos_device, void* k_cache,
+                               void* v_cache, int64_t S, const RopeArgs& a, cudaStream_t s) {
+  // Enough threads that each owns at most kMaxRopeHalf / 32 rotated pairs, about one element each otherwise.
+  const int64_t want = std::max<int64_t>(D, 32);
+  const int threads = int(std::min<int64_t>((want + 31) / 32 * 32, 256));
+  qk_norm_rope_cache_kernel<<<unsigned(T * (Hq + Hkv)), threads, size_t(D) * sizeof(float), s>>>(
+      q, k, v, t, Hq, Hkv, D, q_norm, qwt, k_norm, kwt, eps, weight_before_cast ? 1 : 0, pos_value, pos_device,
+      k_cache, v_cache, S, a);
   return cudaGetLastError();
 }
 

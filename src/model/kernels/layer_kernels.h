@@ -46,6 +46,16 @@ struct RopeArgs {
 cudaError_t rope(void* x, int t, int64_t s0, int64_t s1, int64_t T, int64_t NH, int64_t offset, int64_t pos_value,
                  const int64_t* pos_device, const RopeArgs& a, cudaStream_t s);
 
+// The decode step's attention inputs of T tokens: q [T, Hq, D] and k [T, Hkv, D] get the per-head RMS norms
+// (q_norm / k_norm [D] of types qwt / kwt, or null: none) and the rotary embedding of dims [0, 2 * half) at
+// positions pos + t, in place (as rmsnorm, then rope); k and v [T, Hkv, D] rows go to rows pos + t of the caches
+// [S, Hkv, D] (rows at or past S are not written). q, k, v and the caches share type t. One kernel.
+constexpr int kMaxQkvHeadDim = 1024;
+cudaError_t qk_norm_rope_cache(void* q, void* k, const void* v, int t, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                               const void* q_norm, int qwt, const void* k_norm, int kwt, float eps,
+                               bool weight_before_cast, int64_t pos_value, const int64_t* pos_device, void* k_cache,
+                               void* v_cache, int64_t S, const RopeArgs& a, cudaStream_t s);
+
 constexpr int kAttnThreads = 128, kAttnTile = 64, kAttnMaxDv = 4 * kAttnThreads;
 struct AttentionArgs {
   const void* q;  // [T, Hq, Dk]
