@@ -123,12 +123,15 @@ TEST(QuantGemm, Fp8TileEveryIsaMatchesDoubleAndAgreesBitwise) {
   std::mt19937_64 rng(3);
   struct Dims {
     int64_t m, n, k, seg;
+    bool mostly_normal = false;  // zeros and subnormals only at a few places (real weights; the amx decode's fast path)
   };
-  for (const Dims d : {Dims{1, 9, 300, 9}, Dims{5, 130, 128, 65}, Dims{13, 7, 77, 7}, Dims{3, 256, 520, 256}}) {
+  for (const Dims d : {Dims{1, 9, 300, 9}, Dims{5, 130, 128, 65}, Dims{13, 7, 77, 7}, Dims{3, 256, 520, 256},
+                       Dims{1, 37, 1000, 37, true}, Dims{2, 24, 256, 24, true}, Dims{4, 9, 200, 9, true}}) {
     std::vector<uint8_t> w(size_t(d.n * d.k));
     for (size_t i = 0; i < w.size(); ++i) {
       uint8_t c = uint8_t((i * 131 + rng()) & 0xff);
       if ((c & 0x7f) == 0x7f) c = 0x7e;
+      if (d.mostly_normal && (c & 0x78) == 0 && i % 700 != 3) c |= 0x08;
       w[i] = c;
     }
     const int64_t kb = fp8_blocks(d.k), sn = (d.n / d.seg) * fp8_blocks(d.seg);
@@ -140,7 +143,7 @@ TEST(QuantGemm, Fp8TileEveryIsaMatchesDoubleAndAgreesBitwise) {
     std::vector<float> sa(size_t(d.m * kb));
     cpu::fp8_quantize_rows(x.ptr<float>(), d.k, d.m, d.k, false, qa.data(), kp, sa.data(), kb);
     std::vector<float> first;
-    for (const cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512}) {
+    for (const cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512, cpu::Isa::amx}) {
       if (!cpu::isa_supported(isa)) {
         std::printf("ISA %s: not on this CPU (not tested here)\n", cpu::isa_name(isa));
         continue;

@@ -117,6 +117,9 @@ void gemm_bf16_tile_avx512bf16(const uint16_t* a, int64_t lda, int64_t m, const 
 void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedBf16& w, int64_t n0, int64_t n1,
                         float* c, int64_t ldc);
 constexpr int64_t kAmxMinRows = 8;
+// The FP8 tile of the amx ISA (gemm_amx.cpp: e4m3 decoded by AVX512-VBMI byte tables; the same bits as the others).
+void gemm_fp8_tile_amx(const double* a, int64_t lda, const float* sa, int64_t ldsa, int64_t m, const Fp8Matrix& w,
+                       int64_t n0, int64_t n1, float* c, int64_t ldc, double* work);
 
 // Whether this CPU can run `isa` (and this build has it).
 bool isa_supported(Isa isa);
