@@ -172,6 +172,27 @@ TEST(QuantGemm, Fp8TileEveryIsaMatchesDoubleAndAgreesBitwise) {
         first = c;
       else
         EXPECT_EQ(std::memcmp(first.data(), c.data(), c.size() * 4), 0) << cpu::isa_name(isa) << ": bits differ";
+      // The f32-sum tile (amx; decode-sized rows): within f32 rounding of the sums of |products|.
+      cpu::set_isa_override(isa);
+      const auto f32_tile = cpu::gemm_kernels().gemm_fp8_f32_tile;
+      cpu::clear_isa_override();
+      if (!f32_tile || d.m > cpu::kFp8F32MaxRows) continue;
+      std::vector<float> c2(size_t(d.m * d.n), NAN);
+      f32_tile(qa.data(), kp, sa.data(), kb, d.m, wm, 0, d.n / 2, c2.data(), d.n, work.data());
+      f32_tile(qa.data(), kp, sa.data(), kb, d.m, wm, d.n / 2, d.n, c2.data(), d.n, work.data());
+      for (int64_t i = 0; i < d.m; ++i)
+        for (int64_t j = 0; j < d.n; ++j) {
+          double ref = 0, mag = 0;
+          for (int64_t k = 0; k < d.k; ++k) {
+            const int64_t srow = (j / d.seg) * fp8_blocks(d.seg) + (j % d.seg) / 128;
+            const double t = (qa[size_t(i * kp + k)] / 512.0 * sa[size_t(i * kb + k / 128)]) *
+                             (double(f8e4m3_to_f32(w[size_t(j * d.k + k)])) * sc[size_t(srow * kb + k / 128)]);
+            ref += t, mag += std::fabs(t);
+          }
+          const float got = c2[size_t(i * d.n + j)];
+          ASSERT_LE(std::fabs(double(got) - ref), 2e-6 * mag + 1e-30)
+              << cpu::isa_name(isa) << " f32 tile m=" << d.m << " n=" << d.n << " k=" << d.k << " (" << i << ", " << j << ")";
+        }
     }
   }
 }

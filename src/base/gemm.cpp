@@ -109,6 +109,7 @@ const GemmKernels& kernels_of(Isa isa) {
         r.isa = Isa::amx;
         r.gemm_bf16_tile = &gemm_bf16_tile_amx;
         r.gemm_fp8_tile = &gemm_fp8_tile_amx;
+        r.gemm_fp8_f32_tile = &gemm_fp8_f32_tile_amx;
         return r;
       }();
       return k;

@@ -307,6 +307,130 @@ void gemm_fp8_tile_amx(const double* a, int64_t lda, const float* sa, int64_t ld
   }
 }
 
+namespace amx_fp8 {
+
+// bf16 bits of e4m3 magnitude c (the value itself: every e4m3 value is a normal bf16), as byte tables.
+constexpr Fp8Tables make_bf16_tables() {
+  Fp8Tables t{};
+  for (int c = 1; c < 128; ++c) {
+    const int e = c >> 3, m = c & 7;
+    int mant = e == 0 ? m : 8 + m;                // value = mant * 2^(exp2)
+    int exp2 = (e == 0 ? 1 : e) - 1 - 9;
+    int top = 0;
+    while ((mant >> (top + 1)) != 0) ++top;
+    const uint32_t frac = uint32_t(mant - (1 << top)) << (7 - top);  // 7 bf16 fraction bits
+    const uint32_t bits = (uint32_t(exp2 + top + 127) << 7) | frac;
+    t.hi[c] = uint8_t(bits >> 8);
+    t.lo[c] = uint8_t(bits);
+  }
+  return t;
+}
+constexpr Fp8Tables kBf16Tables = make_bf16_tables();
+struct Interleave {
+  alignas(64) uint8_t idx[2][64];
+};
+constexpr Interleave make_interleave() {  // word i of half h: lo byte 32h + i (index), hi byte (64 + index)
+  Interleave s{};
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 32; ++i) s.idx[h][2 * i] = uint8_t(32 * h + i), s.idx[h][2 * i + 1] = uint8_t(64 + 32 * h + i);
+  return s;
+}
+constexpr Interleave kInterleave = make_interleave();
+
+// 64 e4m3 bytes -> two vectors of 32 bf16 (the values, in order).
+inline void decode64_bf16(const uint8_t* src, __m512i* out) {
+  const __m512i b = _mm512_loadu_si512(src);
+  const __m512i hi = _mm512_ternarylogic_epi32(
+      _mm512_permutex2var_epi8(_mm512_load_si512(kBf16Tables.hi), b, _mm512_load_si512(kBf16Tables.hi + 64)), b,
+      _mm512_set1_epi8(int8_t(0x80)), 0xF8);  // hi | (b & 0x80): the sign
+  const __m512i lo =
+      _mm512_permutex2var_epi8(_mm512_load_si512(kBf16Tables.lo), b, _mm512_load_si512(kBf16Tables.lo + 64));
+  out[0] = _mm512_permutex2var_epi8(lo, _mm512_load_si512(kInterleave.idx[0]), hi);
+  out[1] = _mm512_permutex2var_epi8(lo, _mm512_load_si512(kInterleave.idx[1]), hi);
+}
+
+template <int R>
+void rows_f32(const uint16_t* a, int64_t kp, const float* sa, int64_t ldsa, const Fp8Matrix& w, int64_t j0,
+              int64_t cols, const double* wsc, int64_t kblocks, float* c, int64_t ldc) {
+  constexpr int NR = kF8NR;
+  const int64_t K = w.k;
+  double tot[R][NR];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NR; ++j) tot[i][j] = 0.0;
+  const uint8_t* rows[NR];
+  for (int j = 0; j < NR; ++j) rows[j] = w.data + (j0 + (j < cols ? j : 0)) * K;  // rows past cols: discarded
+  alignas(64) uint8_t tail[64];
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    __m512 acc[R][NR];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+    const int64_t k0 = kb * kFp8K, k1 = k0 + kFp8K < K ? k0 + kFp8K : K;
+    for (int64_t kk = k0; kk < k1; kk += 64) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        __m512i wv[2];
+        if (kk + 64 <= K) {
+          _mm_prefetch(reinterpret_cast<const char*>(rows[j] + kk + 4 * K), _MM_HINT_T0);  // the next 4 rows
+          decode64_bf16(rows[j] + kk, wv);
+        } else {  // the row's last bytes, zero-padded (never read past the row)
+          for (int d = 0; d < 64; ++d) tail[d] = kk + d < K ? rows[j][kk + d] : 0;
+          decode64_bf16(tail, wv);
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i)
+#pragma GCC unroll 2
+          for (int v = 0; v < 2; ++v)
+            acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)_mm512_loadu_si512(a + i * kp + kk + 32 * v),
+                                         (__m512bh)wv[v]);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const double s = double(sa[i * ldsa + kb]);
+      for (int j = 0; j < NR; ++j) tot[i][j] += double(_mm512_reduce_add_ps(acc[i][j])) * (s * wsc[j * kblocks + kb]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int64_t j = 0; j < cols; ++j) c[i * ldc + j] = float(tot[i][j]);
+}
+
+}  // namespace amx_fp8
+
+void gemm_fp8_f32_tile_amx(const double* a, int64_t lda, const float* sa, int64_t ldsa, int64_t m, const Fp8Matrix& w,
+                           int64_t n0, int64_t n1, float* c, int64_t ldc, double* work) {
+  using namespace amx_fp8;
+  if (m > kFp8F32MaxRows || m <= 0 || n1 <= n0) {
+    gemm_fp8_tile(a, lda, sa, ldsa, m, w, n0, n1, c, ldc, work);
+    return;
+  }
+  const int64_t kp = fp8_row_k(w.k), kblocks = kp / kFp8K;
+  const int64_t seg_blocks = (w.seg + kFp8K - 1) / kFp8K;
+  // work: the activation rows as bf16 (exact: e4m3 times 2^9) [m, kp], then the scales as gemm_fp8_tile keeps them.
+  auto* ab = reinterpret_cast<uint16_t*>(work);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t k = 0; k < kp; k += 8) {
+      const __m256i f = _mm256_castps_si256(_mm512_cvtpd_ps(_mm512_loadu_pd(a + i * lda + k)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(ab + i * kp + k), _mm256_cvtepi32_epi16(_mm256_srli_epi32(f, 16)));
+    }
+  double* wsc = work + kFp8MaxNR * kp;  // [kF8NR, kblocks]: weight block scales times 2^-9 (the activations' unit)
+  for (int64_t j0 = n0; j0 < n1; j0 += kF8NR) {
+    const int64_t cols = n1 - j0 < kF8NR ? n1 - j0 : kF8NR;
+    for (int j = 0; j < kF8NR; ++j) {
+      const int64_t row = j0 + j < n1 ? j0 + j : j0;
+      const int64_t srow = (row / w.seg) * seg_blocks + (row % w.seg) / kFp8K;
+      for (int64_t kb = 0; kb < kblocks; ++kb) wsc[j * kblocks + kb] = double(w.scales[srow * kblocks + kb]) * 0x1p-9;
+    }
+    float* cj = c + j0;
+    switch (m) {
+      case 1: rows_f32<1>(ab, kp, sa, ldsa, w, j0, cols, wsc, kblocks, cj, ldc); break;
+      case 2: rows_f32<2>(ab, kp, sa, ldsa, w, j0, cols, wsc, kblocks, cj, ldc); break;
+      case 3: rows_f32<3>(ab, kp, sa, ldsa, w, j0, cols, wsc, kblocks, cj, ldc); break;
+      default: rows_f32<4>(ab, kp, sa, ldsa, w, j0, cols, wsc, kblocks, cj, ldc); break;
+    }
+  }
+}
+
 void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedBf16& w, int64_t n0, int64_t n1,
                         float* c, int64_t ldc) {
   if (m < kAmxMinRows || w.kp == 0) {
