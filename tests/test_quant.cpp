@@ -123,12 +123,15 @@ TEST(QuantGemm, Fp8TileEveryIsaMatchesDoubleAndAgreesBitwise) {
   std::mt19937_64 rng(3);
   struct Dims {
     int64_t m, n, k, seg;
+    bool mostly_normal = false;  // zeros and subnormals only at a few places (real weights; the amx decode's fast path)
   };
-  for (const Dims d : {Dims{1, 9, 300, 9}, Dims{5, 130, 128, 65}, Dims{13, 7, 77, 7}, Dims{3, 256, 520, 256}}) {
+  for (const Dims d : {Dims{1, 9, 300, 9}, Dims{5, 130, 128, 65}, Dims{13, 7, 77, 7}, Dims{3, 256, 520, 256},
+                       Dims{1, 37, 1000, 37, true}, Dims{2, 24, 256, 24, true}, Dims{4, 9, 200, 9, true}}) {
     std::vector<uint8_t> w(size_t(d.n * d.k));
     for (size_t i = 0; i < w.size(); ++i) {
       uint8_t c = uint8_t((i * 131 + rng()) & 0xff);
       if ((c & 0x7f) == 0x7f) c = 0x7e;
+      if (d.mostly_normal && (c & 0x78) == 0 && i % 700 != 3) c |= 0x08;
       w[i] = c;
     }
     const int64_t kb = fp8_blocks(d.k), sn = (d.n / d.seg) * fp8_blocks(d.seg);
@@ -140,7 +143,7 @@ TEST(QuantGemm, Fp8TileEveryIsaMatchesDoubleAndAgreesBitwise) {
     std::vector<float> sa(size_t(d.m * kb));
     cpu::fp8_quantize_rows(x.ptr<float>(), d.k, d.m, d.k, false, qa.data(), kp, sa.data(), kb);
     std::vector<float> first;
-    for (const cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512}) {
+    for (const cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512, cpu::Isa::amx}) {
       if (!cpu::isa_supported(isa)) {
         std::printf("ISA %s: not on this CPU (not tested here)\n", cpu::isa_name(isa));
         continue;
@@ -169,6 +172,27 @@ TEST(QuantGemm, Fp8TileEveryIsaMatchesDoubleAndAgreesBitwise) {
         first = c;
       else
         EXPECT_EQ(std::memcmp(first.data(), c.data(), c.size() * 4), 0) << cpu::isa_name(isa) << ": bits differ";
+      // The f32-sum tile (amx; decode-sized rows): within f32 rounding of the sums of |products|.
+      cpu::set_isa_override(isa);
+      const auto f32_tile = cpu::gemm_kernels().gemm_fp8_f32_tile;
+      cpu::clear_isa_override();
+      if (!f32_tile || d.m > cpu::kFp8F32MaxRows) continue;
+      std::vector<float> c2(size_t(d.m * d.n), NAN);
+      f32_tile(qa.data(), kp, sa.data(), kb, d.m, wm, 0, d.n / 2, c2.data(), d.n, work.data());
+      f32_tile(qa.data(), kp, sa.data(), kb, d.m, wm, d.n / 2, d.n, c2.data(), d.n, work.data());
+      for (int64_t i = 0; i < d.m; ++i)
+        for (int64_t j = 0; j < d.n; ++j) {
+          double ref = 0, mag = 0;
+          for (int64_t k = 0; k < d.k; ++k) {
+            const int64_t srow = (j / d.seg) * fp8_blocks(d.seg) + (j % d.seg) / 128;
+            const double t = (qa[size_t(i * kp + k)] / 512.0 * sa[size_t(i * kb + k / 128)]) *
+                             (double(f8e4m3_to_f32(w[size_t(j * d.k + k)])) * sc[size_t(srow * kb + k / 128)]);
+            ref += t, mag += std::fabs(t);
+          }
+          const float got = c2[size_t(i * d.n + j)];
+          ASSERT_LE(std::fabs(double(got) - ref), 2e-6 * mag + 1e-30)
+              << cpu::isa_name(isa) << " f32 tile m=" << d.m << " n=" << d.n << " k=" << d.k << " (" << i << ", " << j << ")";
+        }
     }
   }
 }

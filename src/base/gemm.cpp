@@ -47,7 +47,8 @@ bool has_avx512bf16() { return cpuid7(1, 0, 5); }
 // AMX-TILE and AMX-BF16, and the kernel's permission to use the tile data state (asked once per process).
 bool has_amx() {
   static const bool ok = [] {
-    if (!cpuid7(0, 3, 24) || !cpuid7(0, 3, 22)) return false;
+    // AMX-TILE, AMX-BF16 and AVX512-VBMI (the amx ISA's FP8 decode; every AMX CPU has it).
+    if (!cpuid7(0, 3, 24) || !cpuid7(0, 3, 22) || !cpuid7(0, 2, 1)) return false;
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
@@ -107,6 +108,8 @@ const GemmKernels& kernels_of(Isa isa) {
         GemmKernels r = kGemmAvx512;
         r.isa = Isa::amx;
         r.gemm_bf16_tile = &gemm_bf16_tile_amx;
+        r.gemm_fp8_tile = &gemm_fp8_tile_amx;
+        r.gemm_fp8_f32_tile = &gemm_fp8_f32_tile_amx;
         return r;
       }();
       return k;

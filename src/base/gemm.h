@@ -105,7 +105,13 @@ struct GemmKernels {
   // C[i, j] = f32(sum over 128-input groups g of sa[i, g] * act_unit * dot_g(A[i], W[j])) (f64 sums).
   void (*gemm_fp4_tile)(const double* a, int64_t lda, const float* sa, int64_t ldsa, int64_t m, const Fp4Matrix& w,
                         int64_t n0, int64_t n1, float* c, int64_t ldc, double* work);
+  // Null but for the amx ISA. gemm_fp8_tile for m <= kFp8F32MaxRows with each block's dot product summed in f32
+  // (products exact, sums rounded: within about 1e-7 of it, not bit-identical): for products whose output is not
+  // quantized again (the down projection), where the exact f64 sums are not needed.
+  void (*gemm_fp8_f32_tile)(const double* a, int64_t lda, const float* sa, int64_t ldsa, int64_t m,
+                            const Fp8Matrix& w, int64_t n0, int64_t n1, float* c, int64_t ldc, double* work);
 };
+constexpr int64_t kFp8F32MaxRows = 4;
 
 extern const GemmKernels kGemmScalar;  // gemm_scalar.cpp: portable, auto-vectorised
 extern const GemmKernels kGemmAvx2;    // gemm_avx2.cpp: AVX2 + FMA + F16C
@@ -117,6 +123,11 @@ void gemm_bf16_tile_avx512bf16(const uint16_t* a, int64_t lda, int64_t m, const 
 void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedBf16& w, int64_t n0, int64_t n1,
                         float* c, int64_t ldc);
 constexpr int64_t kAmxMinRows = 8;
+// The FP8 tile of the amx ISA (gemm_amx.cpp: e4m3 decoded by AVX512-VBMI byte tables; the same bits as the others).
+void gemm_fp8_tile_amx(const double* a, int64_t lda, const float* sa, int64_t ldsa, int64_t m, const Fp8Matrix& w,
+                       int64_t n0, int64_t n1, float* c, int64_t ldc, double* work);
+void gemm_fp8_f32_tile_amx(const double* a, int64_t lda, const float* sa, int64_t ldsa, int64_t m, const Fp8Matrix& w,
+                           int64_t n0, int64_t n1, float* c, int64_t ldc, double* work);
 
 // Whether this CPU can run `isa` (and this build has it).
 bool isa_supported(Isa isa);

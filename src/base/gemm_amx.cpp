@@ -3,7 +3,11 @@
 // 2 panels keeps four C tiles (tmm0-3), two A tiles (tmm4-5) and two B tiles (tmm6-7). k runs in passes of
 // kChunkK so that the two panels' B of one pass stay in L1 over all rows; C goes through memory between passes
 // (an exact f32 round trip, so the result does not depend on the pass length). Rows below kAmxMinRows go to the
-// AVX512-BF16 tile. Compiled with the avx512 flags plus -mamx-tile -mamx-bf16 -mavx512bf16.
+// AVX512-BF16 tile. Compiled with the avx512 flags plus -mamx-tile -mamx-bf16 -mavx512bf16 -mavx512vbmi.
+//
+// Also the FP8 tile of the amx ISA: gemm_fp8_kernels.h with e4m3 decoded by two 128-entry byte tables (vpermi2b,
+// AVX512-VBMI, which every AMX CPU has) straight into the top bytes of f64 lanes: the same values as the f16 route
+// of gemm_avx512.cpp, so the same bits, in about a third of the instructions.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
@@ -119,6 +123,313 @@ void block(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b
 }
 
 }  // namespace
+
+namespace amx_fp8 {
+
+// The f64 bits of e4m3 magnitude c times 2^-8 have only their top 16 bits set (4 significant bits): byte 7 and byte
+// 6 of the f64, as two 128-entry tables of bytes (c = 0: +0).
+struct Fp8Tables {
+  alignas(64) uint8_t hi[128];
+  alignas(64) uint8_t lo[128];
+};
+constexpr Fp8Tables make_tables() {
+  Fp8Tables t{};
+  for (int c = 0; c < 128; ++c) {
+    const int e = c >> 3, m = c & 7;
+    uint64_t bits = 0;
+    if (c != 0) {
+      // value = (8 + m) * 2^(e - 1) * 2^-17 (normal) or m * 2^-17 (subnormal): normalise the integer part.
+      int64_t mant = e == 0 ? m : 8 + m;
+      int exp2 = (e == 0 ? 0 : e - 1) - 17;
+      int top = 0;
+      while ((mant >> (top + 1)) != 0) ++top;        // mant in [2^top, 2^(top + 1))
+      const uint64_t frac = uint64_t(mant - (int64_t(1) << top)) << (52 - top);
+      bits = (uint64_t(exp2 + top + 1023) << 52) | frac;
+    }
+    t.hi[c] = uint8_t(bits >> 56);
+    t.lo[c] = uint8_t(bits >> 48);
+  }
+  return t;
+}
+constexpr Fp8Tables kTables = make_tables();
+
+// Output byte 8i + 6 <- lo byte i (index i), 8i + 7 <- hi byte i (index 64 + i): spread[0] for bytes 0-7,
+// spread[1] for bytes 8-15.
+struct Spread {
+  alignas(64) uint8_t idx[2][64];
+};
+constexpr Spread make_spread() {
+  Spread s{};
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 8; ++i) s.idx[h][8 * i + 6] = uint8_t(8 * h + i), s.idx[h][8 * i + 7] = uint8_t(64 + 8 * h + i);
+  return s;
+}
+constexpr Spread kSpread = make_spread();
+constexpr __mmask64 kTopBytes = 0xC0C0C0C0C0C0C0C0ull;
+
+// 16 e4m3 bytes at src -> two vectors of 8 f64 (value times 2^-8). The table loads are loop invariants.
+inline void decode16(const uint8_t* src, __m512d* out) {
+  const __m512i b = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  const __m512i hi = _mm512_ternarylogic_epi32(
+      _mm512_permutex2var_epi8(_mm512_load_si512(kTables.hi), b, _mm512_load_si512(kTables.hi + 64)), b,
+      _mm512_set1_epi8(int8_t(0x80)), 0xF8);  // hi | (b & 0x80): the sign
+  const __m512i lo =
+      _mm512_permutex2var_epi8(_mm512_load_si512(kTables.lo), b, _mm512_load_si512(kTables.lo + 64));
+  out[0] = _mm512_castsi512_pd(_mm512_maskz_permutex2var_epi8(kTopBytes, lo, _mm512_load_si512(kSpread.idx[0]), hi));
+  out[1] = _mm512_castsi512_pd(_mm512_maskz_permutex2var_epi8(kTopBytes, lo, _mm512_load_si512(kSpread.idx[1]), hi));
+}
+
+inline int64_t f8_decode_run(const uint8_t* src, int64_t n, double* dst) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512d v[2];
+    decode16(src + i, v);
+    _mm512_storeu_pd(dst + i, v[0]);
+    _mm512_storeu_pd(dst + i + 8, v[1]);
+  }
+  return i;
+}
+
+typedef double F8D __attribute__((vector_size(64)));
+inline void f8_decode16(const uint8_t* src, F8D* out) {
+  __m512d v[2];
+  decode16(src, v);
+  out[0] = F8D(v[0]);
+  out[1] = F8D(v[1]);
+}
+
+constexpr int kF8L = 8, kF8MR = 4, kF8NR = 4;
+#include "base/gemm_fp8_kernels.h"
+
+}  // namespace amx_fp8
+
+namespace amx_fp8 {
+
+// Decode-sized row counts (m <= kF8MR): the weights stream from memory once, so the decode is the cost. A normal
+// e4m3 byte b (exponent field 1-15) times 2^-8 has f64 bits sign(b) << 63 | 0x3F << 56 | (b & 0x7f) << 49: the
+// byte sign-extended to 64 bits (vpmovsxbq), shifted by 49, masked and or'ed with the exponent's top bits, three
+// instructions for 8 weights. 64 bytes of a row at a time; a chunk holding a zero or a subnormal (exponent field
+// 0; rare in real weights) goes through the byte tables instead. Values, sums and the order of the scaled block
+// sums are those of f8_rows_direct: the same bits.
+inline void decode64(const uint8_t* src, __m512d* out) {
+  const __m512i bytes = _mm512_loadu_si512(src);
+  if (_mm512_testn_epi8_mask(bytes, _mm512_set1_epi8(0x78)) != 0) {
+    for (int q = 0; q < 4; ++q) decode16(src + 16 * q, out + 2 * q);
+    return;
+  }
+  const __m512i keep = _mm512_set1_epi64(int64_t(0x80FE000000000000ull)),
+                expo = _mm512_set1_epi64(int64_t(0x3F00000000000000ull));
+#pragma GCC unroll 8
+  for (int q = 0; q < 8; ++q) {
+    const __m512i x = _mm512_slli_epi64(
+        _mm512_cvtepi8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * q))), 49);
+    out[q] = _mm512_castsi512_pd(_mm512_ternarylogic_epi64(x, keep, expo, 0xEA));  // (x & keep) | expo
+  }
+}
+
+template <int R>
+void rows_fast(const double* a, int64_t lda, const float* sa, int64_t ldsa, const Fp8Matrix& w, int64_t j0,
+               int64_t cols, const double* wsc, int64_t kblocks, float* c, int64_t ldc) {
+  constexpr int NR = kF8NR, NA = R == 1 ? 2 : 1;  // one row: two accumulators per weight row (FMA latency)
+  const int64_t K = w.k;
+  double tot[R][NR];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NR; ++j) tot[i][j] = 0.0;
+  const uint8_t* rows[NR];
+  for (int j = 0; j < NR; ++j) rows[j] = w.data + (j0 + (j < cols ? j : 0)) * K;  // rows past cols: discarded
+  alignas(64) uint8_t tail[64];
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    __m512d acc[R][NR][NA];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 2
+        for (int h = 0; h < NA; ++h) acc[i][j][h] = _mm512_setzero_pd();
+    const int64_t k0 = kb * kFp8K, k1 = k0 + kFp8K < K ? k0 + kFp8K : K;
+    for (int64_t kk = k0; kk < k1; kk += 64) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        __m512d wv[8];
+        if (kk + 64 <= K) {
+          _mm_prefetch(reinterpret_cast<const char*>(rows[j] + kk + 4 * K), _MM_HINT_T0);  // the next 4 rows
+          decode64(rows[j] + kk, wv);
+        } else {  // the row's last bytes, zero-padded (never read past the row)
+          for (int d = 0; d < 64; ++d) tail[d] = kk + d < K ? rows[j][kk + d] : 0;
+          decode64(tail, wv);
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i)
+#pragma GCC unroll 8
+          for (int v = 0; v < 8; ++v)
+            acc[i][j][v % NA] = _mm512_fmadd_pd(_mm512_loadu_pd(a + i * lda + kk + 8 * v), wv[v], acc[i][j][v % NA]);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const double s = double(sa[i * ldsa + kb]);
+      for (int j = 0; j < NR; ++j) {
+        __m512d sum = acc[i][j][0];
+        if (NA == 2) sum = _mm512_add_pd(sum, acc[i][j][NA - 1]);  // exact: integers times 2^-17 below 2^53
+        tot[i][j] += f8_hsum(F8D(sum)) * (s * wsc[j * kblocks + kb]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int64_t j = 0; j < cols; ++j) c[i * ldc + j] = float(tot[i][j]);
+}
+
+}  // namespace amx_fp8
+
+void gemm_fp8_tile_amx(const double* a, int64_t lda, const float* sa, int64_t ldsa, int64_t m, const Fp8Matrix& w,
+                       int64_t n0, int64_t n1, float* c, int64_t ldc, double* work) {
+  using namespace amx_fp8;
+  if (m > kF8MR || m <= 0 || n1 <= n0) {
+    gemm_fp8_tile(a, lda, sa, ldsa, m, w, n0, n1, c, ldc, work);
+    return;
+  }
+  const int64_t kp = fp8_row_k(w.k), kblocks = kp / kFp8K;
+  const int64_t seg_blocks = (w.seg + kFp8K - 1) / kFp8K;
+  double* wsc = work + kFp8MaxNR * kp;  // [kF8NR, kblocks]: weight block scales times 2^-1, as gemm_fp8_tile
+  for (int64_t j0 = n0; j0 < n1; j0 += kF8NR) {
+    const int64_t cols = n1 - j0 < kF8NR ? n1 - j0 : kF8NR;
+    for (int j = 0; j < kF8NR; ++j) {
+      const int64_t row = j0 + j < n1 ? j0 + j : j0;
+      const int64_t srow = (row / w.seg) * seg_blocks + (row % w.seg) / kFp8K;
+      for (int64_t kb = 0; kb < kblocks; ++kb) wsc[j * kblocks + kb] = double(w.scales[srow * kblocks + kb]) * 0.5;
+    }
+    float* cj = c + j0;
+    switch (m) {
+      case 1: rows_fast<1>(a, lda, sa, ldsa, w, j0, cols, wsc, kblocks, cj, ldc); break;
+      case 2: rows_fast<2>(a, lda, sa, ldsa, w, j0, cols, wsc, kblocks, cj, ldc); break;
+      case 3: rows_fast<3>(a, lda, sa, ldsa, w, j0, cols, wsc, kblocks, cj, ldc); break;
+      default: rows_fast<4>(a, lda, sa, ldsa, w, j0, cols, wsc, kblocks, cj, ldc); break;
+    }
+  }
+}
+
+namespace amx_fp8 {
+
+// bf16 bits of e4m3 magnitude c (the value itself: every e4m3 value is a normal bf16), as byte tables.
+constexpr Fp8Tables make_bf16_tables() {
+  Fp8Tables t{};
+  for (int c = 1; c < 128; ++c) {
+    const int e = c >> 3, m = c & 7;
+    int mant = e == 0 ? m : 8 + m;                // value = mant * 2^(exp2)
+    int exp2 = (e == 0 ? 1 : e) - 1 - 9;
+    int top = 0;
+    while ((mant >> (top + 1)) != 0) ++top;
+    const uint32_t frac = uint32_t(mant - (1 << top)) << (7 - top);  // 7 bf16 fraction bits
+    const uint32_t bits = (uint32_t(exp2 + top + 127) << 7) | frac;
+    t.hi[c] = uint8_t(bits >> 8);
+    t.lo[c] = uint8_t(bits);
+  }
+  return t;
+}
+constexpr Fp8Tables kBf16Tables = make_bf16_tables();
+struct Interleave {
+  alignas(64) uint8_t idx[2][64];
+};
+constexpr Interleave make_interleave() {  // word i of half h: lo byte 32h + i (index), hi byte (64 + index)
+  Interleave s{};
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 32; ++i) s.idx[h][2 * i] = uint8_t(32 * h + i), s.idx[h][2 * i + 1] = uint8_t(64 + 32 * h + i);
+  return s;
+}
+constexpr Interleave kInterleave = make_interleave();
+
+// 64 e4m3 bytes -> two vectors of 32 bf16 (the values, in order).
+inline void decode64_bf16(const uint8_t* src, __m512i* out) {
+  const __m512i b = _mm512_loadu_si512(src);
+  const __m512i hi = _mm512_ternarylogic_epi32(
+      _mm512_permutex2var_epi8(_mm512_load_si512(kBf16Tables.hi), b, _mm512_load_si512(kBf16Tables.hi + 64)), b,
+      _mm512_set1_epi8(int8_t(0x80)), 0xF8);  // hi | (b & 0x80): the sign
+  const __m512i lo =
+      _mm512_permutex2var_epi8(_mm512_load_si512(kBf16Tables.lo), b, _mm512_load_si512(kBf16Tables.lo + 64));
+  out[0] = _mm512_permutex2var_epi8(lo, _mm512_load_si512(kInterleave.idx[0]), hi);
+  out[1] = _mm512_permutex2var_epi8(lo, _mm512_load_si512(kInterleave.idx[1]), hi);
+}
+
+template <int R>
+void rows_f32(const uint16_t* a, int64_t kp, const float* sa, int64_t ldsa, const Fp8Matrix& w, int64_t j0,
+              int64_t cols, const double* wsc, int64_t kblocks, float* c, int64_t ldc) {
+  constexpr int NR = kF8NR;
+  const int64_t K = w.k;
+  double tot[R][NR];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NR; ++j) tot[i][j] = 0.0;
+  const uint8_t* rows[NR];
+  for (int j = 0; j < NR; ++j) rows[j] = w.data + (j0 + (j < cols ? j : 0)) * K;  // rows past cols: discarded
+  alignas(64) uint8_t tail[64];
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    __m512 acc[R][NR];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+    const int64_t k0 = kb * kFp8K, k1 = k0 + kFp8K < K ? k0 + kFp8K : K;
+    for (int64_t kk = k0; kk < k1; kk += 64) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        __m512i wv[2];
+        if (kk + 64 <= K) {
+          _mm_prefetch(reinterpret_cast<const char*>(rows[j] + kk + 4 * K), _MM_HINT_T0);  // the next 4 rows
+          decode64_bf16(rows[j] + kk, wv);
+        } else {  // the row's last bytes, zero-padded (never read past the row)
+          for (int d = 0; d < 64; ++d) tail[d] = kk + d < K ? rows[j][kk + d] : 0;
+          decode64_bf16(tail, wv);
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i)
+#pragma GCC unroll 2
+          for (int v = 0; v < 2; ++v)
+            acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)_mm512_loadu_si512(a + i * kp + kk + 32 * v),
+                                         (__m512bh)wv[v]);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const double s = double(sa[i * ldsa + kb]);
+      for (int j = 0; j < NR; ++j) tot[i][j] += double(_mm512_reduce_add_ps(acc[i][j])) * (s * wsc[j * kblocks + kb]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int64_t j = 0; j < cols; ++j) c[i * ldc + j] = float(tot[i][j]);
+}
+
+}  // namespace amx_fp8
+
+void gemm_fp8_f32_tile_amx(const double* a, int64_t lda, const float* sa, int64_t ldsa, int64_t m, const Fp8Matrix& w,
+                           int64_t n0, int64_t n1, float* c, int64_t ldc, double* work) {
+  using namespace amx_fp8;
+  if (m > kFp8F32MaxRows || m <= 0 || n1 <= n0) {
+    gemm_fp8_tile(a, lda, sa, ldsa, m, w, n0, n1, c, ldc, work);
+    return;
+  }
+  const int64_t kp = fp8_row_k(w.k), kblocks = kp / kFp8K;
+  const int64_t seg_blocks = (w.seg + kFp8K - 1) / kFp8K;
+  // work: the activation rows as bf16 (exact: e4m3 times 2^9) [m, kp], then the scales as gemm_fp8_tile keeps them.
+  auto* ab = reinterpret_cast<uint16_t*>(work);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t k = 0; k < kp; k += 8) {
+      const __m256i f = _mm256_castps_si256(_mm512_cvtpd_ps(_mm512_loadu_pd(a + i * lda + k)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(ab + i * kp + k), _mm256_cvtepi32_epi16(_mm256_srli_epi32(f, 16)));
+    }
+  double* wsc = work + kFp8MaxNR * kp;  // [kF8NR, kblocks]: weight block scales times 2^-9 (the activations' unit)
+  for (int64_t j0 = n0; j0 < n1; j0 += kF8NR) {
+    const int64_t cols = n1 - j0 < kF8NR ? n1 - j0 : kF8NR;
+    for (int j = 0; j < kF8NR; ++j) {
+      const int64_t row = j0 + j < n1 ? j0 + j : j0;
+      const int64_t srow = (row / w.seg) * seg_blocks + (row % w.seg) / kFp8K;
+      for (int64_t kb = 0; kb < kblocks; ++kb) wsc[j * kblocks + kb] = double(w.scales[srow * kblocks + kb]) * 0x1p-9;
+    }
+    float* cj = c + j0;
+    switch (m) {
+      case 1: rows_f32<1>(ab, kp, sa, ldsa, w, j0, cols, wsc, kblocks, cj, ldc); break;
+      case 2: rows_f32<2>(ab, kp, sa, ldsa, w, j0, cols, wsc, kblocks, cj, ldc); break;
+      case 3: rows_f32<3>(ab, kp, sa, ldsa, w, j0, cols, wsc, kblocks, cj, ldc); break;
+      default: rows_f32<4>(ab, kp, sa, ldsa, w, j0, cols, wsc, kblocks, cj, ldc); break;
+    }
+  }
+}
 
 void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedBf16& w, int64_t n0, int64_t n1,
                         float* c, int64_t ldc) {

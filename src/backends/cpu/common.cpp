@@ -192,6 +192,8 @@ void quant_tile(const Plan& p, bool down, int64_t e, const Fp8Rows& a, int64_t r
   double* wk = reinterpret_cast<double*>(work);
   if (p.fp4)
     p.kernels->gemm_fp4_tile(q, a.ld, s, a.lds, m, down ? p.down_fp4(e) : p.first_fp4(e), n0, n1, c, ldc, wk);
+  else if (down && m <= kFp8F32MaxRows && p.kernels->gemm_fp8_f32_tile)  // output not quantized again: f32 sums
+    p.kernels->gemm_fp8_f32_tile(q, a.ld, s, a.lds, m, p.down_fp8(e), n0, n1, c, ldc, wk);
   else
     p.kernels->gemm_fp8_tile(q, a.ld, s, a.lds, m, down ? p.down_fp8(e) : p.first_fp8(e), n0, n1, c, ldc, wk);
 }
