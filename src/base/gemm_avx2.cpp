@@ -75,6 +75,6 @@ constexpr int kF8L = 4, kF8MR = 2, kF8NR = 4;
 
 const GemmKernels kGemmAvx2 = {Isa::avx2, avx2_kernels::kTileN, avx2_kernels::kWorkFloats, avx2_kernels::kDirectMaxM,
                                &avx2_kernels::gemm_tile, nullptr, &avx2_kernels::gemm_fp8_tile,
-                                 &avx2_kernels::gemm_fp4_tile};
+                                 &avx2_kernels::gemm_fp4_tile, nullptr};
 
 }  // namespace moekit::cpu

@@ -80,6 +80,6 @@ constexpr int kF8L = 8, kF8MR = 4, kF8NR = 4;
 
 const GemmKernels kGemmAvx512 = {Isa::avx512, avx512_kernels::kTileN, avx512_kernels::kWorkFloats,
                                  avx512_kernels::kDirectMaxM, &avx512_kernels::gemm_tile, nullptr, &avx512_kernels::gemm_fp8_tile,
-                                 &avx512_kernels::gemm_fp4_tile};
+                                 &avx512_kernels::gemm_fp4_tile, nullptr};
 
 }  // namespace moekit::cpu

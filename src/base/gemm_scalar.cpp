@@ -84,6 +84,6 @@ constexpr int kF8L = 2, kF8MR = 2, kF8NR = 4;
 
 const GemmKernels kGemmScalar = {Isa::scalar, scalar_kernels::kTileN, scalar_kernels::kWorkFloats,
                                  scalar_kernels::kDirectMaxM, &scalar_kernels::gemm_tile, nullptr, &scalar_kernels::gemm_fp8_tile,
-                                 &scalar_kernels::gemm_fp4_tile};
+                                 &scalar_kernels::gemm_fp4_tile, nullptr};
 
 }  // namespace moekit::cpu

@@ -70,7 +70,6 @@ void grouped_bf16(const Plan& p, const ExpertRouting& r, float* xy, float* h1, c
 // over all rows of the expert, weights decoded in the tile.
 void grouped_fp8(const Plan& p, const ExpertRouting& r, float* xy, float* h1, const int64_t* row_expert) {
   const int64_t rows = r.routed(), H = p.H, N1 = p.N1;
-  const GemmKernels& k = *p.kernels;
   const Fp8Rows xa = fp8_rows(p, xy, H, rows, H);
   const std::vector<Tile> up = grouped_tiles(r, N1, kFp8TileN);
   parallel_tasks(int64_t(up.size()), fp8_work_floats(H), rows * N1 * H, [&](int64_t i, float* work) {
