@@ -205,6 +205,17 @@ constexpr int kF8L = 8, kF8MR = 4, kF8NR = 4;
 
 namespace amx_fp8 {
 
+// The 64 weight bytes at kk of a row of K bytes: in place (prefetching the same bytes 4 rows on), or the row's last
+// bytes zero-padded into `tail` (never read past the row).
+inline const uint8_t* chunk64(const uint8_t* row, int64_t kk, int64_t K, uint8_t* tail) {
+  if (kk + 64 <= K) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + kk + 4 * K), _MM_HINT_T0);
+    return row + kk;
+  }
+  for (int d = 0; d < 64; ++d) tail[d] = kk + d < K ? row[kk + d] : 0;
+  return tail;
+}
+
 // Decode-sized row counts (m <= kF8MR): the weights stream from memory once, so the decode is the cost. A normal
 // e4m3 byte b (exponent field 1-15) times 2^-8 has f64 bits sign(b) << 63 | 0x3F << 56 | (b & 0x7f) << 49: the
 // byte sign-extended to 64 bits (vpmovsxbq), shifted by 49, masked and or'ed with the exponent's top bits, three
@@ -251,13 +262,7 @@ void rows_fast(const double* a, int64_t lda, const float* sa, int64_t ldsa, cons
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
         __m512d wv[8];
-        if (kk + 64 <= K) {
-          _mm_prefetch(reinterpret_cast<const char*>(rows[j] + kk + 4 * K), _MM_HINT_T0);  // the next 4 rows
-          decode64(rows[j] + kk, wv);
-        } else {  // the row's last bytes, zero-padded (never read past the row)
-          for (int d = 0; d < 64; ++d) tail[d] = kk + d < K ? rows[j][kk + d] : 0;
-          decode64(tail, wv);
-        }
+        decode64(chunk64(rows[j], kk, K, tail), wv);
 #pragma GCC unroll 4
         for (int i = 0; i < R; ++i)
 #pragma GCC unroll 8
@@ -371,13 +376,7 @@ void rows_f32(const uint16_t* a, int64_t kp, const float* sa, int64_t ldsa, cons
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
         __m512i wv[2];
-        if (kk + 64 <= K) {
-          _mm_prefetch(reinterpret_cast<const char*>(rows[j] + kk + 4 * K), _MM_HINT_T0);  // the next 4 rows
-          decode64_bf16(rows[j] + kk, wv);
-        } else {  // the row's last bytes, zero-padded (never read past the row)
-          for (int d = 0; d < 64; ++d) tail[d] = kk + d < K ? rows[j][kk + d] : 0;
-          decode64_bf16(tail, wv);
-        }
+        decode64_bf16(chunk64(rows[j], kk, K, tail), wv);
 #pragma GCC unroll 4
         for (int i = 0; i < R; ++i)
 #pragma GCC unroll 2
