@@ -205,6 +205,16 @@ constexpr int kF8L = 8, kF8MR = 4, kF8NR = 4;
 
 namespace amx_fp8 {
 
+// The block scales of weight rows j0 .. j0 + kF8NR (rows past n1 repeat j0's), times `unit`, as [kF8NR, kblocks].
+inline void block_scales(const Fp8Matrix& w, int64_t j0, int64_t n1, int64_t kblocks, double unit, double* wsc) {
+  const int64_t seg_blocks = (w.seg + kFp8K - 1) / kFp8K;
+  for (int j = 0; j < kF8NR; ++j) {
+    const int64_t row = j0 + j < n1 ? j0 + j : j0;
+    const int64_t srow = (row / w.seg) * seg_blocks + (row % w.seg) / kFp8K;
+    for (int64_t kb = 0; kb < kblocks; ++kb) wsc[j * kblocks + kb] = double(w.scales[srow * kblocks + kb]) * unit;
+  }
+}
+
 // The 64 weight bytes at kk of a row of K bytes: in place (prefetching the same bytes 4 rows on), or the row's last
 // bytes zero-padded into `tail` (never read past the row).
 inline const uint8_t* chunk64(const uint8_t* row, int64_t kk, int64_t K, uint8_t* tail) {
@@ -293,15 +303,10 @@ void gemm_fp8_tile_amx(const double* a, int64_t lda, const float* sa, int64_t ld
     return;
   }
   const int64_t kp = fp8_row_k(w.k), kblocks = kp / kFp8K;
-  const int64_t seg_blocks = (w.seg + kFp8K - 1) / kFp8K;
   double* wsc = work + kFp8MaxNR * kp;  // [kF8NR, kblocks]: weight block scales times 2^-1, as gemm_fp8_tile
   for (int64_t j0 = n0; j0 < n1; j0 += kF8NR) {
     const int64_t cols = n1 - j0 < kF8NR ? n1 - j0 : kF8NR;
-    for (int j = 0; j < kF8NR; ++j) {
-      const int64_t row = j0 + j < n1 ? j0 + j : j0;
-      const int64_t srow = (row / w.seg) * seg_blocks + (row % w.seg) / kFp8K;
-      for (int64_t kb = 0; kb < kblocks; ++kb) wsc[j * kblocks + kb] = double(w.scales[srow * kblocks + kb]) * 0.5;
-    }
+    block_scales(w, j0, n1, kblocks, 0.5, wsc);
     float* cj = c + j0;
     switch (m) {
       case 1: rows_fast<1>(a, lda, sa, ldsa, w, j0, cols, wsc, kblocks, cj, ldc); break;
@@ -404,7 +409,6 @@ void gemm_fp8_f32_tile_amx(const double* a, int64_t lda, const float* sa, int64_
     return;
   }
   const int64_t kp = fp8_row_k(w.k), kblocks = kp / kFp8K;
-  const int64_t seg_blocks = (w.seg + kFp8K - 1) / kFp8K;
   // work: the activation rows as bf16 (exact: e4m3 times 2^9) [m, kp], then the scales as gemm_fp8_tile keeps them.
   auto* ab = reinterpret_cast<uint16_t*>(work);
   for (int64_t i = 0; i < m; ++i)
@@ -415,11 +419,7 @@ void gemm_fp8_f32_tile_amx(const double* a, int64_t lda, const float* sa, int64_
   double* wsc = work + kFp8MaxNR * kp;  // [kF8NR, kblocks]: weight block scales times 2^-9 (the activations' unit)
   for (int64_t j0 = n0; j0 < n1; j0 += kF8NR) {
     const int64_t cols = n1 - j0 < kF8NR ? n1 - j0 : kF8NR;
-    for (int j = 0; j < kF8NR; ++j) {
-      const int64_t row = j0 + j < n1 ? j0 + j : j0;
-      const int64_t srow = (row / w.seg) * seg_blocks + (row % w.seg) / kFp8K;
-      for (int64_t kb = 0; kb < kblocks; ++kb) wsc[j * kblocks + kb] = double(w.scales[srow * kblocks + kb]) * 0x1p-9;
-    }
+    block_scales(w, j0, n1, kblocks, 0x1p-9, wsc);
     float* cj = c + j0;
     switch (m) {
       case 1: rows_f32<1>(ab, kp, sa, ldsa, w, j0, cols, wsc, kblocks, cj, ldc); break;
