@@ -445,10 +445,11 @@ TEST(QuantExperts, BadFp8WeightsAreClearErrors) {
   EXPECT_FALSE(sup.ok);
 }
 
-// On a GPU the CUDA backends refuse quantized experts with the reason (no kernel yet), and say what to use.
-TEST(QuantExperts, CudaBackendsRefuseQuantizedExpertsWithAReason) {
+// On a GPU the CUDA backends refuse FP4 experts with the reason (no kernel yet), and say what to use (FP8 experts:
+// tests/test_cuda_quant.cpp).
+TEST(QuantExperts, CudaBackendsRefuseFp4ExpertsWithAReason) {
   MOEKIT_SKIP_WITHOUT_CUDA();
-  const test::ExpertsProblem p = make_fp8_problem({.T = 3, .E = 3, .K = 1, .H = 64, .I = 32}, 8, DType::f32);
+  const test::ExpertsProblem p = make_fp4_problem({.T = 3, .E = 3, .K = 1, .H = 64, .I = 32}, 8, false);
   const Experts g = p.experts.to(Device::cuda(0));
   for (const auto& b : ExpertsInterface::global().backends()) {
     const Support s = b->supports(g, DType::bf16);

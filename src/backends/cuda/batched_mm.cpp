@@ -16,6 +16,10 @@ bool batched_uses_gemv(const CallContext& c) {
 }
 
 void run_batched_mm(const CallContext& c) {
+  if (c.fp8) {  // FP8 experts: quantized_fp8.cpp
+    run_fp8(c);
+    return;
+  }
   namespace k = kernels;
   if (!batched_uses_gemv(c)) {
     run_grouped_mm(c);

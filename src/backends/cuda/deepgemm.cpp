@@ -25,6 +25,7 @@ std::string deepgemm_arch_reason(int arch) {
 std::string deepgemm_unsupported_reason(const Experts& experts, DType act_dtype, int arch) {
   DeviceGuard guard(experts.device().index);
   if (std::string why = deepgemm_arch_reason(arch); !why.empty()) return why;
+  if (experts.is_quantized()) return {};  // FP8: any activation dtype and size (quantized_fp8.cpp)
   if (act_dtype != DType::bf16 && act_dtype != DType::f16)
     return std::string("deepgemm runs bf16 and f16 experts, got ") + dtype_name(act_dtype) + "; use grouped_mm";
   const ExpertsSpec& s = experts.spec();
@@ -35,6 +36,10 @@ std::string deepgemm_unsupported_reason(const Experts& experts, DType act_dtype,
 }
 
 void run_deepgemm(const CallContext& c) {
+  if (c.fp8) {  // FP8 experts: quantized_fp8.cpp
+    run_fp8(c);
+    return;
+  }
   namespace k = kernels;
   const std::string why = deepgemm_unsupported_reason(c.experts, c.call.hidden_states.dtype, c.device->arch());
   MOEKIT_CHECK_CODE(why.empty() && c.w1_k == 1 && c.w2_k == 1, not_supported, "experts implementation 'deepgemm': ",

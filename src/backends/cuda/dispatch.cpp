@@ -7,6 +7,7 @@
 #include "backends/backends.h"
 #include "backends/cuda/state.h"
 #include "moekit/cuda_graph.h"
+#include "moekit/quant.h"
 
 namespace moekit::cuda {
 namespace {
@@ -26,6 +27,80 @@ kernels::Elem to_elem(DType t) {
   }
 }
 
+// The backends with an FP8 path (quantized_fp8.cpp); the others refuse quantized experts.
+bool has_fp8_path(std::string_view backend) {
+  return backend == "grouped_mm" || backend == "batched_mm" || backend == "deepgemm";
+}
+
+Support supports_quantized(std::string_view backend, const Experts& experts, DType act_dtype, ExtraCheck extra) {
+  const ExpertsSpec& s = experts.spec();
+  const DType wt = experts.weight_dtype();
+  if (!experts.weights().is_fp8() || !has_fp8_path(backend))
+    return no(backend, std::string("has no CUDA kernel for quantized ") + dtype_name(wt) +
+                           " experts yet (FP8 block-scaled experts run in grouped_mm, batched_mm and deepgemm); run "
+                           "them on the CPU backends, or load the checkpoint with dequantize (moekit run "
+                           "--dequantize) to run bf16 weights on the GPU");
+  if (act_dtype != DType::f32 && act_dtype != DType::bf16 && act_dtype != DType::f16)
+    return no(backend, std::string("FP8 experts take f32, bf16 or f16 activations, got ") + dtype_name(act_dtype));
+  for (const Tensor* b : {&experts.weights().first_bias(), &experts.weights().down_proj_bias})
+    if (b->defined() && b->dtype() != act_dtype)
+      return no(backend, std::string("the biases of FP8 experts must have the activations' dtype (") +
+                             dtype_name(act_dtype) + "), got " + dtype_name(b->dtype()));
+  if (s.gate == GateKind::custom)
+    return no(backend, "a custom gate function runs only on the CPU backends; move the experts to the CPU");
+  if (kernel_activation(s.activation) < 0 && !(s.has_gate && s.gate == GateKind::clamped_swiglu))
+    return no(backend, std::string("activation '") + activation_name(s.activation) +
+                           "' is not in the CUDA kernels; move the experts to the CPU");
+  if (s.num_experts > kernels::kRouteMaxExperts)
+    return no(backend, "at most " + std::to_string(kernels::kRouteMaxExperts) + " experts per module, got " +
+                           std::to_string(s.num_experts));
+  if (s.hidden > (int64_t(1) << 30) || s.intermediate > (int64_t(1) << 30))
+    return no(backend, "hidden and intermediate sizes must be below 2^30");
+  const int device = experts.device().index;
+  const int arch = device_info(device).arch();
+  {
+    DeviceGuard guard(device);
+    if (!kernels::grouped_gemm_fp8_built_for(arch))
+      return no(backend, device_info(device).to_string() +
+                             ": FP8 experts need the FP8 tensor cores (compute capability 8.9 or later) and this "
+                             "build's code for them (CMAKE_CUDA_ARCHITECTURES 90a)");
+  }
+  if (extra) {
+    const std::string why = extra(experts, act_dtype, arch);
+    if (!why.empty()) return no(backend, why);
+  }
+  return Support{true, device_info(device).to_string()};
+}
+
+// FP8 experts staged on the device once per module (the caller holds state.mutex): f32 block scales, and the
+// weights with rows padded to 16 bytes where K is not a multiple of 16.
+void stage_fp8(const Experts& experts, CudaState& state) {
+  if (state.fp8_ready) return;
+  DeviceGuard guard(experts.device().index);
+  const ExpertsWeights& w = experts.weights();
+  auto f32_scales = [&](const Tensor& sc) {
+    if (sc.dtype() == DType::f32) return Tensor::copy_of(sc.view(), experts.device());
+    const Tensor h = sc.to(Device::cpu()).contiguous();
+    Tensor f = Tensor::empty(h.shape(), DType::f32, Device::cpu());
+    for (int64_t i = 0; i < h.numel(); ++i) f.ptr<float>()[i] = ue8m0_to_f32(h.ptr<uint8_t>()[i]);
+    return f.to(experts.device());
+  };
+  auto padded = [&](const Tensor& q) {
+    const int64_t K = q.size(-1);
+    if (K % 16 == 0) return Tensor();
+    const int64_t ld = (K + 15) / 16 * 16, rows = q.numel() / K;
+    const Tensor h = q.to(Device::cpu()).contiguous();
+    Tensor p = Tensor::zeros({q.size(0), q.size(1), ld}, DType::f8e4m3, Device::cpu());
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy_n(h.ptr<uint8_t>() + r * K, K, p.ptr<uint8_t>() + r * ld);
+    return p.to(experts.device());
+  };
+  state.s1 = f32_scales(w.first_scale_inv());
+  state.s2 = f32_scales(w.down_proj_scale_inv);
+  state.q1 = padded(w.first());
+  state.q2 = padded(w.down_proj);
+  state.fp8_ready = true;
+}
 
 }  // namespace
 
@@ -51,10 +126,7 @@ Support supports(std::string_view backend, const Experts& experts, DType act_dty
   if (!avail) return avail;
   const ExpertsSpec& s = experts.spec();
   const DType wt = experts.weight_dtype();
-  if (experts.is_quantized())
-    return no(backend, std::string("has no CUDA kernel for quantized (") + dtype_name(wt) +
-                           " block-scaled) experts yet; run them on the CPU backends, or load the checkpoint with "
-                           "dequantize (moekit run --dequantize) to run bf16 weights on the GPU");
+  if (experts.is_quantized()) return supports_quantized(backend, experts, act_dtype, extra);
   if (wt != DType::f32 && wt != DType::bf16 && wt != DType::f16)
     return no(backend, std::string("takes f32, bf16 or f16 weights, got ") + dtype_name(wt));
   if (act_dtype != wt)
@@ -82,6 +154,12 @@ Support supports(std::string_view backend, const Experts& experts, DType act_dty
 }
 
 void prepare(const Experts& experts) {
+  if (experts.weights().is_fp8()) {
+    CudaState& state = cuda_state(experts);
+    std::lock_guard<std::mutex> lock(state.mutex);
+    stage_fp8(experts, state);
+    return;
+  }
   if (!experts.spec().is_transposed) return;
   CudaState& state = cuda_state(experts);
   std::lock_guard<std::mutex> lock(state.mutex);
@@ -147,6 +225,24 @@ void run(std::string_view backend, const Experts& experts, const ExpertsCall& ca
   c.w2_n = I;
   c.w2_k = 1;
   c.b2 = w.down_proj_bias.defined() ? w.down_proj_bias.data() : nullptr;
+
+  if (w.is_fp8()) {
+    stage_fp8(experts, state);  // done by prepare() before the first forward; here for callers that skip it
+    const bool gated = spec.has_gate;
+    c.fp8 = true;
+    c.fp8_pow2 = w.first_scale_inv().dtype() == DType::ue8m0;
+    c.q1 = static_cast<const uint8_t*>(state.q1.defined() ? state.q1.data() : w.first().data());
+    c.q2 = static_cast<const uint8_t*>(state.q2.defined() ? state.q2.data() : w.down_proj.data());
+    c.q1_ld = (H + 15) / 16 * 16;
+    c.q2_ld = (I + 15) / 16 * 16;
+    c.s1 = state.s1.ptr<float>();
+    c.s2 = state.s2.ptr<float>();
+    c.s1_rows = state.s1.size(1);
+    c.s2_rows = state.s2.size(1);
+    c.seg1 = gated ? 2 : 1;
+    MOEKIT_CHECK_CODE(c.s1_rows == c.seg1 * fp8_blocks(N1 / c.seg1) && c.s2_rows == fp8_blocks(H), internal,
+                      "FP8 block scales of unexpected shape");
+  }
 
   path(c);
 }

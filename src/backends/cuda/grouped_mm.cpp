@@ -70,6 +70,10 @@ Projections grouped_projections(const CallContext& c, const void* a, const int32
 }
 
 void run_grouped_mm(const CallContext& c) {
+  if (c.fp8) {  // FP8 experts: quantized_fp8.cpp
+    run_fp8(c);
+    return;
+  }
   namespace k = kernels;
   const int64_t P = c.pairs, E = c.experts_count;
   const int tile_m = k::grouped_tile_m(P, int(E));

@@ -98,6 +98,10 @@ class CudaState final : public BackendState {
   // Transposed experts ([E, in, out]) repacked once by prepare() into [E, out, in] (backends.h).
   bool repacked = false;
   Tensor w1, w2;
+  // FP8 experts, staged once by prepare() (dispatch.cpp): the block scales as f32 on the device, and the e4m3
+  // weights copied with rows padded to 16 bytes only where K is not a multiple of 16 (else read in place).
+  bool fp8_ready = false;
+  Tensor q1, q2, s1, s2;
 
  private:
   std::map<cudaStream_t, std::unique_ptr<StreamWorkspace>> workspaces_;
@@ -133,7 +137,19 @@ struct CallContext {
   const void* w2 = nullptr;
   int64_t w2_expert = 0, w2_n = 0, w2_k = 0;
   const void* b2 = nullptr;
+  // FP8 experts (quantized_fp8.cpp): e4m3 weights [E, n, ld] (ld bytes per row: K, or K padded to 16 with zero
+  // codes), f32 block scales [E, SN, ceil(K / 128)]; activations quantized with power-of-two scales when the
+  // checkpoint's scales are ue8m0.
+  bool fp8 = false, fp8_pow2 = false;
+  const uint8_t *q1 = nullptr, *q2 = nullptr;
+  int64_t q1_ld = 0, q2_ld = 0;
+  const float *s1 = nullptr, *s2 = nullptr;
+  int64_t s1_rows = 0, s2_rows = 0;  // SN of each projection
+  int64_t seg1 = 1;                  // the first projection's scale segments (gated: 2)
 };
+
+// The FP8 forward of grouped_mm, batched_mm and deepgemm (quantized_fp8.cpp).
+void run_fp8(const CallContext& c);
 
 // The two grouped projections of a forward over rows grouped by expert (grouped_mm.cpp): the first reads
 // `a` (row a_rows[r] / a_row_div, or row r when a_rows is null) and writes the gated activations `act`

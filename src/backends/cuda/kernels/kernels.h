@@ -188,4 +188,49 @@ struct PairGemvArgs {
 bool pair_gemv_ok(Elem type, int64_t k);
 cudaError_t pair_gemv(const PairGemvArgs& a, cudaStream_t stream);
 
+// ---- FP8 block-scaled experts (grouped_gemm_fp8.cu) ----
+
+// Dynamic activation quantisation, bit for bit moekit/quant.h quantize_activations_fp8: per row of `k` elements
+// of `type` (row stride ldx) and group of 128 inputs, scale[row, g] = amax / 448 (rounded up to a power of two
+// with pow2_scales), q[row, i] = e4m3(x / scale) (0 where the scale is 0), the row padded with zero codes to
+// ldq >= ceil(k / 128) * 128 bytes. Rows at or past *valid_rows (when set) are left as they are.
+cudaError_t quantize_fp8_rows(Elem type, const void* x, int64_t ldx, int64_t rows, int64_t k,
+                              const int32_t* valid_rows, bool pow2_scales, uint8_t* q, int64_t ldq, float* scale,
+                              int64_t lds, cudaStream_t stream);
+
+// The grouped projection over quantized rows and FP8 weights: out = sum over 128-input blocks of
+// (A block . W block) * a_scale[row, block] * w_scale[block row of n, block], then the epilogue (kernels above).
+struct Fp8GemmArgs {
+  Elem type = Elem::bf16;       // the output (kEpiGated / kEpiActOnly) and bias dtype
+  const uint8_t* a = nullptr;   // e4m3 rows padded to whole 128-input groups, lda bytes apart (multiple of 16)
+  int64_t lda = 0;
+  const float* a_scale = nullptr;  // [rows, lds]
+  int64_t lds = 0;
+  const int32_t* a_rows = nullptr;  // sorted row r reads A row a_rows[r] / a_row_div; null: A row r
+  int a_row_div = 1;
+  const uint8_t* b = nullptr;  // weight (n, k) of expert e at b[e * b_expert_stride + n * b_stride_n + k] (bytes)
+  int64_t b_expert_stride = 0, b_stride_n = 0;
+  int64_t b_k = 0;  // readable bytes of a weight row (a multiple of 16, >= k; past k: zero codes)
+  const float* b_scale = nullptr;  // [E, SN, ceil(k / 128)] f32; block row of weight row n: (n / seg) *
+  int64_t bs_expert_stride = 0;    // ceil(seg / 128) + (n % seg) / 128 with seg = b_scale_seg
+  int64_t b_scale_seg = 1;
+  const void* bias = nullptr;  // bias[e * bias_expert_stride + n] or null
+  int64_t bias_expert_stride = 0;
+  const int32_t* offsets = nullptr;       // [E + 1] device
+  const int32_t* tile_offsets = nullptr;  // [E + 1] device, for the tile_m passed
+  int experts = 0;
+  int64_t max_rows = 0;
+  int64_t n = 0, k = 0, inter = 0;
+  int epilogue = kEpiF32;  // kEpiGated, kEpiActOnly or kEpiF32
+  GateParams gate;
+  void* out = nullptr;
+  int64_t ldo = 0;
+};
+// Whether this build carries the FP8 projection's code for the current device, of compute capability `arch`
+// (the FP8 tensor cores: 8.9 and later).
+bool grouped_gemm_fp8_built_for(int arch);
+// Row tile of the FP8 projection for these sizes (32 or 128; route_sort must use the same).
+int fp8_tile_m(int64_t max_rows, int experts);
+cudaError_t grouped_gemm_fp8(const Fp8GemmArgs& a, int tile_m, cudaStream_t stream);
+
 }  // namespace moekit::cuda::kernels

@@ -1,0 +1,375 @@
+// FP8 block-scaled experts on the GPU (SPEC section 5): the dynamic activation quantisation (per row and 128
+// inputs, bit for bit the host's quantize_activations_fp8) and the grouped projection over e4m3 rows and e4m3
+// weights with 128 x 128 block scales, on the FP8 tensor cores (mma.sync m16n8k32 e4m3, sm_89 and later).
+//
+// The projection walks K one scale block (128 inputs) at a time: the tensor cores sum the block's products into
+// f32 partials, which are then promoted into the f32 accumulators as acc += partial * a_scale[row] * w_scale[col]
+// (the block's dot product is formed once, scaled once, as the f64 reference forms it). Tiles: BM rows x 128
+// virtual columns (gated projections interleave gate and up rows, as the bf16 kernels do) x 128 inputs, three
+// cp.async stages, rows of 144 bytes in shared memory so the fragment loads are free of bank conflicts.
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "backends/cuda/kernels/grouped_gemm_common.cuh"
+
+namespace moekit::cuda::kernels {
+
+namespace {
+
+// ---- element conversions, bit for bit those of src/core/dtype.cpp ----
+
+// Round-to-nearest-even e4m3 of f, saturated to +-448 (NaN: 0x7f).
+__device__ __forceinline__ uint8_t to_e4m3(float f) {
+  if (isnan(f)) return 0x7f;
+  const uint8_t sign = signbit(f) ? 0x80 : 0;
+  const float a = fabsf(f);
+  if (a >= 448.0f) return sign | 0x7e;
+  uint32_t code;
+  if (a < 0x1p-6f) {
+    code = uint32_t(__float2int_rn(a * 512.0f));  // subnormal steps of 2^-9 (8: the smallest normal)
+  } else {
+    int ex;
+    const float fr = frexpf(a, &ex);  // a = fr * 2^ex, fr in [0.5, 1)
+    int e = ex - 1;
+    uint32_t m = uint32_t(__float2int_rn((fr * 2.0f - 1.0f) * 8.0f));
+    if (m == 8) m = 0, ++e;
+    code = (uint32_t(e + 7) << 3) | m;
+  }
+  if (code > 0x7e) code = 0x7e;
+  return uint8_t(sign | code);
+}
+
+// The power of two at or above f > 0, as ue8m0 then back to f32 (src/core/dtype.cpp f32_to_ue8m0).
+__device__ __forceinline__ float pow2_ceil(float f) {
+  int ex;
+  const float m = frexpf(f, &ex);
+  const int e = (m == 0.5f) ? ex - 1 : ex;
+  int code = e + 127;
+  code = code < 0 ? 0 : (code > 254 ? 254 : code);
+  return ldexpf(1.0f, code - 127);
+}
+
+// ---- activation quantisation: one warp per (row, group of 128 inputs), four inputs per lane ----
+
+template <class T>
+__global__ void quantize_fp8_rows_kernel(const T* __restrict__ x, int64_t ldx, int64_t rows, int64_t k,
+                                         const int32_t* __restrict__ valid_rows, int pow2, uint8_t* __restrict__ q,
+                                         int64_t ldq, float* __restrict__ scale, int64_t lds) {
+  const int64_t groups = (k + 127) / 128;
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t row = warp / groups, g = warp % groups;
+  if (row >= rows) return;
+  if (valid_rows && row >= __ldg(valid_rows)) return;
+  const int64_t k0 = g * 128 + lane * 4;
+  float v[4];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[i] = k0 + i < k ? to_f32(x[row * ldx + k0 + i]) : 0.0f;
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  float s = __fdiv_rn(amax, 448.0f);
+  if (pow2 && s > 0.0f) s = pow2_ceil(s);
+  uint32_t word = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint8_t c = s > 0.0f && k0 + i < k ? to_e4m3(__fdiv_rn(v[i], s)) : uint8_t(0);
+    word |= uint32_t(c) << (8 * i);
+  }
+  *reinterpret_cast<uint32_t*>(q + row * ldq + k0) = word;  // k0 < ldq: rows padded to whole groups
+  if (lane == 0) scale[row * lds + g] = s;
+}
+
+// ---- the grouped FP8 projection ----
+
+constexpr int kThreads = 256;  // 8 warps: 2 along the rows, 4 along the columns
+constexpr int kBN = 128, kBK = 128, kLds = 144, kStages = 3;
+
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// Weight row of virtual column v of column block bn, -1 past the end.
+template <int EPI>
+__device__ __forceinline__ int64_t weight_row(const Fp8GemmArgs& args, int bn, int v) {
+  if constexpr (EPI == kEpiGated) {
+    const int64_t c = int64_t(bn) * (kBN / 2) + v / 2;
+    return c >= args.n ? -1 : ((v & 1) ? up_row(args.gate, c, args.inter) : gate_row(args.gate, c));
+  } else {
+    const int64_t n = int64_t(bn) * kBN + v;
+    return n < args.n ? n : -1;
+  }
+}
+
+template <class T, int EPI>
+__device__ __forceinline__ void store_fp8_pair(const Fp8GemmArgs& args, int expert, int bn, int64_t row, int v,
+                                               float x0, float x1) {
+  const T* bias = args.bias ? static_cast<const T*>(args.bias) + int64_t(expert) * args.bias_expert_stride : nullptr;
+  if constexpr (EPI == kEpiGated) {
+    const int64_t c = int64_t(bn) * (kBN / 2) + v / 2;
+    if (c >= args.n) return;
+    if (bias) {
+      x0 += to_f32(bias[gate_row(args.gate, c)]);
+      x1 += to_f32(bias[up_row(args.gate, c, args.inter)]);
+    }
+    static_cast<T*>(args.out)[row * args.ldo + c] = from_f32<T>(gate_value(args.gate, x0, x1));
+  } else {
+    const int64_t n = int64_t(bn) * kBN + v;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      if (n + q >= args.n) continue;
+      const float x = q ? x1 : x0;
+      if constexpr (EPI == kEpiActOnly) {
+        const float y = x + (bias ? to_f32(bias[n + q]) : 0.0f);
+        static_cast<T*>(args.out)[row * args.ldo + n + q] = from_f32<T>(activate(args.gate.activation, y));
+      } else {
+        static_cast<float*>(args.out)[row * args.ldo + n + q] = x;
+      }
+    }
+  }
+}
+
+template <int BM, int EPI>
+__global__ void __launch_bounds__(kThreads) grouped_gemm_fp8_kernel(const Fp8GemmArgs args) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  constexpr int WM = BM / 2, MI = WM / 16, NI = 4;
+  constexpr int kRowsPerPass = kThreads / 8;  // eight 16-byte chunks per 128-byte row
+  constexpr int kAIters = BM / kRowsPerPass, kBIters = kBN / kRowsPerPass;
+  static_assert(MI >= 1 && kAIters >= 1, "tile shape");
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint8_t* const As = smem;
+  uint8_t* const Bs = smem + kStages * BM * kLds;
+
+  const int tile = blockIdx.y, bn = blockIdx.x;
+  if (tile >= __ldg(args.tile_offsets + args.experts)) return;
+  const int expert = tile_expert(args.tile_offsets, args.experts, tile);
+  const int64_t m0 = __ldg(args.offsets + expert) + int64_t(tile - __ldg(args.tile_offsets + expert)) * BM;
+  const int64_t m_end = __ldg(args.offsets + expert + 1);
+  const int64_t KB = (args.k + kBK - 1) / kBK;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int wm = warp / 4, wn = warp % 4, g = lane / 4, t4 = lane % 4;
+
+  // Loader: thread copies chunk `chunk` of rows row_base + j * 32.
+  const int chunk = tid % 8, row_base = tid / 8;
+  const uint8_t* a_src[kAIters];
+  bool a_ok[kAIters];
+#pragma unroll
+  for (int j = 0; j < kAIters; ++j) {
+    const int64_t row = m0 + row_base + j * kRowsPerPass;
+    a_ok[j] = row < m_end;
+    const int64_t src = !a_ok[j] ? 0 : (args.a_rows ? int64_t(__ldg(args.a_rows + row) / args.a_row_div) : row);
+    a_src[j] = args.a + src * args.lda + chunk * 16;
+  }
+  const uint8_t* const b_base = args.b + int64_t(expert) * args.b_expert_stride;
+  const uint8_t* b_src[kBIters];
+  bool b_ok[kBIters];
+#pragma unroll
+  for (int j = 0; j < kBIters; ++j) {
+    const int64_t wr = weight_row<EPI>(args, bn, row_base + j * kRowsPerPass);
+    b_ok[j] = wr >= 0;
+    b_src[j] = b_base + (b_ok[j] ? wr * args.b_stride_n : 0) + chunk * 16;
+  }
+  auto load = [&](int kb) {
+    const int s = kb % kStages;
+    uint8_t* as = As + s * BM * kLds;
+    uint8_t* bs = Bs + s * kBN * kLds;
+    const int64_t koff = int64_t(kb) * kBK;
+#pragma unroll
+    for (int j = 0; j < kAIters; ++j)
+      cp_async16(smem_u32(as + (row_base + j * kRowsPerPass) * kLds + chunk * 16), a_ok[j] ? a_src[j] + koff : args.a,
+                 a_ok[j]);
+    const bool k_ok = koff + chunk * 16 < args.b_k;
+#pragma unroll
+    for (int j = 0; j < kBIters; ++j) {
+      const bool ok = b_ok[j] && k_ok;
+      cp_async16(smem_u32(bs + (row_base + j * kRowsPerPass) * kLds + chunk * 16), ok ? b_src[j] + koff : args.b, ok);
+    }
+  };
+
+  // Scale rows of this thread's rows (the activation row each reads) and columns (the weight block row).
+  int sa_row[MI][2];  // element offsets: rows x groups and scale rows stay far below 2^31
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = m0 + wm * WM + mi * 16 + g + 8 * h;
+      const int64_t r = row < m_end ? row : m0;
+      sa_row[mi][h] = int((args.a_rows ? int64_t(__ldg(args.a_rows + r) / args.a_row_div) : r) * args.lds);
+    }
+  const float* const ws_base = args.b_scale + int64_t(expert) * args.bs_expert_stride;
+  int sw_row[NI][2];
+  const int64_t seg = args.b_scale_seg, seg_blocks = (seg + 127) / 128;
+#pragma unroll
+  for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      int64_t wr = weight_row<EPI>(args, bn, wn * 32 + ni * 8 + t4 * 2 + j);
+      if (wr < 0) wr = 0;
+      sw_row[ni][j] = int(((wr / seg) * seg_blocks + (wr % seg) / 128) * KB);
+    }
+
+  float acc[MI][NI][4];
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[mi][ni][c] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < KB) load(s);
+    cp_async_commit();
+  }
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    // This block's scales first: their loads overlap the tile's wait and products.
+    float sa[MI][2], sw[NI][2];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) sa[mi][h] = __ldg(args.a_scale + sa_row[mi][h] + kb);
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) sw[ni][j] = __ldg(ws_base + sw_row[ni][j] + kb);
+
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (kb + kStages - 1 < KB) load(int(kb + kStages - 1));
+    cp_async_commit();
+
+    const uint8_t* as = As + (kb % kStages) * BM * kLds;
+    const uint8_t* bs = Bs + (kb % kStages) * kBN * kLds;
+    float part[MI][NI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) part[mi][ni][c] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kBK / 32; ++kk) {
+      uint32_t af[MI][4], bf[NI][2];
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        const uint8_t* p = as + (wm * WM + mi * 16 + g) * kLds + kk * 32 + t4 * 4;
+        af[mi][0] = *reinterpret_cast<const uint32_t*>(p);
+        af[mi][1] = *reinterpret_cast<const uint32_t*>(p + 8 * kLds);
+        af[mi][2] = *reinterpret_cast<const uint32_t*>(p + 16);
+        af[mi][3] = *reinterpret_cast<const uint32_t*>(p + 8 * kLds + 16);
+      }
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni) {
+        const uint8_t* p = bs + (wn * 32 + ni * 8 + g) * kLds + kk * 32 + t4 * 4;
+        bf[ni][0] = *reinterpret_cast<const uint32_t*>(p);
+        bf[ni][1] = *reinterpret_cast<const uint32_t*>(p + 16);
+      }
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) mma_e4m3(part[mi][ni], af[mi], bf[ni]);
+    }
+    // Promotion: the block's partial sums, scaled once, into the f32 accumulators.
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[mi][ni][c] += part[mi][ni][c] * (sa[mi][c / 2] * sw[ni][c % 2]);
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = m0 + wm * WM + mi * 16 + g + 8 * h;
+      if (row >= m_end) continue;
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni) {
+        const int v = wn * 32 + ni * 8 + t4 * 2;
+        const float x0 = acc[mi][ni][2 * h], x1 = acc[mi][ni][2 * h + 1];
+        switch (args.type) {
+          case Elem::f32: store_fp8_pair<float, EPI>(args, expert, bn, row, v, x0, x1); break;
+          case Elem::bf16: store_fp8_pair<bf16, EPI>(args, expert, bn, row, v, x0, x1); break;
+          case Elem::f16: store_fp8_pair<f16, EPI>(args, expert, bn, row, v, x0, x1); break;
+        }
+      }
+    }
+#endif
+}
+
+template <int BM, int EPI>
+cudaError_t launch_fp8(const Fp8GemmArgs& a, cudaStream_t stream) {
+  const int64_t virt = a.epilogue == kEpiGated ? 2 * a.n : a.n;
+  const int64_t tiles = grouped_max_tiles(a.max_rows, a.experts, BM);
+  if (tiles == 0 || virt == 0) return cudaSuccess;
+  if (tiles > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(unsigned((virt + kBN - 1) / kBN), unsigned(tiles));
+  const int smem = kStages * (BM + kBN) * kLds;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(grouped_gemm_fp8_kernel<BM, EPI>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attr != cudaSuccess) return attr;
+  grouped_gemm_fp8_kernel<BM, EPI><<<grid, kThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <int BM>
+cudaError_t launch_fp8_epi(const Fp8GemmArgs& a, cudaStream_t stream) {
+  switch (a.epilogue) {
+    case kEpiGated: return launch_fp8<BM, kEpiGated>(a, stream);
+    case kEpiActOnly: return launch_fp8<BM, kEpiActOnly>(a, stream);
+    case kEpiF32: return launch_fp8<BM, kEpiF32>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t quantize_fp8_rows(Elem type, const void* x, int64_t ldx, int64_t rows, int64_t k,
+                              const int32_t* valid_rows, bool pow2_scales, uint8_t* q, int64_t ldq, float* scale,
+                              int64_t lds, cudaStream_t stream) {
+  const int64_t groups = (k + 127) / 128;
+  if (rows == 0 || k == 0) return cudaSuccess;
+  if (ldq < groups * 128 || ldq % 4 || lds < groups) return cudaErrorInvalidValue;
+  const int64_t threads = rows * groups * 32;
+  const unsigned blocks = unsigned((threads + 255) / 256);
+  return with_elem(type, [&](auto tag) {
+    using T = decltype(tag);
+    quantize_fp8_rows_kernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(x), ldx, rows, k, valid_rows,
+                                                            pow2_scales ? 1 : 0, q, ldq, scale, lds);
+    return cudaGetLastError();
+  });
+}
+
+bool grouped_gemm_fp8_built_for(int arch) {
+  if (arch < 89) return false;
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, grouped_gemm_fp8_kernel<32, kEpiF32>) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attr.binaryVersion >= 89;  // code compiled for sm_89 or later, not PTX of an older target
+}
+
+int fp8_tile_m(int64_t max_rows, int experts) { return max_rows >= int64_t(64) * experts ? 128 : 32; }
+
+cudaError_t grouped_gemm_fp8(const Fp8GemmArgs& a, int tile_m, cudaStream_t stream) {
+  if (a.b_k % 16 || a.lda % 16 || a.b_stride_n % 16 || a.b_expert_stride % 16 || a.b_scale_seg < 1) return cudaErrorInvalidValue;
+  if (tile_m == 128) return launch_fp8_epi<128>(a, stream);
+  if (tile_m == 32) return launch_fp8_epi<32>(a, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace moekit::cuda::kernels

@@ -1,0 +1,101 @@
+// FP8 block-scaled experts on CUDA (grouped_mm, batched_mm and deepgemm; SPEC section 5): the forward of
+// transformers' fine-grained FP8 path, as the f64 reference runs it. Pairs sorted by expert on the device; the
+// token rows quantized to e4m3 per 128 inputs (amax / 448) once; the first projection on the FP8 tensor cores over
+// the gathered quantized rows with the gate in its epilogue; the gated activations quantized the same way; the
+// second projection; the weighted combine. Weights are read as the checkpoint stores them (e4m3 with f32 block
+// scales staged once by prepare()); nothing is dequantized. No host synchronisation, no allocation: capturable.
+#include "backends/cuda/state.h"
+#include "moekit/quant.h"
+
+namespace moekit::cuda {
+
+void run_fp8(const CallContext& c) {
+  namespace k = kernels;
+  const int64_t P = c.pairs, E = c.experts_count, T = c.tokens, H = c.hidden, I = c.inter, N1 = c.n1;
+  const int64_t HB = fp8_blocks(H), IB = fp8_blocks(I);
+  const int tile_m = k::fp8_tile_m(P, int(E));
+
+  k::RoutingBuffers r;
+  uint8_t *xq = nullptr, *aq = nullptr;
+  float *xs = nullptr, *as = nullptr, *y = nullptr;
+  void* act = nullptr;
+  carve_workspace(*c.ws, [&](Carver& w) {
+    take_routing(w, r, P, E);
+    xq = w.take<uint8_t>(T * HB * kFp8Block);  // [T, HB * 128] e4m3 token rows
+    xs = w.take<float>(T * HB);                // [T, HB] their scales
+    act = w.take_bytes(P * I * k::elem_bytes(c.type));  // [P, I] gated activations, sorted rows
+    aq = w.take<uint8_t>(P * IB * kFp8Block);  // [P, IB * 128]
+    as = w.take<float>(P * IB);
+    y = w.take<float>(P * H);  // [P, H] f32, sorted rows
+  });
+  r.error = c.ws->error();
+
+  check_launch(k::route_sort(c.call.top_k_index.data, c.index_type, T, int(c.top_k), int(E), tile_m, r, c.stream),
+               "route_sort");
+  check_launch(k::quantize_fp8_rows(c.type, c.call.hidden_states.data, H, T, H, nullptr, c.fp8_pow2, xq,
+                                    HB * kFp8Block, xs, HB, c.stream),
+               "quantize_fp8_rows (hidden states)");
+
+  k::Fp8GemmArgs g1;
+  g1.type = c.type;
+  g1.a = xq;
+  g1.lda = HB * kFp8Block;
+  g1.a_scale = xs;
+  g1.lds = HB;
+  g1.a_rows = r.sorted_pair;
+  g1.a_row_div = int(c.top_k);
+  g1.b = c.q1;
+  g1.b_expert_stride = N1 * c.q1_ld;
+  g1.b_stride_n = c.q1_ld;
+  g1.b_k = c.q1_ld;
+  g1.b_scale = c.s1;
+  g1.bs_expert_stride = c.s1_rows * HB;
+  g1.b_scale_seg = N1 / c.seg1;
+  g1.bias = c.b1;
+  g1.bias_expert_stride = N1;
+  g1.offsets = r.offsets;
+  g1.tile_offsets = r.tile_offsets;
+  g1.experts = int(E);
+  g1.max_rows = P;
+  g1.n = I;
+  g1.k = H;
+  g1.inter = I;
+  g1.epilogue = c.first_epilogue;
+  g1.gate = c.gate;
+  g1.out = act;
+  g1.ldo = I;
+  check_launch(k::grouped_gemm_fp8(g1, tile_m, c.stream), "grouped_gemm_fp8 (first projection)");
+
+  check_launch(k::quantize_fp8_rows(c.type, act, I, P, I, r.offsets + E, c.fp8_pow2, aq, IB * kFp8Block, as, IB,
+                                    c.stream),
+               "quantize_fp8_rows (activations)");
+
+  k::Fp8GemmArgs g2 = g1;
+  g2.a = aq;
+  g2.lda = IB * kFp8Block;
+  g2.a_scale = as;
+  g2.lds = IB;
+  g2.a_rows = nullptr;
+  g2.a_row_div = 1;
+  g2.b = c.q2;
+  g2.b_expert_stride = H * c.q2_ld;
+  g2.b_stride_n = c.q2_ld;
+  g2.b_k = c.q2_ld;
+  g2.b_scale = c.s2;
+  g2.bs_expert_stride = c.s2_rows * IB;
+  g2.b_scale_seg = H;
+  g2.bias = nullptr;  // added by combine
+  g2.bias_expert_stride = 0;
+  g2.n = H;
+  g2.k = I;
+  g2.epilogue = k::kEpiF32;
+  g2.out = y;
+  g2.ldo = H;
+  check_launch(k::grouped_gemm_fp8(g2, tile_m, c.stream), "grouped_gemm_fp8 (second projection)");
+
+  check_launch(k::combine(c.type, c.weight_type, y, r.pair_row, r.pair_expert, c.call.top_k_weights.data, c.b2, T,
+                          int(c.top_k), H, int(E), c.call.out.data, c.stream),
+               "combine");
+}
+
+}  // namespace moekit::cuda

@@ -1,0 +1,195 @@
+// FP8 block-scaled experts on the GPU: the activation quantisation kernel bit for bit against the host's
+// quantize_activations_fp8 (every dtype, partial and all-zero groups, saturating and subnormal values, UE8M0
+// scales), and grouped_mm, batched_mm and deepgemm on FP8 experts against the f64 reference over a sweep (K not a
+// multiple of 128 nor of 16, odd E, sentinels, empty experts, biases, row tiles of 32 and 128), each output
+// poisoned first; the backends without an FP8 path, and FP4 experts, refused with the reason. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "moekit/quant.h"
+#include "test_experts_problem.h"
+#ifdef MOEKIT_WITH_CUDA
+#include "backends/cuda/kernels/kernels.h"
+#endif
+
+namespace moekit {
+namespace {
+
+using test::ProblemConfig;
+
+test::ExpertsProblem make_fp8_problem(ProblemConfig c, uint64_t seed, DType scale_dtype) {
+  std::mt19937_64 rng(seed);
+  c.wdt = DType::f32;
+  const Experts f = test::make_experts(c, rng);
+  ExpertsWeights w = f.weights();
+  auto [q1, s1] = quantize_fp8(w.first(), scale_dtype, c.has_gate ? 2 : 1);
+  auto [q2, s2] = quantize_fp8(w.down_proj, scale_dtype);
+  (c.has_gate ? w.gate_up_proj : w.up_proj) = q1;
+  (c.has_gate ? w.gate_up_proj_scale_inv : w.up_proj_scale_inv) = s1;
+  w.down_proj = q2;
+  w.down_proj_scale_inv = s2;
+  if (c.has_bias && c.act != DType::f32) {  // biases in the activations' dtype
+    for (Tensor* b : {&w.gate_up_proj_bias, &w.up_proj_bias, &w.down_proj_bias})
+      if (b->defined()) *b = b->to(c.act);
+  }
+  test::ExpertsProblem p;
+  p.config = c;
+  p.experts = Experts(f.spec(), w, "grouped_mm");
+  test::make_inputs(c, rng, p);
+  p.reference = reference_forward(p.experts, p.hidden_states, p.top_k_index, p.top_k_weights);
+  return p;
+}
+
+#ifdef MOEKIT_WITH_CUDA
+TEST(CudaQuant, ActivationQuantisationIsBitwiseTheHosts) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(21);
+  for (const DType dt : {DType::f32, DType::bf16, DType::f16})
+    for (const int64_t k : {int64_t(1), int64_t(77), int64_t(128), int64_t(300), int64_t(1000)})
+      for (const bool pow2 : {false, true}) {
+        const int64_t rows = 37, groups = fp8_blocks(k), ldq = groups * 128;
+        Tensor x = test::randn({rows, k}, DType::f32, rng, 3.0);
+        float* xp = x.ptr<float>();
+        std::uniform_int_distribution<int> pick(0, 9);
+        for (int64_t i = 0; i < rows * k; ++i) {  // scales from huge to subnormal, exact ties of e4m3
+          const int c = pick(rng);
+          if (c == 0) xp[i] *= 1e4f;
+          else if (c == 1) xp[i] *= 1e-30f;
+          else if (c == 2) xp[i] = 0.0f;
+          else if (c == 3) xp[i] = std::ldexp(1.0625f, int(rng() % 9) - 4);
+        }
+        for (int64_t i = 0; i < k; ++i) xp[5 * k + i] = 0.0f;  // an all-zero row
+        Tensor xd = x.to(dt);  // the values the kernel sees
+        const Tensor xf = xd.to(DType::f32);
+        std::vector<float> hq(size_t(rows * k)), hs(size_t(rows * groups));
+        for (int64_t r = 0; r < rows; ++r)
+          quantize_activations_fp8(xf.ptr<float>() + r * k, k, pow2, hq.data() + r * k, hs.data() + r * groups);
+        const Tensor xg = xd.to(Device::cuda(0));
+        Tensor qp = Tensor::empty({rows, ldq}, DType::f8e4m3), sp = Tensor::empty({rows, groups}, DType::f32);
+        std::memset(qp.data(), 0x55, qp.nbytes());  // poisoned: every byte, the padding too, must be written
+        test::poison(sp);
+        Tensor q = qp.to(Device::cuda(0)), s = sp.to(Device::cuda(0));
+        const auto type = dt == DType::f32 ? cuda::kernels::Elem::f32
+                          : dt == DType::bf16 ? cuda::kernels::Elem::bf16 : cuda::kernels::Elem::f16;
+        ASSERT_EQ(cuda::kernels::quantize_fp8_rows(type, xg.data(), k, rows, k, nullptr, pow2, q.ptr<uint8_t>(), ldq,
+                                                   s.ptr<float>(), groups, nullptr),
+                  cudaSuccess);
+        stream_synchronize(nullptr, Device::cuda(0));
+        const Tensor qh = q.to(Device::cpu()), sh = s.to(Device::cpu());
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t g = 0; g < groups; ++g)
+            ASSERT_EQ(std::memcmp(&hs[size_t(r * groups + g)], sh.ptr<float>() + r * groups + g, 4), 0)
+                << dtype_name(dt) << " k=" << k << " pow2=" << pow2 << " scale (" << r << ", " << g << ")";
+          for (int64_t i = 0; i < ldq; ++i) {
+            const uint8_t code = qh.ptr<uint8_t>()[r * ldq + i];
+            if (i >= k) {
+              ASSERT_EQ(code, 0) << "padding (" << r << ", " << i << ")";
+              continue;
+            }
+            const float hv = hq[size_t(r * k + i)];
+            const uint8_t expect = hv == 0.0f ? code & 0x80 : f32_to_f8e4m3(hv);  // -0 and +0 both mean zero
+            ASSERT_EQ(code, expect) << dtype_name(dt) << " k=" << k << " pow2=" << pow2 << " (" << r << ", " << i
+                                    << ") x=" << xf.ptr<float>()[r * k + i];
+          }
+        }
+      }
+}
+#endif
+
+std::vector<std::pair<ProblemConfig, DType>> fp8_sweep() {
+  std::vector<std::pair<ProblemConfig, DType>> v;
+  auto add = [&](ProblemConfig c, DType s = DType::f32) { v.push_back({c, s}); };
+  add({.T = 5, .E = 3, .K = 2, .H = 32, .I = 24});                                    // K < 128, I % 16 != 0
+  add({.T = 9, .E = 5, .K = 3, .H = 200, .I = 136, .sentinels = true});               // partial blocks, odd E
+  add({.T = 1, .E = 4, .K = 2, .H = 256, .I = 128});                                  // exact blocks, decode
+  add({.T = 33, .E = 7, .K = 2, .H = 130, .I = 72, .empty_experts = true});           // many rows per expert
+  add({.T = 6, .E = 3, .K = 2, .H = 96, .I = 40, .has_bias = true});                  // biases
+  add({.T = 7, .E = 5, .K = 2, .H = 160, .I = 200, .has_gate = false, .activation = Activation::relu2});
+  add({.T = 8, .E = 4, .K = 2, .H = 144, .I = 64, .sentinel_every = 3}, DType::ue8m0);  // UE8M0 scales
+  add({.act = DType::bf16, .rwt = DType::bf16, .idt = DType::i32, .T = 11, .E = 5, .K = 2, .H = 200, .I = 96});
+  add({.act = DType::f16, .T = 4, .E = 3, .K = 2, .H = 64, .I = 48});
+  add({.T = 300, .E = 3, .K = 2, .H = 384, .I = 320, .has_bias = true});              // row tiles of 128
+  add({.act = DType::bf16, .rwt = DType::bf16, .T = 260, .E = 5, .K = 2, .H = 264, .I = 200,
+       .concatenated = false, .gate = GateKind::clamped_swiglu, .limit = 7.0f, .sentinels = true});  // interleaved
+  add({.T = 200, .E = 2, .K = 1, .H = 128, .I = 136, .has_gate = false, .empty_experts = true}, DType::ue8m0);
+  return v;
+}
+
+TEST(CudaQuant, Fp8GroupedBatchedAndDeepgemmMatchTheReference) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  uint64_t seed = 500;
+  int checked = 0;
+  for (const auto& [c, sdt] : fp8_sweep()) {
+    const test::ExpertsProblem p = make_fp8_problem(c, seed++, sdt);
+    const Experts g = p.experts.to(Device::cuda(0));
+    for (const char* name : {"grouped_mm", "batched_mm", "deepgemm"}) {
+      const Support s = ExpertsInterface::global().get(name)->supports(g, c.act);
+      if (!s.ok) {
+        std::printf("  %-10s %s: not supported here: %s\n", name, c.to_string().c_str(), s.reason.c_str());
+        continue;
+      }
+      double err = 0;
+      const Tensor out = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
+      const std::string problem = test::compare_with_reference(p, out, &err);
+      std::printf("  %-10s %s scales %s: rel L2 %.2e %s\n", name, c.to_string().c_str(), dtype_name(sdt), err,
+                  problem.c_str());
+      EXPECT_TRUE(problem.empty()) << name << " " << c.to_string() << " scales " << dtype_name(sdt) << ": " << problem;
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 0);
+}
+
+// Bad routing ids on an FP8 forward: the sticky error word names the first one.
+TEST(CudaQuant, Fp8BadIdIsAClearError) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  test::ExpertsProblem p = make_fp8_problem({.T = 4, .E = 3, .K = 2, .H = 64, .I = 32}, 9, DType::f32);
+  p.top_k_index.ptr<int64_t>()[3] = 7;
+  const Experts g = p.experts.to(Device::cuda(0));
+  test::run_backend(g, "grouped_mm", p.hidden_states, p.top_k_index, p.top_k_weights);
+  try {
+    check_experts_errors(g, nullptr);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("top_k_index[1, 1] = 7"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CudaQuant, BackendsWithoutAnFp8PathAndFp4ExpertsAreRefusedWithAReason) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  const test::ExpertsProblem p = make_fp8_problem({.T = 3, .E = 3, .K = 1, .H = 64, .I = 32}, 8, DType::f32);
+  const Experts g = p.experts.to(Device::cuda(0));
+  for (const auto& b : ExpertsInterface::global().backends()) {
+    const std::string name(b->name());
+    const Support s = b->supports(g, DType::bf16);
+    if (name == "grouped_mm" || name == "batched_mm") {
+      EXPECT_TRUE(s.ok) << name << ": " << s.reason;
+    } else if (name != "deepgemm") {
+      EXPECT_FALSE(s.ok) << name;
+      if (!s.ok && b->available(Device::cuda(0)).ok)
+        EXPECT_NE(s.reason.find("dequantize"), std::string::npos) << name << ": " << s.reason;
+    }
+  }
+  // FP4 weights: no CUDA kernel yet.
+  std::mt19937_64 rng(3);
+  ProblemConfig c{.T = 3, .E = 3, .K = 1, .H = 64, .I = 32};
+  c.wdt = DType::f32;
+  const Experts f = test::make_experts(c, rng);
+  ExpertsWeights w = f.weights();
+  auto [q1, s1] = quantize_fp4(w.first());
+  auto [q2, s2] = quantize_fp4(w.down_proj);
+  w.gate_up_proj = q1;
+  w.gate_up_proj_scale_inv = s1;
+  w.down_proj = q2;
+  w.down_proj_scale_inv = s2;
+  const Experts fp4 = Experts(f.spec(), w, "grouped_mm").to(Device::cuda(0));
+  const Support s = ExpertsInterface::global().get("grouped_mm")->supports(fp4, DType::bf16);
+  EXPECT_FALSE(s.ok);
+  EXPECT_NE(s.reason.find("dequantize"), std::string::npos) << s.reason;
+}
+
+}  // namespace
+}  // namespace moekit
