@@ -10,6 +10,9 @@
 
 #include "backends/reference.h"
 #include "moekit/quant.h"
+#ifdef MOEKIT_WITH_CUDA
+#include "backends/cuda/kernels/kernels.h"
+#endif
 #include "bench/random.h"
 #ifdef MOEKIT_WITH_CUDA
 #include "bench/cuda_bench.h"
@@ -102,6 +105,31 @@ std::vector<int64_t> route(int64_t T, int64_t K, int64_t E, Routing routing, con
 
 Experts quantize_random_experts(ExpertsSpec spec, ExpertsWeights w, const std::string& quant);
 
+namespace {
+// quantize_fp8 (f32 scales) of a contiguous [E, N, K] weight on its CUDA device: the e4m3 weights, `scale` set.
+Tensor quantize_fp8_on_device(const Tensor& w, int64_t segments, Tensor& scale) {
+#ifdef MOEKIT_WITH_CUDA
+  const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
+  MOEKIT_CHECK(w.dtype() == DType::f32 || w.dtype() == DType::bf16 || w.dtype() == DType::f16,
+               "bench: FP8 experts are made from f32, bf16 or f16 weights, got ", dtype_name(w.dtype()));
+  Tensor q = Tensor::empty(w.shape(), DType::f8e4m3, w.device());
+  scale = Tensor::empty({E, segments * fp8_blocks(N / segments), fp8_blocks(K)}, DType::f32, w.device());
+  const auto type = w.dtype() == DType::f32    ? ::moekit::cuda::kernels::Elem::f32
+                    : w.dtype() == DType::bf16 ? ::moekit::cuda::kernels::Elem::bf16
+                                               : ::moekit::cuda::kernels::Elem::f16;
+  const cudaError_t err = ::moekit::cuda::kernels::quantize_fp8_blocks(type, w.data(), E, N, K, segments, q.ptr<uint8_t>(),
+                                                             scale.ptr<float>(), nullptr);
+  MOEKIT_CHECK(err == cudaSuccess, "bench: FP8 quantisation on the device failed: ", cudaGetErrorString(err));
+  stream_synchronize(nullptr, w.device());
+  return q;
+#else
+  auto [q, s] = quantize_fp8(w, DType::f32, segments);
+  scale = s.to(w.device());
+  return q.to(w.device());
+#endif
+}
+}  // namespace
+
 Experts make_random_experts(const ShapePreset& shape, DType dtype, Device device, uint64_t seed,
                             const std::string& quant) {
   const ExpertsSpec spec = shape.spec();
@@ -133,9 +161,15 @@ Experts quantize_random_experts(ExpertsSpec spec, ExpertsWeights w, const std::s
   if (quant == "fp8") {
     MOEKIT_CHECK(!spec.has_gate || spec.is_concatenated, "bench --quant fp8: interleaved gate/up experts (",
                  "this shape) have no FP8 layout; use fp4 or mxfp4");
-    auto [q1, s1] = quantize_fp8(first, DType::f32, spec.has_gate ? 2 : 1);
-    auto [q2, s2] = quantize_fp8(w.down_proj);
-    first = q1.to(dev), first_scale = s1.to(dev), w.down_proj = q2.to(dev), w.down_proj_scale_inv = s2.to(dev);
+    if (dev.is_cuda()) {  // on the device: the host loop takes minutes on the large shapes
+      const Tensor f = first, d = w.down_proj;
+      first = quantize_fp8_on_device(f, spec.has_gate ? 2 : 1, first_scale);
+      w.down_proj = quantize_fp8_on_device(d, 1, w.down_proj_scale_inv);
+    } else {
+      auto [q1, s1] = quantize_fp8(first, DType::f32, spec.has_gate ? 2 : 1);
+      auto [q2, s2] = quantize_fp8(w.down_proj);
+      first = q1.to(dev), first_scale = s1.to(dev), w.down_proj = q2.to(dev), w.down_proj_scale_inv = s2.to(dev);
+    }
   } else {
     auto [q1, s1] = quantize_fp4(first);
     auto [q2, s2] = quantize_fp4(w.down_proj);

@@ -11,6 +11,7 @@
 
 #include <cmath>
 
+#include "backends/cuda/kernels/fp8_epilogue.cuh"
 #include "backends/cuda/kernels/grouped_gemm_common.cuh"
 
 namespace moekit::cuda::kernels {
@@ -53,7 +54,8 @@ __device__ __forceinline__ float pow2_ceil(float f) {
 // ---- activation quantisation: one warp per (row, group of 128 inputs), four inputs per lane ----
 
 template <class T>
-__global__ void quantize_fp8_rows_kernel(const T* __restrict__ x, int64_t ldx, int64_t rows, int64_t k,
+__global__ void quantize_fp8_rows_kernel(const T* __restrict__ x, int64_t ldx, const int32_t* __restrict__ src_rows,
+                                         int src_div, int64_t rows, int64_t k,
                                          const int32_t* __restrict__ valid_rows, int pow2, uint8_t* __restrict__ q,
                                          int64_t ldq, float* __restrict__ scale, int64_t lds) {
   const int64_t groups = (k + 127) / 128;
@@ -63,11 +65,12 @@ __global__ void quantize_fp8_rows_kernel(const T* __restrict__ x, int64_t ldx, i
   if (row >= rows) return;
   if (valid_rows && row >= __ldg(valid_rows)) return;
   const int64_t k0 = g * 128 + lane * 4;
+  const T* xr = x + (src_rows ? int64_t(__ldg(src_rows + row) / src_div) : row) * ldx;
   float v[4];
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    v[i] = k0 + i < k ? to_f32(x[row * ldx + k0 + i]) : 0.0f;
+    v[i] = k0 + i < k ? to_f32(xr[k0 + i]) : 0.0f;
     amax = fmaxf(amax, fabsf(v[i]));
   }
 #pragma unroll
@@ -82,6 +85,35 @@ __global__ void quantize_fp8_rows_kernel(const T* __restrict__ x, int64_t ldx, i
   }
   *reinterpret_cast<uint32_t*>(q + row * ldq + k0) = word;  // k0 < ldq: rows padded to whole groups
   if (lane == 0) scale[row * lds + g] = s;
+}
+
+// ---- weight quantisation in 128 x 128 blocks (moekit/quant.h quantize_fp8 with f32 scales), one block each ----
+
+template <class T>
+__global__ void quantize_fp8_blocks_kernel(const T* __restrict__ w, int64_t n, int64_t k, int64_t segments,
+                                           uint8_t* __restrict__ q, float* __restrict__ scale_inv) {
+  const int64_t seg = n / segments, seg_blocks = (seg + 127) / 128, sn = segments * seg_blocks, sk = (k + 127) / 128;
+  const int64_t blk = blockIdx.x, b = blk / (sn * sk), rem = blk % (sn * sk), srow = rem / sk, bk = rem % sk;
+  const int64_t sg = srow / seg_blocks, bn = srow % seg_blocks;
+  const int64_t n0 = sg * seg + bn * 128, n1 = min(sg * seg + seg, n0 + 128), k0 = bk * 128, k1 = min(k, k0 + 128);
+  const int64_t cols = k1 - k0, count = (n1 - n0) * cols;
+  const T* base = w + b * n * k;
+  float amax = 0.0f;
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x)
+    amax = fmaxf(amax, fabsf(to_f32(base[(n0 + i / cols) * k + k0 + i % cols])));
+  __shared__ float red[32];
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = 0.0f;
+  for (int i = 0; i < int(blockDim.x / 32); ++i) amax = fmaxf(amax, red[i]);
+  const float fwd = amax > 0.0f ? __fdiv_rn(448.0f, amax) : 1.0f;
+  if (threadIdx.x == 0) scale_inv[blk] = __fdiv_rn(1.0f, fwd);
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) {
+    const int64_t off = b * n * k + (n0 + i / cols) * k + k0 + i % cols;
+    q[off] = to_e4m3(to_f32(w[off]) * fwd);
+  }
 }
 
 // ---- the grouped FP8 projection ----
@@ -118,11 +150,9 @@ __device__ __forceinline__ void store_fp8_pair(const Fp8GemmArgs& args, int expe
   if constexpr (EPI == kEpiGated) {
     const int64_t c = int64_t(bn) * (kBN / 2) + v / 2;
     if (c >= args.n) return;
-    if (bias) {
-      x0 += to_f32(bias[gate_row(args.gate, c)]);
-      x1 += to_f32(bias[up_row(args.gate, c, args.inter)]);
-    }
-    static_cast<T*>(args.out)[row * args.ldo + c] = from_f32<T>(gate_value(args.gate, x0, x1));
+    const float bg = bias ? to_f32(bias[gate_row(args.gate, c)]) : 0.0f;
+    const float bu = bias ? to_f32(bias[up_row(args.gate, c, args.inter)]) : 0.0f;
+    static_cast<T*>(args.out)[row * args.ldo + c] = from_f32<T>(fp8_gated<T>(args.gate, x0, x1, bias != nullptr, bg, bu));
   } else {
     const int64_t n = int64_t(bn) * kBN + v;
 #pragma unroll
@@ -130,8 +160,8 @@ __device__ __forceinline__ void store_fp8_pair(const Fp8GemmArgs& args, int expe
       if (n + q >= args.n) continue;
       const float x = q ? x1 : x0;
       if constexpr (EPI == kEpiActOnly) {
-        const float y = x + (bias ? to_f32(bias[n + q]) : 0.0f);
-        static_cast<T*>(args.out)[row * args.ldo + n + q] = from_f32<T>(activate(args.gate.activation, y));
+        const float y = fp8_act_only<T>(args.gate, x, bias != nullptr, bias ? to_f32(bias[n + q]) : 0.0f);
+        static_cast<T*>(args.out)[row * args.ldo + n + q] = from_f32<T>(y);
       } else {
         static_cast<float*>(args.out)[row * args.ldo + n + q] = x;
       }
@@ -337,18 +367,32 @@ cudaError_t launch_fp8_epi(const Fp8GemmArgs& a, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t quantize_fp8_rows(Elem type, const void* x, int64_t ldx, int64_t rows, int64_t k,
-                              const int32_t* valid_rows, bool pow2_scales, uint8_t* q, int64_t ldq, float* scale,
-                              int64_t lds, cudaStream_t stream) {
+cudaError_t quantize_fp8_rows(Elem type, const void* x, int64_t ldx, const int32_t* src_rows, int src_div,
+                              int64_t rows, int64_t k, const int32_t* valid_rows, bool pow2_scales, uint8_t* q,
+                              int64_t ldq, float* scale, int64_t lds, cudaStream_t stream) {
   const int64_t groups = (k + 127) / 128;
   if (rows == 0 || k == 0) return cudaSuccess;
-  if (ldq < groups * 128 || ldq % 4 || lds < groups) return cudaErrorInvalidValue;
+  if (ldq < groups * 128 || ldq % 4 || lds < groups || (src_rows && src_div < 1)) return cudaErrorInvalidValue;
   const int64_t threads = rows * groups * 32;
   const unsigned blocks = unsigned((threads + 255) / 256);
   return with_elem(type, [&](auto tag) {
     using T = decltype(tag);
-    quantize_fp8_rows_kernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(x), ldx, rows, k, valid_rows,
+    quantize_fp8_rows_kernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(x), ldx, src_rows, src_div, rows,
+                                                            k, valid_rows,
                                                             pow2_scales ? 1 : 0, q, ldq, scale, lds);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t quantize_fp8_blocks(Elem type, const void* w, int64_t batch, int64_t n, int64_t k, int64_t segments,
+                               uint8_t* q, float* scale_inv, cudaStream_t stream) {
+  if (segments < 1 || n % segments) return cudaErrorInvalidValue;
+  const int64_t blocks = batch * segments * ((n / segments + 127) / 128) * ((k + 127) / 128);
+  if (blocks == 0) return cudaSuccess;
+  return with_elem(type, [&](auto tag) {
+    using T = decltype(tag);
+    quantize_fp8_blocks_kernel<T><<<unsigned(blocks), 256, 0, stream>>>(static_cast<const T*>(w), n, k, segments, q,
+                                                                       scale_inv);
     return cudaGetLastError();
   });
 }

@@ -193,10 +193,17 @@ cudaError_t pair_gemv(const PairGemvArgs& a, cudaStream_t stream);
 // Dynamic activation quantisation, bit for bit moekit/quant.h quantize_activations_fp8: per row of `k` elements
 // of `type` (row stride ldx) and group of 128 inputs, scale[row, g] = amax / 448 (rounded up to a power of two
 // with pow2_scales), q[row, i] = e4m3(x / scale) (0 where the scale is 0), the row padded with zero codes to
-// ldq >= ceil(k / 128) * 128 bytes. Rows at or past *valid_rows (when set) are left as they are.
-cudaError_t quantize_fp8_rows(Elem type, const void* x, int64_t ldx, int64_t rows, int64_t k,
-                              const int32_t* valid_rows, bool pow2_scales, uint8_t* q, int64_t ldq, float* scale,
-                              int64_t lds, cudaStream_t stream);
+// ldq >= ceil(k / 128) * 128 bytes. Output row r reads x row src_rows[r] / src_div (row r when src_rows is null).
+// Rows at or past *valid_rows (when set) are left as they are.
+cudaError_t quantize_fp8_rows(Elem type, const void* x, int64_t ldx, const int32_t* src_rows, int src_div,
+                              int64_t rows, int64_t k, const int32_t* valid_rows, bool pow2_scales, uint8_t* q,
+                              int64_t ldq, float* scale, int64_t lds, cudaStream_t stream);
+
+// Weights [batch, n, k] of `type` quantized in 128 x 128 blocks as moekit/quant.h quantize_fp8 does with f32
+// scales (`segments` equal parts of n with their own blocks): q [batch, n, k] e4m3, scale_inv [batch, SN, ceil(k /
+// 128)]. For making FP8 experts from device weights (the benchmark's random experts).
+cudaError_t quantize_fp8_blocks(Elem type, const void* w, int64_t batch, int64_t n, int64_t k, int64_t segments,
+                               uint8_t* q, float* scale_inv, cudaStream_t stream);
 
 // The grouped projection over quantized rows and FP8 weights: out = sum over 128-input blocks of
 // (A block . W block) * a_scale[row, block] * w_scale[block row of n, block], then the epilogue (kernels above).
@@ -232,5 +239,10 @@ bool grouped_gemm_fp8_built_for(int arch);
 // Row tile of the FP8 projection for these sizes (32 or 128; route_sort must use the same).
 int fp8_tile_m(int64_t max_rows, int experts);
 cudaError_t grouped_gemm_fp8(const Fp8GemmArgs& a, int tile_m, cudaStream_t stream);
+// The warp-specialised persistent sm_90a kernel (grouped_gemm_sm90_fp8.cu): e4m3 wgmma fed by TMA, row tiles of
+// 128 (route_sort with tile_m 128), A contiguous sorted rows (a_rows null), gated projections with concatenated
+// halves; whether it serves these arguments on a device of compute capability `arch`.
+bool grouped_gemm_fp8_sm90_ok(const Fp8GemmArgs& a, int arch);
+cudaError_t grouped_gemm_fp8_sm90(const Fp8GemmArgs& a, cudaStream_t stream);
 
 }  // namespace moekit::cuda::kernels

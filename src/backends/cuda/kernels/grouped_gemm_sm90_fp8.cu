@@ -1,0 +1,400 @@
+// FP8 grouped projection on Hopper (sm_90a): warp-specialised, persistent, fed by the copy engine (TMA).
+//
+// One block per multiprocessor walks work items (expert, column tile, row tile), the row tile fastest within an
+// expert so the blocks in flight share the expert's weights in L2; the list comes from the device offsets (no host
+// synchronisation). Each reduction step is one 128-input scale block: warpgroup 0 (the producer, registers lowered)
+// has one thread issue the bulk tensor copies of the A tile (128 quantized rows x 128 bytes) and the B tile (128
+// weight rows x 128 bytes; gated projections: 64 gate rows and the 64 matching up rows, concatenated halves) into
+// a ring of shared-memory stages (128-byte swizzle) guarded by mbarriers. Warpgroups 1 and 2 (registers raised)
+// each take 64 rows: four e4m3 wgmma m64n128k32 form the block's partial sums in f32 (the first one overwriting
+// the previous block's), the stage is released, and the partials are promoted into the f32 accumulators as
+//   acc += partial * a_scale[row, block] * w_scale[block row of the box, block]
+// (the FP8 tensor cores' own accumulation never spans more than one block). The epilogue applies the gate (and
+// bias) or writes f32, rows past the expert's end masked.
+//
+// Serves: A contiguous sorted rows (lda a multiple of 16, rows padded to whole blocks), weights [E, N, ld] with
+// ld a multiple of 16, 16-byte aligned; epilogues kEpiF32, kEpiActOnly and kEpiGated with concatenated halves;
+// sm_90a devices with this build's code. Elsewhere grouped_gemm_fp8 (grouped_gemm_fp8.cu) serves.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <atomic>
+
+#include "backends/cuda/kernels/fp8_epilogue.cuh"
+#include "backends/cuda/kernels/grouped_gemm_sm90.cuh"
+
+namespace moekit::cuda::kernels {
+namespace {
+using sm90::fence_operands;
+using sm90::smem_desc;
+
+constexpr int kBM = 128, kBN = 128, kBK = 128, kStages = 5, kThreads = 384;
+constexpr int kABytes = kBM * kBK, kBBytes = kBN * kBK, kStageBytes = kABytes + kBBytes;
+constexpr size_t kSmemBytes = size_t(kStages) * kStageBytes + 2 * kStages * 8 + 1024;
+
+[[maybe_unused]] __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+[[maybe_unused]] __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+[[maybe_unused]] __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+[[maybe_unused]] __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+[[maybe_unused]] __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
+                                                             int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
+          dst),
+      "l"(map), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+[[maybe_unused]] __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
+                                                             int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::
+          "r"(dst),
+      "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// d[64 x 128] (=|+=) A[64 x 32] . B[128 x 32]^T, e4m3 operands from shared memory (K-major), f32 accumulators;
+// accumulate = 0 overwrites d.
+__device__ __forceinline__ void wgmma_e4m3_m64n128k32(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                                      int accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
+      "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+#endif
+}
+
+// Output columns of one work item: gated tiles give 64 (gate and up rows side by side), the others 128.
+template <int EPI>
+__device__ __forceinline__ int tile_cols() {
+  return EPI == kEpiGated ? kBN / 2 : kBN;
+}
+
+struct Work {
+  int expert, n_tile;
+  int64_t m0, m_end;
+};
+// Work item w: expert, column tile and row tile (row tiles fastest within the expert).
+[[maybe_unused]] __device__ __forceinline__ void work_item(const Fp8GemmArgs& args, int w, int n_tiles, Work& t) {
+  const int e = tile_expert(args.tile_offsets, args.experts, w / n_tiles);
+  const int first_tile = __ldg(args.tile_offsets + e);
+  const int m_tiles = __ldg(args.tile_offsets + e + 1) - first_tile;
+  const int local = w - first_tile * n_tiles;
+  t.expert = e;
+  t.n_tile = local / m_tiles;
+  t.m0 = __ldg(args.offsets + e) + int64_t(local % m_tiles) * kBM;
+  t.m_end = __ldg(args.offsets + e + 1);
+}
+
+// Block row of the weight scales that covers weight rows [r, r + 64) (or [r, r + 128) for 128-aligned r).
+__device__ __forceinline__ int64_t scale_row(const Fp8GemmArgs& args, int64_t r) {
+  const int64_t seg = args.b_scale_seg;
+  return (r / seg) * ((seg + 127) / 128) + (r % seg) / 128;
+}
+
+template <class T, int EPI>
+__device__ __forceinline__ void store_value(const Fp8GemmArgs& args, const T* bias, int64_t row, int64_t col, float x,
+                                            float up) {
+  if constexpr (EPI == kEpiGated) {
+    const float bg = bias ? to_f32(bias[col]) : 0.0f, bu = bias ? to_f32(bias[args.inter + col]) : 0.0f;
+    static_cast<T*>(args.out)[row * args.ldo + col] = from_f32<T>(fp8_gated<T>(args.gate, x, up, bias != nullptr, bg, bu));
+  } else if constexpr (EPI == kEpiActOnly) {
+    const float y = fp8_act_only<T>(args.gate, x, bias != nullptr, bias ? to_f32(bias[col]) : 0.0f);
+    static_cast<T*>(args.out)[row * args.ldo + col] = from_f32<T>(y);
+  } else {
+    static_cast<float*>(args.out)[row * args.ldo + col] = x;
+  }
+}
+
+template <class T, int EPI>
+__device__ __forceinline__ void epilogue(const Fp8GemmArgs& args, const Work& t, int c, int warp, int lane,
+                                         const float (&acc)[64]) {
+  const T* bias = args.bias ? static_cast<const T*>(args.bias) + int64_t(t.expert) * args.bias_expert_stride : nullptr;
+  const int64_t col0 = int64_t(t.n_tile) * tile_cols<EPI>();
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = t.m0 + c * 64 + warp * 16 + (lane >> 2) + half * 8;
+    if (row >= t.m_end) continue;
+    if constexpr (EPI == kEpiGated) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int64_t col = col0 + 8 * j + 2 * (lane & 3) + q;
+          if (col < args.n)
+            store_value<T, EPI>(args, bias, row, col, acc[4 * j + 2 * half + q], acc[4 * (j + 8) + 2 * half + q]);
+        }
+    } else if constexpr (EPI == kEpiF32) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int64_t col = col0 + 8 * j + 2 * (lane & 3);
+        float* out = static_cast<float*>(args.out) + row * args.ldo + col;
+        if (col + 1 < args.n && (args.ldo & 1) == 0) {
+          *reinterpret_cast<float2*>(out) = make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        } else {
+          if (col < args.n) out[0] = acc[4 * j + 2 * half];
+          if (col + 1 < args.n) out[1] = acc[4 * j + 2 * half + 1];
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int64_t col = col0 + 8 * j + 2 * (lane & 3) + q;
+          if (col < args.n) store_value<T, EPI>(args, bias, row, col, acc[4 * j + 2 * half + q], 0.0f);
+        }
+    }
+  }
+}
+
+template <int EPI>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_sm90_fp8_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                                 const Fp8GemmArgs args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) unsigned char fp8_smem[];
+  const uint32_t base = (smem_u32(fp8_smem) + 1023) & ~1023u;  // swizzled tiles: 1024-byte aligned
+  const uint32_t bars = base + kStages * kStageBytes;
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (kStages + s); };
+  const int tid = threadIdx.x, wg = tid / 128;
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full(s), 1);
+      mbar_init(empty(s), 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  const int n_tiles = int((args.n + tile_cols<EPI>() - 1) / tile_cols<EPI>());
+  const int total = __ldg(args.tile_offsets + args.experts) * n_tiles;
+  const int kblocks = int((args.k + kBK - 1) / kBK);
+
+  if (wg == 0) {  // producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (tid != 0) return;
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_a) : "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_b) : "memory");
+    int s = 0;
+    uint32_t phase = 0;
+    for (int w = blockIdx.x; w < total; w += gridDim.x) {
+      Work t;
+      work_item(args, w, n_tiles, t);
+      const int row0 = t.n_tile * tile_cols<EPI>();
+      for (int kb = 0; kb < kblocks; ++kb) {
+        mbar_wait(empty(s), phase ^ 1);
+        const uint32_t st = base + s * kStageBytes;
+        mbar_expect_tx(full(s), kStageBytes);
+        tma_load_2d(st, &map_a, full(s), kb * kBK, int(t.m0));
+        if constexpr (EPI == kEpiGated) {  // 64 gate rows, then the 64 matching up rows
+          tma_load_3d(st + kABytes, &map_b, full(s), kb * kBK, row0, t.expert);
+          tma_load_3d(st + kABytes + kBBytes / 2, &map_b, full(s), kb * kBK, int(args.inter) + row0, t.expert);
+        } else {
+          tma_load_3d(st + kABytes, &map_b, full(s), kb * kBK, row0, t.expert);
+        }
+        if (++s == kStages) {
+          s = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  // consumers: warpgroup c = wg - 1 takes rows 64 c .. 64 c + 63 of each tile
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int c = wg - 1, lane = tid % 32, warp = (tid % 128) / 32;
+  int s = 0;
+  uint32_t phase = 0;
+  float acc[64], part[64];
+  for (int w = blockIdx.x; w < total; w += gridDim.x) {
+    Work t;
+    work_item(args, w, n_tiles, t);
+    const int64_t r0 = t.m0 + c * 64 + warp * 16 + (lane >> 2);
+    const float* sa0 = args.a_scale + std::min<int64_t>(r0, t.m_end - 1) * args.lds;
+    const float* sa1 = args.a_scale + std::min<int64_t>(r0 + 8, t.m_end - 1) * args.lds;
+    const int64_t wrow0 = int64_t(t.n_tile) * tile_cols<EPI>();
+    const float* ws_base = args.b_scale + int64_t(t.expert) * args.bs_expert_stride;
+    const float* sw0 = ws_base + scale_row(args, wrow0) * kblocks;
+    const float* sw1 = EPI == kEpiGated ? ws_base + scale_row(args, args.inter + wrow0) * kblocks : sw0;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int kb = 0; kb < kblocks; ++kb) {
+      const float a0 = __ldg(sa0 + kb), a1 = __ldg(sa1 + kb), w0 = __ldg(sw0 + kb), w1 = __ldg(sw1 + kb);
+      mbar_wait(full(s), phase);
+      const uint32_t st = base + s * kStageBytes;
+      const uint64_t desc_a = smem_desc(st + c * 64 * kBK);
+      const uint64_t desc_b = smem_desc(st + kABytes);
+      fence_operands(part);
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int kk = 0; kk < kBK / 32; ++kk) wgmma_e4m3_m64n128k32(part, desc_a + 2 * kk, desc_b + 2 * kk, kk);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      fence_operands(part);
+      if (lane == 0) mbar_arrive(empty(s));
+      if (++s == kStages) {
+        s = 0;
+        phase ^= 1;
+      }
+      // Accumulator 4j + q: row 16 warp + lane / 4 (+8 for q >= 2), column 8j + 2 (lane % 4) (+1 for odd q);
+      // gated tiles: columns 64.. are the up rows.
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float wsc = (EPI == kEpiGated && j >= 8) ? w1 : w0;
+        const float s0 = a0 * wsc, s1 = a1 * wsc;
+        acc[4 * j + 0] += part[4 * j + 0] * s0;
+        acc[4 * j + 1] += part[4 * j + 1] * s0;
+        acc[4 * j + 2] += part[4 * j + 2] * s1;
+        acc[4 * j + 3] += part[4 * j + 3] * s1;
+      }
+    }
+    if (t.m0 + c * 64 >= t.m_end) continue;
+    switch (args.type) {
+      case Elem::f32: epilogue<float, EPI>(args, t, c, warp, lane, acc); break;
+      case Elem::bf16: epilogue<bf16, EPI>(args, t, c, warp, lane, acc); break;
+      case Elem::f16: epilogue<f16, EPI>(args, t, c, warp, lane, acc); break;
+    }
+  }
+#endif
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    (void)cudaGetLastError();
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+int sm_count() {
+  static std::atomic<int> known[64];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 132;
+  int v = known[device].load();
+  if (v == 0) {
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || v <= 0) v = 132;
+    known[device].store(v);
+  }
+  return v;
+}
+
+bool compiled_for(int arch) {
+  if (arch != 90) return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
+  static std::atomic<int> known[64];  // 0 unknown, 1 yes, 2 no
+  int v = known[device].load();
+  if (v == 0) {
+    cudaFuncAttributes attr{};
+    const bool ok = cudaFuncGetAttributes(&attr, grouped_gemm_sm90_fp8_kernel<kEpiF32>) == cudaSuccess &&
+                    attr.binaryVersion == 90 && encode_fn() != nullptr;
+    (void)cudaGetLastError();
+    v = ok ? 1 : 2;
+    known[device].store(v);
+  }
+  return v == 1;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+template <int EPI>
+cudaError_t launch(const Fp8GemmArgs& a, cudaStream_t stream) {
+  const auto encode = encode_fn();
+  if (!encode) return cudaErrorNotSupported;
+  const int64_t kb = (a.k + kBK - 1) / kBK;
+  CUtensorMap map_a{}, map_b{};
+  {
+    const cuuint64_t dims[2] = {cuuint64_t(kb * kBK), cuuint64_t(a.max_rows)};
+    const cuuint64_t strides[1] = {cuuint64_t(a.lda)};
+    const cuuint32_t box[2] = {kBK, kBM}, estr[2] = {1, 1};
+    if (encode(&map_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(a.a), dims, strides, box, estr,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return cudaErrorInvalidValue;
+  }
+  {
+    const int64_t rows = EPI == kEpiGated ? 2 * a.inter : a.n;
+    const cuuint64_t dims[3] = {cuuint64_t(a.k), cuuint64_t(rows), cuuint64_t(a.experts)};
+    const cuuint64_t strides[2] = {cuuint64_t(a.b_stride_n), cuuint64_t(a.b_expert_stride)};
+    const cuuint32_t box[3] = {kBK, EPI == kEpiGated ? kBN / 2 : kBN, 1}, estr[3] = {1, 1, 1};
+    if (encode(&map_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<uint8_t*>(a.b), dims, strides, box, estr,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return cudaErrorInvalidValue;
+  }
+  auto kernel = grouped_gemm_sm90_fp8_kernel<EPI>;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
+  if (err != cudaSuccess) return err;
+  const int64_t cols = EPI == kEpiGated ? kBN / 2 : kBN;
+  const int64_t work = grouped_max_tiles(a.max_rows, a.experts, kBM) * ((a.n + cols - 1) / cols);
+  const int grid = int(std::min<int64_t>(work, sm_count()));
+  if (grid == 0) return cudaSuccess;
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(map_a, map_b, a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool grouped_gemm_fp8_sm90_ok(const Fp8GemmArgs& a, int arch) {
+  if (a.a_rows || a.lda % 16 || a.b_stride_n % 16 || a.b_expert_stride % 16) return false;
+  if (a.lda < (a.k + kBK - 1) / kBK * kBK || a.b_stride_n < a.k) return false;
+  if (a.epilogue != kEpiF32 && a.epilogue != kEpiActOnly && a.epilogue != kEpiGated) return false;
+  if (a.epilogue == kEpiGated && !a.gate.concatenated) return false;
+  if (!aligned16(a.a) || !aligned16(a.b)) return false;
+  if (a.experts <= 0 || a.max_rows >= (int64_t(1) << 31) || a.n >= (int64_t(1) << 30)) return false;
+  return compiled_for(arch);
+}
+
+cudaError_t grouped_gemm_fp8_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
+  if (a.max_rows == 0 || a.n == 0) return cudaSuccess;
+  switch (a.epilogue) {
+    case kEpiGated: return launch<kEpiGated>(a, stream);
+    case kEpiActOnly: return launch<kEpiActOnly>(a, stream);
+    case kEpiF32: return launch<kEpiF32>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace moekit::cuda::kernels
