@@ -51,7 +51,8 @@ void run_fp8(const CallContext& c) {
   // f32 activations keep to the mma.sync kernel: wgmma's FP8 accumulation is not exact within a block (its
   // partial sums land within about 1e-4 instead of f32 rounding), which moves the requantized activations
   // enough to miss the f32 tolerance (1e-5); it is well within the bf16 / f16 ones.
-  const bool sm90 = wgmma_enabled() && tile_m == 128 && c.type != k::Elem::f32 && k::grouped_gemm_fp8_sm90_ok(probe, arch) &&
+  const bool sm90 = wgmma_enabled() && tile_m == 128 && c.type != k::Elem::f32 &&
+                    k::grouped_gemm_fp8_sm90_ok(probe, arch) &&
                     (c.first_epilogue != k::kEpiGated || c.gate.concatenated) && c.q1_ld % 16 == 0 &&
                     (N1 * c.q1_ld) % 16 == 0 && (reinterpret_cast<uintptr_t>(c.q1) & 15) == 0;
   const int64_t xrows = sm90 ? P : T;  // quantized token rows: in sorted order for the TMA kernel
