@@ -167,7 +167,8 @@ int64_t check_decode_attention(const TensorView& qkv, int64_t Hq, int64_t Hkv, c
 QkvDims check_qk_norm_rope_cache(const TensorView& q, const TensorView& k, const TensorView& v,
                                  const TensorView& q_norm, const TensorView& k_norm, int64_t pos0,
                                  const RopeSpec& rope, const TensorView& k_cache, const TensorView& v_cache);
-// Whether the model's decode step uses the fused forms (one QKV projection, qk_norm_rope_cache): on unless
+// Whether the model's decode step uses the fused forms (one QKV projection, decode_attention; on CUDA also the
+// GEMV for linears of up to 8 rows): on unless
 // the environment sets MOEKIT_FUSED_DECODE=0 (read once), or set_fused_decode says otherwise (tests; a model's
 // recorded decode graph keeps the form it was recorded with).
 bool fused_decode();
