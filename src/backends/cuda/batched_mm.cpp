@@ -2,16 +2,18 @@
 // (transformers' version copies them per pair; this one never does). No host synchronisation, no
 // allocation: capturable.
 //
-// Policy (measured on the H200, qwen3-30b-a3b shape): per-pair GEMVs while the pairs are few
-// (decode); beyond batched_gemv_max_pairs() pairs, experts are hit by several tokens and streaming
-// their weights once per pair costs more than sorting, so the call runs the grouped kernels. The
-// GEMVs need weights in [out, in] layout; transposed weights also take the grouped kernels.
+// Policy (measured on the H200): per-pair GEMVs while the pairs are few (decode) and fewer than the
+// experts; beyond batched_gemv_max_pairs() pairs, or with as many pairs as experts or more (some expert
+// is then certainly hit twice; batched_gemv_when_shared() says otherwise), streaming each pair's weights
+// costs more than sorting, so the call runs the grouped kernels. The GEMVs need weights in [out, in]
+// layout; transposed weights also take the grouped kernels.
 #include "backends/cuda/state.h"
 
 namespace moekit::cuda {
 
 bool batched_uses_gemv(const CallContext& c) {
-  return !c.transposed && c.pairs <= batched_gemv_max_pairs() && kernels::pair_gemv_ok(c.type, c.hidden) &&
+  return !c.transposed && c.pairs <= batched_gemv_max_pairs() &&
+         (c.pairs < c.experts_count || batched_gemv_when_shared()) && kernels::pair_gemv_ok(c.type, c.hidden) &&
          kernels::pair_gemv_ok(c.type, c.inter) && kernels::pair_gemv_combine_ok(int(c.top_k));
 }
 
