@@ -26,6 +26,7 @@ class BatchedPolicy {
   explicit BatchedPolicy(int64_t max_pairs) {
 #ifdef MOEKIT_WITH_CUDA
     previous_ = cuda::set_batched_gemv_max_pairs(max_pairs);
+    previous_shared_ = cuda::set_batched_gemv_when_shared(max_pairs > 0);  // also as many pairs as experts
 #else
     (void)max_pairs;
 #endif
@@ -33,11 +34,13 @@ class BatchedPolicy {
   ~BatchedPolicy() {
 #ifdef MOEKIT_WITH_CUDA
     cuda::set_batched_gemv_max_pairs(previous_);
+    cuda::set_batched_gemv_when_shared(previous_shared_);
 #endif
   }
 
  private:
   int64_t previous_ = 0;
+  bool previous_shared_ = false;
 };
 
 // Runs every backend that runs on cuda:0 on one case, batched_mm also with each of its two paths forced;

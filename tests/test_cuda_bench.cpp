@@ -209,6 +209,7 @@ TEST(CudaTiming, DISABLED_Qwen3Shape) {
     for (const Variant& v : variants) {
       if (T > 64 && std::string(v.label) == "batched_mm[gemv]") continue;  // thousands of GEMVs: known slow
       const int64_t saved = cuda::set_batched_gemv_max_pairs(v.gemv_max_pairs);
+      const bool saved_shared = cuda::set_batched_gemv_when_shared(v.gemv_max_pairs > policy);  // forced GEMVs
       const bool saved_wgmma = cuda::set_grouped_wgmma_enabled(v.wgmma);
       const bool saved_wide = cuda::set_grouped_wgmma_wide_enabled(v.wide);
       // Check first: set 0 against eager (and the reference at T = 1).
@@ -271,6 +272,7 @@ TEST(CudaTiming, DISABLED_Qwen3Shape) {
             << v.label << " graph T=" << T;
       }
       cuda::set_batched_gemv_max_pairs(saved);
+      cuda::set_batched_gemv_when_shared(saved_shared);
       cuda::set_grouped_wgmma_enabled(saved_wgmma);
       cuda::set_grouped_wgmma_wide_enabled(saved_wide);
       std::printf("%6lld %-26s %10.1f %10.1f %10.2e | %7.0f %7.0f %7.0f\n", (long long)T, v.label, median(plain),

@@ -78,6 +78,34 @@ TEST_F(CudaModelOps, LinearMatchesCpuForDtypesBiasStridesAndMixedOperands) {
   }
 }
 
+// The decode step's GEMV (M <= 8 rows of 16-bit x, weights of x's type or f32, 16-byte aligned pieces): K split
+// over warps or not, full and partial rounds of loads, a row stride, every output dtype.
+TEST_F(CudaModelOps, DecodeGemvMatchesCpuForFewRows) {
+  struct Case {
+    int64_t M, K, N;
+  };
+  for (const Case c : {Case{1, 2048, 37}, Case{2, 8, 5}, Case{3, 1000, 700}, Case{5, 4104, 130}, Case{8, 264, 2051},
+                       Case{1, 768, 2048}, Case{8, 4096, 12}}) {
+    for (DType xt : {DType::bf16, DType::f16}) {
+      for (DType wt : {xt, DType::f32}) {
+        for (DType yt : {xt, DType::f32}) {
+          for (bool bias : {false, true}) {
+            SCOPED_TRACE(::testing::Message() << "M=" << c.M << " K=" << c.K << " N=" << c.N << " x " << dtype_name(xt)
+                                              << " w " << dtype_name(wt) << " y " << dtype_name(yt) << " bias " << bias);
+            Tensor wide = test::randn({c.M, c.K + 8}, xt, rng);  // rows 8 elements apart: a row stride
+            Tensor w = test::randn({c.N, c.K}, wt, rng, 0.2), b = test::randn({c.N}, xt, rng);
+            Tensor gwide = on_gpu(wide), gw = on_gpu(w), gb = on_gpu(b);
+            Tensor y = poisoned({c.M, c.N}, yt, Device::cpu()), gy = poisoned({c.M, c.N}, yt, kDev);
+            cpu().linear(model::columns(wide.view(), 0, c.K), w.view(), bias ? b.view() : TensorView(), y.view());
+            gpu().linear(model::columns(gwide.view(), 0, c.K), gw.view(), bias ? gb.view() : TensorView(), gy.view());
+            EXPECT_LT(dist(gy, y), tol(DType::bf16));
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_F(CudaModelOps, RmsnormMatchesCpuInPlaceAndStrided) {
   for (DType t : {DType::f32, DType::bf16}) {
     for (int64_t D : {8, 96, 1100}) {
@@ -237,6 +265,84 @@ TEST_F(CudaModelOps, AttentionMatchesCpuAndReadsNoKeyPastThePosition) {
       }
     }
   }
+}
+
+// The decode step's attention over several sequences in one launch of each kernel (CUDA) against the CPU's
+// per-sequence ops: each sequence its own caches (of different sizes), position (host or device) and rows given;
+// per-head norms or none, a window, sinks; more sequences than one launch takes. Cache rows other than each
+// sequence's new one stay as they were.
+TEST_F(CudaModelOps, DecodeAttentionOverSequencesMatchesCpu) {
+  RopeConfig rc;
+  rc.theta = 10000.0;
+  const int64_t Hq = 8, Hkv = 2, D = 64;
+  for (DType t : {DType::f32, DType::bf16}) {
+    for (int64_t B : {int64_t(1), int64_t(3), int64_t(37)}) {
+      for (bool norm : {false, true}) {
+        for (int64_t window : {int64_t(0), int64_t(5)}) {
+          const bool with_sinks = window > 0;
+          SCOPED_TRACE(::testing::Message() << dtype_name(t) << " B " << B << " norm " << norm << " window " << window);
+          const model::RopeSpec spec = model::make_rope(rc, D, 4096);
+          Tensor qkv = test::randn({B, (Hq + 2 * Hkv) * D + 8}, t, rng, 2.0);  // rows wider than q|k|v: a stride
+          const Tensor qw = test::randn({D}, t, rng), kw = test::randn({D}, t, rng);
+          const Tensor sinks = test::randn({Hq}, DType::f32, rng);
+          std::vector<Tensor> kc, vc, pos_dev;
+          std::vector<int64_t> pos;
+          for (int64_t i = 0; i < B; ++i) {
+            const int64_t S = 3 + (i * 37) % 200;
+            pos.push_back((i * 13) % S);
+            kc.push_back(test::randn({S, Hkv, D}, t, rng));
+            vc.push_back(test::randn({S, Hkv, D}, t, rng));
+            pos_dev.push_back(device_scalar(pos.back()));
+          }
+          auto run = [&](const DeviceOps& ops, Device d, bool dev_pos, Tensor& out, std::vector<Tensor>& k2,
+                         std::vector<Tensor>& v2) {
+            Tensor x = Tensor::copy_of(qkv.view(), d);
+            const Tensor qwd = Tensor::copy_of(qw.view(), d), kwd = Tensor::copy_of(kw.view(), d);
+            const Tensor sd = Tensor::copy_of(sinks.view(), d);
+            std::vector<model::DecodeSeq> seqs;
+            for (int64_t i = 0; i < B; ++i) {
+              k2.push_back(Tensor::copy_of(kc[size_t(i)].view(), d));
+              v2.push_back(Tensor::copy_of(vc[size_t(i)].view(), d));
+              const Position at = dev_pos ? Position{pos[size_t(i)], pos_dev[size_t(i)].ptr<int64_t>()}
+                                          : Position{pos[size_t(i)]};
+              const int64_t kv_rows = dev_pos ? k2.back().size(0) : pos[size_t(i)] + 1;
+              seqs.push_back({k2.back().view(), v2.back().view(), at, kv_rows});
+            }
+            out = poisoned({B, Hq, D}, t, d);
+            ops.decode_attention(model::columns(x.view(), 0, (Hq + 2 * Hkv) * D), Hq, Hkv,
+                                 norm ? qwd.view() : TensorView(), norm ? kwd.view() : TensorView(), 1e-6f, false, spec,
+                                 seqs, 0.125f, window, with_sinks ? sd.view() : TensorView(), out.view());
+          };
+          Tensor ref;
+          std::vector<Tensor> rk, rv;
+          run(cpu(), Device::cpu(), false, ref, rk, rv);
+          for (bool dev_pos : {false, true}) {
+            SCOPED_TRACE(dev_pos ? "device positions" : "host positions");
+            Tensor got;
+            std::vector<Tensor> gk, gv;
+            run(gpu(), kDev, dev_pos, got, gk, gv);
+            EXPECT_LT(dist(got, ref), tol(t));
+            for (int64_t i = 0; i < B; ++i) {
+              EXPECT_LT(dist(gk[size_t(i)], rk[size_t(i)]), tol(t)) << "sequence " << i;
+              EXPECT_TRUE(test::bitwise_equal(on_cpu(gv[size_t(i)]), rv[size_t(i)])) << "sequence " << i;
+            }
+          }
+        }
+      }
+    }
+  }
+  // Bad operands are refused before any launch.
+  const Tensor x = on_gpu(test::randn({2, (Hq + 2 * Hkv) * D}, DType::f32, rng));
+  const Tensor c = on_gpu(test::randn({4, Hkv, D}, DType::f32, rng)), out = on_gpu(test::randn({2, Hq, D}, DType::f32, rng));
+  const model::RopeSpec spec = model::make_rope(rc, D, 4096);
+  const std::vector<model::DecodeSeq> ok{{c.view(), c.view(), Position{1}, 2}, {c.view(), c.view(), Position{3}, 4}};
+  std::vector<model::DecodeSeq> past = ok;
+  past[1].pos = Position{4};  // no cache row for it
+  EXPECT_THROW(gpu().decode_attention(x.view(), Hq, Hkv, {}, {}, 1e-6f, false, spec, past, 0.1f, 0, {}, out.view()),
+               Error);
+  EXPECT_THROW(gpu().decode_attention(x.view(), Hq, Hkv, {}, {}, 1e-6f, false, spec, {ok[0]}, 0.1f, 0, {}, out.view()),
+               Error);  // two rows for one sequence
+  EXPECT_THROW(gpu().decode_attention(x.view(), Hq, 3, {}, {}, 1e-6f, false, spec, ok, 0.1f, 0, {}, out.view()), Error);
 }
 
 TEST_F(CudaModelOps, RouterPicksTheCpuExpertsAndWeights) {

@@ -40,14 +40,14 @@ struct Ctx {
   }
 };
 
-// The decode step's attention (one new token per sequence): one QKV projection, then per sequence one
-// qk_norm_rope_cache (per-head norms, rotary and the cache writes) on views of its row, then attention.
+// The decode step's attention (one new token per sequence): one QKV projection, then decode_attention over all
+// the sequences (per-head norms, rotary, the cache writes and the attention; on CUDA one launch of each).
 Tensor attention_decode(const Ctx& x, const Layer& L, const TensorView& h) {
   const TextConfig& c = x.c;
   const auto& a = L.attn;
   const int64_t T = x.T, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, D = c.head_dim;
-  const int64_t Nq = Hq * D, Nk = Hkv * D, N = Nq + 2 * Nk;
-  Tensor qkv = x.linear(h, a.qkv, x.dtype);  // [T, N]
+  const int64_t Nq = Hq * D, Nk = Hkv * D;
+  Tensor qkv = x.linear(h, a.qkv, x.dtype);  // [T, Nq + 2 Nk]
   const float eps = float(c.rms_norm_eps);
   if (c.qk_norm == QkNorm::full) {
     const TensorView qc = model::columns(qkv.view(), 0, Nq), kc = model::columns(qkv.view(), Nq, Nk);
@@ -57,20 +57,14 @@ Tensor attention_decode(const Ctx& x, const Layer& L, const TensorView& h) {
   if (c.clip_qkv) x.ops.clamp(qkv.view(), float(*c.clip_qkv));  // q, k and v alike
   const bool per_head = c.qk_norm == QkNorm::per_head;
   Tensor out = x.empty({T, Hq, D}, x.dtype);
-  char* base = static_cast<char*>(qkv.data());
-  const size_t es = dtype_nbytes(x.dtype, 1);
-  for (const model::Segment& sg : x.segs) {  // one row each
-    const Tensor &kc = sg.cache->k[x.layer], &vc = sg.cache->v[x.layer];
-    char* row = base + size_t(sg.begin * N) * es;
-    const TensorView q(row, x.dtype, {1, Hq, D}, x.device), k(row + size_t(Nq) * es, x.dtype, {1, Hkv, D}, x.device);
-    const TensorView v(row + size_t(Nq + Nk) * es, x.dtype, {1, Hkv, D}, x.device);
-    x.ops.qk_norm_rope_cache(q, k, v, per_head ? a.q_norm.view() : TensorView(),
-                             per_head ? a.k_norm.view() : TensorView(), eps, c.norm_weight_before_cast, sg.pos, x.rope,
-                             kc.view(), vc.view());
-    x.ops.attention(q, rows(kc.view(), 0, sg.kv_rows), rows(vc.view(), 0, sg.kv_rows),
-                    rows(out.view(), sg.begin, sg.n), sg.pos, float(c.attention_scale()), L.window,
-                    a.sinks.defined() ? a.sinks.view() : TensorView());
-  }
+  std::vector<model::DecodeSeq> seqs;
+  seqs.reserve(x.segs.size());
+  for (const model::Segment& sg : x.segs)  // one row each, in order
+    seqs.push_back({sg.cache->k[x.layer].view(), sg.cache->v[x.layer].view(), sg.pos, sg.kv_rows});
+  x.ops.decode_attention(qkv.view(), Hq, Hkv, per_head ? a.q_norm.view() : TensorView(),
+                         per_head ? a.k_norm.view() : TensorView(), eps, c.norm_weight_before_cast, x.rope, seqs,
+                         float(c.attention_scale()), L.window, a.sinks.defined() ? a.sinks.view() : TensorView(),
+                         out.view());
   return x.linear(reshaped(out.view(), {T, Hq * D}), a.o, x.dtype);
 }
 

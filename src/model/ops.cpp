@@ -120,6 +120,53 @@ void DeviceOps::qk_norm_rope_cache(const TensorView& q, const TensorView& k, con
   write_rows(v, v_cache, pos0);
 }
 
+int64_t check_decode_attention(const TensorView& qkv, int64_t Hq, int64_t Hkv, const std::vector<DecodeSeq>& seqs,
+                               const TensorView& out) {
+  const int64_t B = int64_t(seqs.size());
+  MOEKIT_CHECK(Hq > 0 && Hkv > 0 && Hq % Hkv == 0, "decode_attention: ", Hq, " query heads over ", Hkv,
+               " key-value heads");
+  MOEKIT_CHECK(qkv.dim() == 2 && qkv.shape[0] == B && qkv.shape[1] % (Hq + 2 * Hkv) == 0,
+               "decode_attention: qkv ", qkv.to_string(), " must be [", B, ", (", Hq, " + 2 * ", Hkv, ") * D]");
+  row_stride(qkv, "decode_attention qkv");
+  const int64_t D = qkv.shape[1] / (Hq + 2 * Hkv);
+  MOEKIT_CHECK(out.is_contiguous() && out.shape == Shape({B, Hq, D}) && out.dtype == qkv.dtype &&
+                   out.device == qkv.device,
+               "decode_attention: output ", out.to_string(), " must be a contiguous [", B, ", ", Hq, ", ", D, "] ",
+               dtype_name(qkv.dtype), " tensor");
+  for (int64_t i = 0; i < B; ++i) {
+    const DecodeSeq& s = seqs[size_t(i)];
+    for (const TensorView* c : {&s.k_cache, &s.v_cache})
+      MOEKIT_CHECK(c->dim() == 3 && c->is_contiguous() && c->shape[1] == Hkv && c->shape[2] == D &&
+                       c->dtype == qkv.dtype && c->device == qkv.device,
+                   "decode_attention: sequence ", i, "'s cache ", c->to_string(), " must be a contiguous [S, ", Hkv,
+                   ", ", D, "] ", dtype_name(qkv.dtype), " tensor on ", qkv.device.to_string());
+    MOEKIT_CHECK(s.v_cache.shape[0] == s.k_cache.shape[0] && s.pos.value >= 0 && s.pos.value < s.kv_rows &&
+                     s.kv_rows <= s.k_cache.shape[0],
+                 "decode_attention: sequence ", i, " at position ", s.pos.value, " with ", s.kv_rows,
+                 " rows given of the caches ", s.k_cache.to_string(), " and ", s.v_cache.to_string());
+  }
+  return D;
+}
+
+void DeviceOps::decode_attention(const TensorView& qkv, int64_t Hq, int64_t Hkv, const TensorView& q_norm,
+                                 const TensorView& k_norm, float eps, bool weight_before_cast, const RopeSpec& rope,
+                                 const std::vector<DecodeSeq>& seqs, float scale, int64_t window,
+                                 const TensorView& sinks, const TensorView& out) const {
+  const int64_t D = check_decode_attention(qkv, Hq, Hkv, seqs, out);
+  const int64_t Nq = Hq * D, Nk = Hkv * D, ld = row_stride(qkv, "decode_attention qkv");
+  const size_t es = dtype_nbytes(qkv.dtype, 1);
+  char* base = static_cast<char*>(qkv.data);
+  for (size_t i = 0; i < seqs.size(); ++i) {  // one row each
+    const DecodeSeq& sq = seqs[i];
+    char* row = base + size_t(int64_t(i) * ld) * es;
+    const TensorView q(row, qkv.dtype, {1, Hq, D}, qkv.device), k(row + size_t(Nq) * es, qkv.dtype, {1, Hkv, D}, qkv.device);
+    const TensorView v(row + size_t(Nq + Nk) * es, qkv.dtype, {1, Hkv, D}, qkv.device);
+    qk_norm_rope_cache(q, k, v, q_norm, k_norm, eps, weight_before_cast, sq.pos, rope, sq.k_cache, sq.v_cache);
+    attention(q, rows(sq.k_cache, 0, sq.kv_rows), rows(sq.v_cache, 0, sq.kv_rows), rows(out, int64_t(i), 1), sq.pos,
+              scale, window, sinks);
+  }
+}
+
 namespace {
 std::atomic<int> g_fused_decode{-1};  // -1: not read yet
 }

@@ -63,6 +63,13 @@ class StepGraph {
   virtual void replay() const = 0;
 };
 
+// One sequence of a decode step's attention (DeviceOps::decode_attention).
+struct DecodeSeq {
+  TensorView k_cache, v_cache;  // [S, Hkv, D]
+  Position pos;                 // the new token's position (its cache row)
+  int64_t kv_rows = 0;          // the cache rows the attention is given (pos + 1 <= kv_rows <= S)
+};
+
 class DeviceOps {
  public:
   virtual ~DeviceOps() = default;
@@ -117,6 +124,15 @@ class DeviceOps {
                                   const TensorView& q_norm, const TensorView& k_norm, float eps,
                                   bool weight_before_cast, Position pos0, const RopeSpec& rope,
                                   const TensorView& k_cache, const TensorView& v_cache) const;
+  // The decode step's attention of B sequences with one new token each: row i of qkv [B, (Hq + 2 Hkv) D] (q
+  // heads, then k, then v; unit inner stride) is sequence i's. Per sequence, qk_norm_rope_cache (norms when
+  // their data are set, rotary, the cache writes at seqs[i].pos; q and k rewritten in place), then attention
+  // over the first kv_rows rows of its caches into row i of out [B, Hq, D]. This default runs those two ops
+  // per sequence; a device may override it with one launch of each over all the sequences.
+  virtual void decode_attention(const TensorView& qkv, int64_t Hq, int64_t Hkv, const TensorView& q_norm,
+                                const TensorView& k_norm, float eps, bool weight_before_cast, const RopeSpec& rope,
+                                const std::vector<DecodeSeq>& seqs, float scale, int64_t window,
+                                const TensorView& sinks, const TensorView& out) const;
   // Records what `body` enqueues on the current stream into a graph (nothing runs). Throws
   // Error(not_supported) on devices without graphs.
   virtual std::unique_ptr<StepGraph> capture(const std::function<void()>& body) const = 0;
@@ -145,10 +161,14 @@ RouteDims check_route(const TensorView& logits, const TensorView& correction_bia
 struct QkvDims {
   int64_t T, Hq, Hkv, D;
 };
+// decode_attention's operands; returns D.
+int64_t check_decode_attention(const TensorView& qkv, int64_t Hq, int64_t Hkv, const std::vector<DecodeSeq>& seqs,
+                               const TensorView& out);
 QkvDims check_qk_norm_rope_cache(const TensorView& q, const TensorView& k, const TensorView& v,
                                  const TensorView& q_norm, const TensorView& k_norm, int64_t pos0,
                                  const RopeSpec& rope, const TensorView& k_cache, const TensorView& v_cache);
-// Whether the model's decode step uses the fused forms (one QKV projection, qk_norm_rope_cache): on unless
+// Whether the model's decode step uses the fused forms (one QKV projection, decode_attention; on CUDA also the
+// GEMV for linears of up to 8 rows): on unless
 // the environment sets MOEKIT_FUSED_DECODE=0 (read once), or set_fused_decode says otherwise (tests; a model's
 // recorded decode graph keeps the form it was recorded with).
 bool fused_decode();

@@ -63,6 +63,34 @@ class CudaGraph final : public StepGraph {
   int device_;
 };
 
+// The split of the keys for the decode attention (flash-decoding): few (query, head) pairs spread over more
+// blocks, then merged. It depends on S (the cache rows given), not on the position, so a recorded graph keeps
+// its shape. Chunks cover absolute key indices [0, S); with a window narrower than S, one split.
+std::pair<int64_t, int64_t> attention_split(int64_t bh, int64_t S, int64_t window, int dev) {
+  using kernels::kAttnTile;
+  const int64_t keys_max = window > 0 ? std::min(window, S) : S;
+  const int64_t target = 2 * int64_t(cuda::device_info(dev).multiprocessors);
+  int64_t splits = std::clamp<int64_t>((target + bh - 1) / bh, 1, std::max<int64_t>(1, (keys_max + kAttnTile - 1) / kAttnTile));
+  splits = std::min<int64_t>(splits, 64);
+  int64_t chunk = std::max<int64_t>(kAttnTile, (S + splits - 1) / splits);
+  if (window > 0 && keys_max < S) splits = 1, chunk = S;
+  chunk = (chunk + kAttnTile - 1) / kAttnTile * kAttnTile;
+  splits = (S + chunk - 1) / chunk;
+  return {splits, chunk};
+}
+
+kernels::RopeArgs rope_args(const RopeSpec& rope) {
+  const int64_t half = int64_t(rope.inv_freq.size());
+  MOEKIT_CHECK(half <= kernels::kMaxRopeHalf, "rope: ", 2 * half, " rotated dims; the CUDA ops support up to ",
+               2 * kernels::kMaxRopeHalf);
+  kernels::RopeArgs a;
+  for (int64_t i = 0; i < half; ++i) a.inv_freq[i] = rope.inv_freq[size_t(i)];
+  a.half = int(half);
+  a.interleaved = rope.interleaved ? 1 : 0;
+  a.scaling = rope.attention_scaling;
+  return a;
+}
+
 class CudaOps final : public DeviceOps {
  public:
   void embedding(const TensorView& ids, const TensorView& table, const TensorView& out) const override {
@@ -87,6 +115,12 @@ class CudaOps final : public DeviceOps {
     const int dev = x.device.index;
     DeviceGuard g(dev);
     const cudaStream_t s = stream();
+    // The decode step's few rows (fused decode): a GEMV that streams each weight row once.
+    if (M <= kernels::kGemvMaxM && fused_decode() && kernels::gemv_ok(x.data, xt, ldx, w.data, wt, int(M), K)) {
+      MOEKIT_CUDA_CALL(kernels::gemv(x.data, xt, ldx, w.data, wt, bias.data, bias.data ? code(bias, "linear bias") : 0,
+                                     y.data, yt, int(M), N, K, cuda::device_info(dev).multiprocessors, s));
+      return;
+    }
     if (xt != wt && M <= kernels::kSmallM) {
       MOEKIT_CUDA_CALL(kernels::small_m_linear(x.data, xt, ldx, w.data, wt, bias.data,
                                                bias.data ? code(bias, "linear bias") : 0, y.data, yt, int(M), N, K, s));
@@ -229,19 +263,8 @@ class CudaOps final : public DeviceOps {
     const cudaStream_t s = stream();
     const size_t smem = size_t(Dk + kAttnTile) * sizeof(float);
     MOEKIT_CHECK(smem <= 48 * 1024, "attention: key heads of ", Dk, " dims do not fit the CUDA kernel");
-    // Few (query, head) pairs (decode): split the keys over more blocks, then merge (flash-decoding). The
-    // split depends on S (the cache rows given), not on the position, so a recorded graph keeps its shape.
     const int64_t bh = T * Hq;
-    const int64_t keys_max = window > 0 ? std::min(window, S) : S;
-    const int64_t target = 2 * int64_t(cuda::device_info(dev).multiprocessors);
-    int64_t splits = std::clamp<int64_t>((target + bh - 1) / bh, 1, std::max<int64_t>(1, (keys_max + kAttnTile - 1) / kAttnTile));
-    splits = std::min<int64_t>(splits, 64);
-    // Chunks over absolute key indices [0, S): with a window the live keys sit at the end, so each split
-    // covers a window-sized share when the window is narrower.
-    int64_t chunk = std::max<int64_t>(kAttnTile, (S + splits - 1) / splits);
-    if (window > 0 && keys_max < S) splits = 1, chunk = S;
-    chunk = (chunk + kAttnTile - 1) / kAttnTile * kAttnTile;
-    splits = (S + chunk - 1) / chunk;
+    const auto [splits, chunk] = attention_split(bh, S, window, dev);
     float* part = nullptr;
     if (splits > 1)
       part = static_cast<float*>(scratch().get(dev, s, size_t(bh * splits * (Dv + 2)) * sizeof(float)));
@@ -265,6 +288,82 @@ class CudaOps final : public DeviceOps {
                                       .chunk = chunk,
                                       .part = part};
     MOEKIT_CUDA_CALL(kernels::attention(args, s));
+  }
+
+  void decode_attention(const TensorView& qkv, int64_t Hq, int64_t Hkv, const TensorView& q_norm,
+                        const TensorView& k_norm, float eps, bool weight_before_cast, const RopeSpec& rope,
+                        const std::vector<DecodeSeq>& seqs, float scale, int64_t window, const TensorView& sinks,
+                        const TensorView& out) const override {
+    const int t = code(qkv, "decode_attention qkv");
+    const int64_t D = check_decode_attention(qkv, Hq, Hkv, seqs, out);
+    const int64_t B = int64_t(seqs.size());
+    MOEKIT_CHECK(rope.rot_dim() <= D, "decode_attention: ", rope.rot_dim(), " rotated dims do not fit heads of ", D);
+    MOEKIT_CHECK(D <= kernels::kMaxQkvHeadDim && D <= kernels::kAttnMaxDv &&
+                     size_t(D + kernels::kAttnTile) * sizeof(float) <= 48 * 1024,
+                 "decode_attention: heads of ", D, " dims; the CUDA kernels support up to ", kernels::kAttnMaxDv);
+    MOEKIT_CHECK(!q_norm.data || q_norm.numel() == D, "decode_attention: q norm weight ", q_norm.to_string(),
+                 " must have ", D, " values");
+    MOEKIT_CHECK(!k_norm.data || k_norm.numel() == D, "decode_attention: k norm weight ", k_norm.to_string(),
+                 " must have ", D, " values");
+    if (sinks.data)
+      MOEKIT_CHECK(sinks.numel() == Hq, "attention sinks must have ", Hq, " values, got ", sinks.to_string());
+    const int qwt = q_norm.data ? code(q_norm, "q norm weight") : 0;
+    const int kwt = k_norm.data ? code(k_norm, "k norm weight") : 0;
+    const int sink_t = sinks.data ? code(sinks, "attention sinks") : 0;
+    if (B == 0) return;
+    const kernels::RopeArgs ra = rope_args(rope);
+    const int dev = qkv.device.index;
+    DeviceGuard g(dev);
+    const cudaStream_t s = stream();
+    const int64_t ld = row_stride(qkv, "decode_attention qkv"), Nq = Hq * D, Nk = Hkv * D;
+    const size_t es = dtype_nbytes(qkv.dtype, 1);
+    // Up to kMaxDecodeSeqs sequences per launch (their caches and positions go by value).
+    for (int64_t b0 = 0; b0 < B; b0 += kernels::kMaxDecodeSeqs) {
+      const int64_t n = std::min<int64_t>(kernels::kMaxDecodeSeqs, B - b0);
+      kernels::DecodeSeqs tab{};
+      tab.n = int(n);
+      int64_t S = 1;
+      for (int64_t i = 0; i < n; ++i) {
+        const DecodeSeq& sq = seqs[size_t(b0 + i)];
+        tab.k_cache[i] = sq.k_cache.data;
+        tab.v_cache[i] = sq.v_cache.data;
+        tab.rows[i] = sq.k_cache.shape[0];
+        tab.pos_value[i] = sq.pos.value;
+        tab.pos_device[i] = sq.pos.device;
+        S = std::max(S, sq.kv_rows);
+      }
+      char* row = static_cast<char*>(qkv.data) + size_t(b0 * ld) * es;
+      MOEKIT_CUDA_CALL(kernels::qk_norm_rope_cache_seqs(row, row + size_t(Nq) * es, row + size_t(Nq + Nk) * es, t, n,
+                                                        Hq, Hkv, D, ld, ld, ld, q_norm.data, qwt, k_norm.data, kwt,
+                                                        eps, weight_before_cast, tab, ra, s));
+      const int64_t bh = n * Hq;
+      const auto [splits, chunk] = attention_split(bh, S, window, dev);
+      float* part = nullptr;
+      if (splits > 1)
+        part = static_cast<float*>(scratch().get(dev, s, size_t(bh * splits * (D + 2)) * sizeof(float)));
+      kernels::AttentionArgs args{.q = row,
+                                  .k = nullptr,
+                                  .v = nullptr,
+                                  .out = static_cast<char*>(out.data) + size_t(b0 * Hq * D) * es,
+                                  .t = t,
+                                  .Hq = int(Hq),
+                                  .Hkv = int(Hkv),
+                                  .Dk = int(D),
+                                  .Dv = int(D),
+                                  .T = n,
+                                  .pos_value = 0,
+                                  .pos_device = nullptr,
+                                  .scale = scale,
+                                  .window = window,
+                                  .sinks = sinks.data,
+                                  .sink_t = sink_t,
+                                  .splits = splits,
+                                  .chunk = chunk,
+                                  .part = part,
+                                  .seqs = &tab,
+                                  .ldq = ld};
+      MOEKIT_CUDA_CALL(kernels::attention(args, s));
+    }
   }
 
   void write_rows(const TensorView& src, const TensorView& dst, Position row0) const override {

@@ -2,19 +2,23 @@
 // (transformers' version copies them per pair; this one never does). No host synchronisation, no
 // allocation: capturable.
 //
-// Policy (measured on the H200, qwen3-30b-a3b shape): per-pair GEMVs while the pairs are few
-// (decode); beyond batched_gemv_max_pairs() pairs, experts are hit by several tokens and streaming
-// their weights once per pair costs more than sorting, so the call runs the grouped kernels. The
-// GEMVs need weights in [out, in] layout; transposed weights also take the grouped kernels.
+// Policy (measured on the H200): per-pair GEMVs while the pairs are few (decode) and fewer than the
+// experts; beyond batched_gemv_max_pairs() pairs, or with as many pairs as experts or more (some expert
+// is then certainly hit twice; batched_gemv_when_shared() says otherwise), streaming each pair's weights
+// costs more than sorting, so the call runs the grouped kernels. The GEMVs need weights in [out, in]
+// layout; transposed weights also take the grouped kernels.
 #include "backends/cuda/state.h"
 
 namespace moekit::cuda {
 
 bool batched_uses_gemv(const CallContext& c) {
-  return !c.transposed && c.pairs <= batched_gemv_max_pairs() && kernels::pair_gemv_ok(c.type, c.hidden) &&
-         kernels::pair_gemv_ok(c.type, c.inter);
+  return !c.transposed && c.pairs <= batched_gemv_max_pairs() &&
+         (c.pairs < c.experts_count || batched_gemv_when_shared()) && kernels::pair_gemv_ok(c.type, c.hidden) &&
+         kernels::pair_gemv_ok(c.type, c.inter) && kernels::pair_gemv_combine_ok(int(c.top_k));
 }
 
+// Two launches: the first projection per pair (gate fused), then the second projection with the routing
+// weights and the slot sum (pair_gemv_combine). Both read the expert ids from top_k_index directly.
 void run_batched_mm(const CallContext& c) {
   if (c.fp8) {  // FP8 experts: quantized_fp8.cpp
     run_fp8(c);
@@ -26,18 +30,10 @@ void run_batched_mm(const CallContext& c) {
     return;
   }
   const int64_t P = c.pairs;
-  int32_t* pair_expert = nullptr;
   void* act = nullptr;
-  float* y = nullptr;
   carve_workspace(*c.ws, [&](Carver& w) {
-    pair_expert = w.take<int32_t>(P);
     act = w.take_bytes(P * c.inter * k::elem_bytes(c.type));  // [P, I]
-    y = w.take<float>(P * c.hidden);                         // [P, H] f32
   });
-
-  check_launch(k::route_validate(c.call.top_k_index.data, c.index_type, c.tokens, int(c.top_k), c.experts_count,
-                                 pair_expert, c.ws->error(), c.stream),
-               "route_validate");
 
   k::PairGemvArgs g1;
   g1.type = c.type;
@@ -48,7 +44,10 @@ void run_batched_mm(const CallContext& c) {
   g1.b_expert_stride = c.w1_expert;
   g1.bias = c.b1;
   g1.bias_expert_stride = c.n1;
-  g1.pair_expert = pair_expert;
+  g1.index = c.call.top_k_index.data;
+  g1.index_type = c.index_type;
+  g1.top_k = int(c.top_k);
+  g1.error = c.ws->error();
   g1.experts = c.experts_count;
   g1.pairs = P;
   g1.n = c.inter;
@@ -66,18 +65,16 @@ void run_batched_mm(const CallContext& c) {
   g2.a_row_div = 1;
   g2.b = c.w2;
   g2.b_expert_stride = c.w2_expert;
-  g2.bias = nullptr;  // added by combine
-  g2.bias_expert_stride = 0;
+  g2.bias = c.b2;
+  g2.bias_expert_stride = c.hidden;
+  g2.error = nullptr;  // the first launch records bad ids
   g2.n = c.hidden;
   g2.k = c.inter;
-  g2.epilogue = k::kEpiF32;
-  g2.out = y;
+  g2.routing_weights = c.call.top_k_weights.data;
+  g2.routing_weight_type = c.weight_type;
+  g2.out = c.call.out.data;
   g2.ldo = c.hidden;
-  check_launch(k::pair_gemv(g2, c.stream), "pair_gemv (second projection)");
-
-  check_launch(k::combine(c.type, c.weight_type, y, nullptr, pair_expert, c.call.top_k_weights.data, c.b2, c.tokens,
-                          int(c.top_k), c.hidden, c.experts_count, c.call.out.data, c.stream),
-               "combine");
+  check_launch(k::pair_gemv_combine(g2, c.tokens, c.stream), "pair_gemv_combine (second projection)");
 }
 
 }  // namespace moekit::cuda

@@ -8,6 +8,12 @@ namespace moekit::cuda {
 // runs the grouped kernels. Setting it returns the previous value (process-wide).
 int64_t batched_gemv_max_pairs();
 int64_t set_batched_gemv_max_pairs(int64_t pairs);
+// Whether those GEMVs also serve calls with at least as many pairs as experts. Off by default: some expert
+// is then certainly hit by two pairs, which the grouped kernels read once (on the H200 at T = 8:
+// mixtral-8x7b 876 -> 616 us, gpt-oss-20b 364 -> 277, olmoe-1b-7b 177 -> 160). Tests turn it on with a
+// large max_pairs to force the GEMVs. Setting it returns the previous value (process-wide).
+bool batched_gemv_when_shared();
+bool set_batched_gemv_when_shared(bool on);
 
 // Whether grouped projections may use the sm_90a wgmma kernel (else mma.sync); on by default.
 bool grouped_wgmma_enabled();

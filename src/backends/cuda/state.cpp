@@ -107,6 +107,7 @@ namespace {
 // T = 1..8 with K = 8 on 128 experts: per-pair GEMVs; above that the grouped kernels share each
 // expert's weights between its rows.
 std::atomic<int64_t> g_gemv_max_pairs{64};
+std::atomic<bool> g_gemv_when_shared{false};
 std::atomic<bool> g_wgmma{true};
 std::atomic<bool> g_wgmma_wide{false};
 }  // namespace
@@ -118,5 +119,7 @@ bool set_grouped_wgmma_enabled(bool enabled) { return g_wgmma.exchange(enabled);
 
 int64_t batched_gemv_max_pairs() { return g_gemv_max_pairs.load(); }
 int64_t set_batched_gemv_max_pairs(int64_t pairs) { return g_gemv_max_pairs.exchange(pairs); }
+bool batched_gemv_when_shared() { return g_gemv_when_shared.load(); }
+bool set_batched_gemv_when_shared(bool on) { return g_gemv_when_shared.exchange(on); }
 
 }  // namespace moekit::cuda

@@ -38,16 +38,21 @@ __global__ void rope_kernel(void* x, int t, int64_t s0, int64_t s1, int64_t NH, 
 // type as rmsnorm stores it, then the rotation as rope_kernel computes it, written back in place; a k block also
 // writes its k head and the matching v head at cache row pos + token (when below S).
 __global__ void qk_norm_rope_cache_kernel(void* q, void* k, const void* v, int t, int64_t Hq, int64_t Hkv, int64_t D,
-                                          const void* q_norm, int qwt, const void* k_norm, int kwt, float eps,
-                                          int weight_before_cast, int64_t pos_value, const int64_t* pos_device,
-                                          void* k_cache, void* v_cache, int64_t S, RopeArgs a) {
+                                          int64_t ldq, int64_t ldk, int64_t ldv, const void* q_norm, int qwt,
+                                          const void* k_norm, int kwt, float eps, int weight_before_cast,
+                                          DecodeSeqs seqs, RopeArgs a) {
   extern __shared__ float x[];  // [D]
   __shared__ float red[32];
   const int64_t NH = Hq + Hkv;
   const int64_t row = blockIdx.x / NH, head = blockIdx.x % NH;
   const bool is_q = head < Hq;
   void* p = is_q ? q : k;
-  const int64_t base = is_q ? (row * Hq + head) * D : (row * Hkv + (head - Hq)) * D;
+  const int64_t base = is_q ? row * ldq + head * D : row * ldk + (head - Hq) * D;
+  const int64_t vbase = row * ldv + (head - Hq) * D;
+  const int sq = seqs.n == 1 ? 0 : int(row);  // this row's sequence
+  void* k_cache = seqs.k_cache[sq];
+  void* v_cache = seqs.v_cache[sq];
+  const int64_t S = seqs.rows[sq];
   const void* w = is_q ? q_norm : k_norm;
   const int wt = is_q ? qwt : kwt;
   float ss = 0;
@@ -64,7 +69,7 @@ __global__ void qk_norm_rope_cache_kernel(void* q, void* k, const void* v, int t
     }
   }
   __syncthreads();
-  const int64_t pos = position(pos_value, pos_device) + row;
+  const int64_t pos = position(seqs.pos_value[sq], seqs.pos_device[sq]) + (seqs.n == 1 ? row : 0);
   const float fpos = float(pos);
   // Each thread owns the pairs i = threadIdx.x, threadIdx.x + blockDim.x, ...: read all, sync, write all.
   constexpr int kMaxPairs = (kMaxRopeHalf + 31) / 32;
@@ -97,7 +102,7 @@ __global__ void qk_norm_rope_cache_kernel(void* q, void* k, const void* v, int t
     st(p, t, base + i, x[i]);
     if (to_cache) {
       st(k_cache, t, cbase + i, x[i]);
-      st(v_cache, t, cbase + i, ld(v, t, base + i));
+      st(v_cache, t, cbase + i, ld(v, t, vbase + i));
     }
   }
 }
@@ -109,21 +114,24 @@ __global__ void qk_norm_rope_cache_kernel(void* q, void* k, const void* v, int t
 // part[(query * Hq + head) * splits + split] ([m, l, acc[Dv]]) for attention_combine_kernel.
 template <class T>
 __global__ void __launch_bounds__(kAttnThreads)
-    attention_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
-                     int Hq, int Hkv, int Dk, int Dv, int64_t pos_value, const int64_t* pos_device, float scale,
-                     int64_t window, const void* sinks, int sink_t, int64_t chunk, float* __restrict__ part) {
+    attention_kernel(const T* __restrict__ q, int64_t ldq, DecodeSeqs seqs, T* __restrict__ out, int Hq, int Hkv,
+                     int Dk, int Dv, float scale, int64_t window, const void* sinks, int sink_t, int64_t chunk,
+                     float* __restrict__ part) {
   extern __shared__ float sm[];
   float* qs = sm;        // [Dk]
   float* p = sm + Dk;    // [kAttnTile]
   const int bh = blockIdx.x, t = bh / Hq, h = bh % Hq, g = h / (Hq / Hkv);
   const int split = blockIdx.y, splits = gridDim.y;
   const int tid = threadIdx.x;
-  const int64_t pos = position(pos_value, pos_device) + t;
+  const int sq = seqs.n == 1 ? 0 : t;  // this query's sequence
+  const T* __restrict__ k = static_cast<const T*>(seqs.k_cache[sq]);
+  const T* __restrict__ v = static_cast<const T*>(seqs.v_cache[sq]);
+  const int64_t pos = position(seqs.pos_value[sq], seqs.pos_device[sq]) + (seqs.n == 1 ? t : 0);
   int64_t lo = window > 0 ? max(int64_t(0), pos - window + 1) : 0;
   int64_t hi = pos;  // last key, inclusive
   lo = max(lo, split * chunk);
   hi = min(hi, (split + 1) * chunk - 1);
-  for (int d = tid; d < Dk; d += blockDim.x) qs[d] = to_f32(q[(int64_t(t) * Hq + h) * Dk + d]);
+  for (int d = tid; d < Dk; d += blockDim.x) qs[d] = to_f32(q[int64_t(t) * ldq + int64_t(h) * Dk + d]);
   float m = -INFINITY, l = 0.0f;
   if (sinks && !part) {  // the sink's logit: probability mass, no value
     m = ld(sinks, sink_t, h);
@@ -223,28 +231,56 @@ cudaError_t rope(void* x, int t, int64_t s0, int64_t s1, int64_t T, int64_t NH, 
   return cudaGetLastError();
 }
 
-cudaError_t qk_norm_rope_cache(void* q, void* k, const void* v, int t, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
-                               const void* q_norm, int qwt, const void* k_norm, int kwt, float eps,
-                               bool weight_before_cast, int64_t pos_value, const int64_t* pos_device, void* k_cache,
-                               void* v_cache, int64_t S, const RopeArgs& a, cudaStream_t s) {
+cudaError_t qk_norm_rope_cache_seqs(void* q, void* k, const void* v, int t, int64_t T, int64_t Hq, int64_t Hkv,
+                                    int64_t D, int64_t ldq, int64_t ldk, int64_t ldv, const void* q_norm, int qwt,
+                                    const void* k_norm, int kwt, float eps, bool weight_before_cast,
+                                    const DecodeSeqs& seqs, const RopeArgs& a, cudaStream_t s) {
+  if (seqs.n < 1 || seqs.n > kMaxDecodeSeqs || (seqs.n != 1 && seqs.n != T)) return cudaErrorInvalidValue;
   // Enough threads that each owns at most kMaxRopeHalf / 32 rotated pairs, about one element each otherwise.
   const int64_t want = std::max<int64_t>(D, 32);
   const int threads = int(std::min<int64_t>((want + 31) / 32 * 32, 256));
   qk_norm_rope_cache_kernel<<<unsigned(T * (Hq + Hkv)), threads, size_t(D) * sizeof(float), s>>>(
-      q, k, v, t, Hq, Hkv, D, q_norm, qwt, k_norm, kwt, eps, weight_before_cast ? 1 : 0, pos_value, pos_device,
-      k_cache, v_cache, S, a);
+      q, k, v, t, Hq, Hkv, D, ldq, ldk, ldv, q_norm, qwt, k_norm, kwt, eps, weight_before_cast ? 1 : 0, seqs, a);
   return cudaGetLastError();
+}
+
+cudaError_t qk_norm_rope_cache(void* q, void* k, const void* v, int t, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                               const void* q_norm, int qwt, const void* k_norm, int kwt, float eps,
+                               bool weight_before_cast, int64_t pos_value, const int64_t* pos_device, void* k_cache,
+                               void* v_cache, int64_t S, const RopeArgs& a, cudaStream_t s) {
+  DecodeSeqs one{};
+  one.n = 1;
+  one.k_cache[0] = k_cache;
+  one.v_cache[0] = v_cache;
+  one.rows[0] = S;
+  one.pos_value[0] = pos_value;
+  one.pos_device[0] = pos_device;
+  return qk_norm_rope_cache_seqs(q, k, v, t, T, Hq, Hkv, D, Hq * D, Hkv * D, Hkv * D, q_norm, qwt, k_norm, kwt, eps,
+                                 weight_before_cast, one, a, s);
 }
 
 cudaError_t attention(const AttentionArgs& a, cudaStream_t s) {
   const int64_t bh = a.T * a.Hq;
   const size_t smem = size_t(a.Dk + kAttnTile) * sizeof(float);
   const dim3 grid{unsigned(bh), unsigned(a.splits)};
+  DecodeSeqs one{};
+  if (a.seqs) {
+    if (a.seqs->n != a.T || a.T > kMaxDecodeSeqs) return cudaErrorInvalidValue;
+  } else {
+    one.n = 1;
+    one.k_cache[0] = const_cast<void*>(a.k);
+    one.v_cache[0] = const_cast<void*>(a.v);
+    one.rows[0] = 0;  // not read by the attention
+    one.pos_value[0] = a.pos_value;
+    one.pos_device[0] = a.pos_device;
+  }
+  const DecodeSeqs& seqs = a.seqs ? *a.seqs : one;
+  const int64_t ldq = a.seqs ? a.ldq : int64_t(a.Hq) * a.Dk;
   auto run = [&](auto tag) {
     using E = decltype(tag);
-    attention_kernel<E><<<grid, kAttnThreads, smem, s>>>(
-        static_cast<const E*>(a.q), static_cast<const E*>(a.k), static_cast<const E*>(a.v), static_cast<E*>(a.out),
-        a.Hq, a.Hkv, a.Dk, a.Dv, a.pos_value, a.pos_device, a.scale, a.window, a.sinks, a.sink_t, a.chunk, a.part);
+    attention_kernel<E><<<grid, kAttnThreads, smem, s>>>(static_cast<const E*>(a.q), ldq, seqs, static_cast<E*>(a.out),
+                                                         a.Hq, a.Hkv, a.Dk, a.Dv, a.scale, a.window, a.sinks,
+                                                         a.sink_t, a.chunk, a.part);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess || !a.part) return err;
     attention_combine_kernel<E><<<unsigned(bh), 128, 0, s>>>(a.part, int(a.splits), a.Hq, a.Dv, a.sinks, a.sink_t,

@@ -35,6 +35,14 @@ constexpr int kSmallM = 8;
 cudaError_t small_m_linear(const void* x, int xt, int64_t ldx, const void* w, int wt, const void* bias, int bt, void* y,
                            int yt, int M, int64_t N, int64_t K, cudaStream_t s);
 
+// The decode step's GEMV: y [M, N] = x [M, K] w [N, K]^T + bias (null: none) for M <= kGemvMaxM rows of a 16-bit x
+// and w of x's type or f32 (the router), each weight row read once; sms: the device's multiprocessors. gemv_ok:
+// whether it serves these operands (sizes, types, 16-byte alignment of the weight pieces).
+constexpr int kGemvMaxM = 8;
+bool gemv_ok(const void* x, int xt, int64_t ldx, const void* w, int wt, int M, int64_t K);
+cudaError_t gemv(const void* x, int xt, int64_t ldx, const void* w, int wt, const void* bias, int bt, void* y, int yt,
+                 int M, int64_t N, int64_t K, int sms, cudaStream_t s);
+
 constexpr int kMaxRopeHalf = 256;
 struct RopeArgs {
   float inv_freq[kMaxRopeHalf];
@@ -56,6 +64,24 @@ cudaError_t qk_norm_rope_cache(void* q, void* k, const void* v, int t, int64_t T
                                bool weight_before_cast, int64_t pos_value, const int64_t* pos_device, void* k_cache,
                                void* v_cache, int64_t S, const RopeArgs& a, cudaStream_t s);
 
+// The KV caches and positions of the sequences of one decode step (one new token each: row i of q, k, v is
+// sequence i's), passed by value to the kernels. With one entry, every row uses it, row t at position pos + t.
+constexpr int kMaxDecodeSeqs = 32;
+struct DecodeSeqs {
+  int n = 0;
+  void* k_cache[kMaxDecodeSeqs];
+  void* v_cache[kMaxDecodeSeqs];
+  int64_t rows[kMaxDecodeSeqs];  // cache rows S (rows at or past S are never written or read)
+  int64_t pos_value[kMaxDecodeSeqs];
+  const int64_t* pos_device[kMaxDecodeSeqs];
+};
+// qk_norm_rope_cache for T rows of q, k, v with row strides ldq, ldk, ldv (elements; rows of one QKV projection),
+// row t's caches and position from seqs (n == T, or n == 1: one sequence).
+cudaError_t qk_norm_rope_cache_seqs(void* q, void* k, const void* v, int t, int64_t T, int64_t Hq, int64_t Hkv,
+                                    int64_t D, int64_t ldq, int64_t ldk, int64_t ldv, const void* q_norm, int qwt,
+                                    const void* k_norm, int kwt, float eps, bool weight_before_cast,
+                                    const DecodeSeqs& seqs, const RopeArgs& a, cudaStream_t s);
+
 constexpr int kAttnThreads = 128, kAttnTile = 64, kAttnMaxDv = 4 * kAttnThreads;
 struct AttentionArgs {
   const void* q;  // [T, Hq, Dk]
@@ -73,6 +99,10 @@ struct AttentionArgs {
   int sink_t;
   int64_t splits, chunk;  // the keys in `splits` chunks of `chunk` (multiple of kAttnTile)
   float* part;            // splits > 1: [T * Hq * splits, Dv + 2] f32 scratch
+  // Decode steps of several sequences: query t at q + t * ldq reads the caches and position of seqs entry t
+  // (k, v and the positions above unused). Null: one sequence, q [T, Hq, Dk] contiguous.
+  const DecodeSeqs* seqs = nullptr;
+  int64_t ldq = 0;
 };
 // Causal attention of the T queries at positions pos .. pos + T - 1 (flash-decoding when splits > 1).
 cudaError_t attention(const AttentionArgs& a, cudaStream_t s);

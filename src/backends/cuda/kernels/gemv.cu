@@ -1,6 +1,17 @@
-// batched_mm's projections: one small GEMV per (token, slot) pair, reading the expert's weight rows in
-// place (no copy of the weights). Memory-bound: each warp streams kColsPerWarp output columns (two
-// weight rows each when gated) with 16-byte loads, several rows in flight, and reduces with shuffles.
+// batched_mm's small-T projections: GEMVs per (token, slot) pair, reading the expert's weight rows in place
+// (no copy of the weights, no sort). Memory-bound: each warp streams kRowsPerWarp weight rows together, each
+// lane keeping kUnroll 16-byte loads of every row in flight before the first multiply, and reduces with
+// shuffles.
+//
+//   pair_gemv:         out[p, :] = epilogue(W1[e_p] a[p / a_row_div]) for every pair (first projection).
+//   pair_gemv_combine: out[t, :] = sum over slots k in order of w[t, k] * (W2[e_(t,k)] act[t * K + k] + b2[e]),
+//                      rounded once: the second projection, the routing weights and the slot sum in one
+//                      launch; each block's partial dot products meet in shared memory and one thread per
+//                      column sums them in slot order (deterministic, no atomics on the values).
+// Both read the expert ids straight from top_k_index (ids outside [0, E] are recorded in the sticky error
+// word, as route_validate does, and contribute nothing; E is the dropped-pair sentinel).
+#include <climits>
+
 #include "backends/cuda/kernels/device_math.cuh"
 
 namespace moekit::cuda::kernels {
@@ -8,30 +19,110 @@ namespace {
 
 constexpr int kGemvThreads = 256;
 constexpr int kGemvWarps = kGemvThreads / 32;
-constexpr int kColsPerWarp = 4;
-constexpr int kColsPerBlock = kGemvWarps * kColsPerWarp;
+constexpr int kRowsPerWarp = 4;  // weight rows a warp streams together
+constexpr int kUnroll = 4;       // 16-byte pieces per row and lane in flight
 constexpr size_t kGemvMaxSmem = 48 * 1024;
 
-// VEC elements of T starting at p (16-byte aligned when VEC > 1) as floats.
+// The expert of pair p (E for the sentinel and for bad ids, which also set the error word: the smallest
+// (token << 40 | slot << 32 | uint32(id)), kernels.h's format).
+__device__ __forceinline__ int pair_expert_of(const void* index, Index index_type, int64_t p, int top_k, int experts,
+                                              unsigned long long* error) {
+  const long long v = index_type == Index::i32 ? static_cast<long long>(static_cast<const int32_t*>(index)[p])
+                                               : static_cast<long long>(static_cast<const int64_t*>(index)[p]);
+  if (v >= 0 && v <= experts) return static_cast<int>(v);
+  if (error) {
+    const int32_t clamped = v < INT_MIN ? INT_MIN : (v > INT_MAX ? INT_MAX : static_cast<int32_t>(v));
+    const unsigned long long t = static_cast<unsigned long long>(p / top_k);
+    const unsigned long long key = ((t < (1ull << 24) ? t : (1ull << 24) - 1) << 40) |
+                                   (static_cast<unsigned long long>(p % top_k & 0xff) << 32) |
+                                   static_cast<uint32_t>(clamped);
+    atomicMin(error, key);
+  }
+  return experts;
+}
+
+// The VEC elements of T in one 16-byte piece as floats.
 template <class T, int VEC>
-__device__ __forceinline__ void load_vec(const T* p, float (&v)[VEC]) {
-  if constexpr (VEC == 1) {
-    v[0] = to_f32(p[0]);
-  } else {
-    static_assert(VEC * sizeof(T) == 16, "16-byte vectors");
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const T* e = reinterpret_cast<const T*>(&raw);
+__device__ __forceinline__ void to_floats(const uint4& raw, float (&v)[VEC]) {
+  const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) v[i] = to_f32(e[i]);
+  for (int i = 0; i < VEC; ++i) v[i] = to_f32(e[i]);
+}
+
+// acc[r] += dot(rows[r][0, k), a[0, k)) over this lane's pieces: VEC elements per piece (16 bytes when
+// VEC > 1, single elements otherwise), kUnroll pieces of every row loaded before the first multiply. The
+// warp's lanes cover interleaved pieces; the caller reduces over the lanes.
+template <class T, int VEC, int ROWS, bool GUARD>
+__device__ __forceinline__ void stream_round(const T* (&rows)[ROWS], const T* a, int64_t base, int64_t k,
+                                             float (&acc)[ROWS]) {
+  constexpr int64_t kStep = 32 * VEC;
+  uint4 w[kUnroll][ROWS];
+  uint4 av[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {  // every load of the round before the first multiply
+    // Guarded: a piece past k loads the round's first piece (in range) and is zeroed, so that the loads
+    // stay unconditional.
+    const bool in = !GUARD || base + u * kStep < k;
+    const int64_t i = in ? base + u * kStep : base;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      w[u][r] = *reinterpret_cast<const uint4*>(rows[r] + i);
+      if (!in) w[u][r] = make_uint4(0, 0, 0, 0);
+    }
+    av[u] = *reinterpret_cast<const uint4*>(a + i);
+    if (!in) av[u] = make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    float af[VEC];
+    to_floats<T, VEC>(av[u], af);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      float wf[VEC];
+      to_floats<T, VEC>(w[u][r], wf);
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[r] = fmaf(af[v], wf[v], acc[r]);
+    }
   }
 }
+
+// acc[r] += dot(rows[r][0, k), a[0, k)) over this lane's pieces: VEC elements per piece (16 bytes when
+// VEC > 1, single elements otherwise), kUnroll pieces of every row loaded before the first multiply (full
+// rounds unguarded, so that the compiler issues all of their loads at once; then one guarded round). The
+// warp's lanes cover interleaved pieces; the caller reduces over the lanes.
+template <class T, int VEC, int ROWS>
+__device__ __forceinline__ void stream_rows(const T* (&rows)[ROWS], const T* a, int64_t k, int lane,
+                                            float (&acc)[ROWS]) {
+  constexpr int64_t kStep = 32 * VEC;
+  if constexpr (VEC > 1) {
+    int64_t base = int64_t(lane) * VEC;
+    for (; base + (kUnroll - 1) * kStep < k; base += kStep * kUnroll) stream_round<T, VEC, ROWS, false>(rows, a, base, k, acc);
+    if (base < k) stream_round<T, VEC, ROWS, true>(rows, a, base, k, acc);
+  } else {
+    for (int64_t i = lane; i < k; i += 32) {
+      const float av = to_f32(a[i]);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) acc[r] = fmaf(av, to_f32(rows[r][i]), acc[r]);
+    }
+  }
+}
+
+template <int ROWS>
+__device__ __forceinline__ void warp_sum(float (&acc)[ROWS]) {
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int d = 16; d > 0; d /= 2) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], d);
+}
+
+// ---- first projection: one block per (pair, kGemvWarps * columns-per-warp columns) ----
 
 template <class T, int VEC, int EPI>
 __global__ void __launch_bounds__(kGemvThreads) pair_gemv_kernel(PairGemvArgs args) {
   extern __shared__ __align__(16) unsigned char gemv_smem[];
   T* a_s = reinterpret_cast<T*>(gemv_smem);  // [k]
   const int64_t p = blockIdx.x;
-  const int e = args.pair_expert[p];
+  const int e = pair_expert_of(args.index, args.index_type, p, args.top_k, args.experts, args.error);
   if (e >= args.experts) return;  // sentinel or bad id: the row is never read
   const int64_t k = args.k;
   const T* a_row = static_cast<const T*>(args.a) + (p / args.a_row_div) * args.lda;
@@ -43,60 +134,40 @@ __global__ void __launch_bounds__(kGemvThreads) pair_gemv_kernel(PairGemvArgs ar
   }
   __syncthreads();
 
+  constexpr int kCols = EPI == kEpiGated ? kRowsPerWarp / 2 : kRowsPerWarp;  // output columns per warp
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t col0 = (int64_t(blockIdx.y) * kGemvWarps + warp) * kColsPerWarp;
+  const int64_t col0 = (int64_t(blockIdx.y) * kGemvWarps + warp) * kCols;
   if (col0 >= args.n) return;
-  constexpr int kRows = EPI == kEpiGated ? 2 * kColsPerWarp : kColsPerWarp;
   const T* w_expert = static_cast<const T*>(args.b) + int64_t(e) * args.b_expert_stride;
-  const T* rows[kRows];
-  int64_t row_index[kRows];
+  const T* rows[kRowsPerWarp];
 #pragma unroll
-  for (int j = 0; j < kColsPerWarp; ++j) {
+  for (int j = 0; j < kCols; ++j) {
     const int64_t c = min(col0 + j, args.n - 1);  // columns past n recompute the last one, never stored
     if constexpr (EPI == kEpiGated) {
-      row_index[2 * j] = gate_row(args.gate, c);
-      row_index[2 * j + 1] = up_row(args.gate, c, args.inter);
+      rows[2 * j] = w_expert + gate_row(args.gate, c) * k;
+      rows[2 * j + 1] = w_expert + up_row(args.gate, c, args.inter) * k;
     } else {
-      row_index[j] = c;
+      rows[j] = w_expert + c * k;
     }
   }
+  float acc[kRowsPerWarp];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) rows[r] = w_expert + row_index[r] * k;
+  for (int r = 0; r < kRowsPerWarp; ++r) acc[r] = 0.0f;
+  stream_rows<T, VEC, kRowsPerWarp>(rows, a_s, k, lane, acc);
+  warp_sum(acc);
 
-  float acc[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) acc[r] = 0.0f;
-  for (int64_t i = int64_t(lane) * VEC; i < k; i += 32 * VEC) {
-    float av[VEC];
-    load_vec<T, VEC>(a_s + i, av);
-    float wv[kRows][VEC];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) load_vec<T, VEC>(rows[r] + i, wv[r]);  // all loads before the math
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) acc[r] = fmaf(av[v], wv[r][v], acc[r]);
-  }
-#pragma unroll
-  for (int r = 0; r < kRows; ++r)
-#pragma unroll
-    for (int d = 16; d > 0; d /= 2) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], d);
-
-  if (lane >= kColsPerWarp) return;
+  if (lane >= kCols) return;
   const int64_t c = col0 + lane;
   if (c >= args.n) return;
-  float val[kRows];  // pick this lane's column from the unrolled accumulators
+  float first = 0.0f, second = 0.0f;  // pick this lane's column from the unrolled accumulators
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) val[r] = acc[r];
-  float first = 0.0f, second = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kColsPerWarp; ++j) {
+  for (int j = 0; j < kCols; ++j) {
     if (j == lane) {
       if constexpr (EPI == kEpiGated) {
-        first = val[2 * j];
-        second = val[2 * j + 1];
+        first = acc[2 * j];
+        second = acc[2 * j + 1];
       } else {
-        first = val[j];
+        first = acc[j];
       }
     }
   }
@@ -118,7 +189,9 @@ __global__ void __launch_bounds__(kGemvThreads) pair_gemv_kernel(PairGemvArgs ar
 
 template <class T, int VEC>
 cudaError_t launch_gemv(const PairGemvArgs& a, cudaStream_t stream) {
-  const dim3 grid(unsigned(a.pairs), unsigned((a.n + kColsPerBlock - 1) / kColsPerBlock));
+  const int cols_per_warp = a.epilogue == kEpiGated ? kRowsPerWarp / 2 : kRowsPerWarp;
+  const int64_t cols_per_block = int64_t(kGemvWarps) * cols_per_warp;
+  const dim3 grid(unsigned(a.pairs), unsigned((a.n + cols_per_block - 1) / cols_per_block));
   const size_t smem = size_t(a.k) * sizeof(T);
   switch (a.epilogue) {
     case kEpiGated: pair_gemv_kernel<T, VEC, kEpiGated><<<grid, kGemvThreads, smem, stream>>>(a); break;
@@ -129,19 +202,114 @@ cudaError_t launch_gemv(const PairGemvArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// ---- second projection with the combine: one block per (token, group of columns) ----
+//
+// The block's work units are (slot k, kRowsPerWarp consecutive columns); warps take units in turn, each
+// streaming the unit's kRowsPerWarp rows of W2[e_k] against act[t * K + k] (read in place: a few KB that the
+// block's warps share through L1). The dot products land in shared memory part[k][c]; then one thread per
+// column sums w_k * (part + b2) over k in slot order and rounds once.
+constexpr int kCombineMaxSlots = 64;
+
+template <class T, class W, int VEC>
+__global__ void __launch_bounds__(kGemvThreads) pair_gemv_combine_kernel(PairGemvArgs args, int64_t cols_per_block) {
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  float* part = reinterpret_cast<float*>(gemv_smem);                   // [K, cols_per_block]
+  int* slot_e = reinterpret_cast<int*>(part + args.top_k * cols_per_block);  // [K]
+  const int64_t t = blockIdx.x;
+  const int K = args.top_k;
+  const int64_t col_base = int64_t(blockIdx.y) * cols_per_block;
+  for (int s = threadIdx.x; s < K; s += kGemvThreads)
+    slot_e[s] = pair_expert_of(args.index, args.index_type, t * K + s, K, args.experts, args.error);
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t k = args.k;
+  const int64_t groups = cols_per_block / kRowsPerWarp;
+  for (int64_t unit = warp; unit < K * groups; unit += kGemvWarps) {
+    const int s = int(unit / groups);
+    const int64_t c0 = col_base + (unit % groups) * kRowsPerWarp;
+    const int e = slot_e[s];
+    if (e >= args.experts || c0 >= args.n) continue;  // dropped slot: its part is never read
+    const T* w_expert = static_cast<const T*>(args.b) + int64_t(e) * args.b_expert_stride;
+    const T* rows[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r)
+      rows[r] = w_expert + min(c0 + r, args.n - 1) * k;  // columns past n recompute the last one, never stored
+    const T* a_row = static_cast<const T*>(args.a) + (t * K + s) * args.lda;
+    float acc[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) acc[r] = 0.0f;
+    stream_rows<T, VEC, kRowsPerWarp>(rows, a_row, k, lane, acc);
+    warp_sum(acc);
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) part[s * cols_per_block + (c0 - col_base) + r] = acc[r];
+    }
+  }
+  __syncthreads();
+
+  const W* weights = static_cast<const W*>(args.routing_weights);
+  const T* bias2 = static_cast<const T*>(args.bias);
+  for (int64_t j = threadIdx.x; j < cols_per_block; j += kGemvThreads) {
+    const int64_t c = col_base + j;
+    if (c >= args.n) break;
+    float acc = 0.0f;
+    for (int s = 0; s < K; ++s) {  // slot order: deterministic
+      const int e = slot_e[s];
+      if (e >= args.experts) continue;  // sentinel or bad id: exactly zero contribution
+      const float y = part[s * cols_per_block + j] + (bias2 ? to_f32(bias2[int64_t(e) * args.bias_expert_stride + c]) : 0.0f);
+      acc += to_f32(weights[t * K + s]) * y;
+    }
+    static_cast<T*>(args.out)[t * args.ldo + c] = from_f32<T>(acc);
+  }
+}
+
+bool aligned16(const PairGemvArgs& a) {
+  const int64_t vec = 16 / elem_bytes(a.type);
+  return a.k % vec == 0 && a.lda % vec == 0 && a.b_expert_stride % vec == 0 &&
+         reinterpret_cast<uintptr_t>(a.a) % 16 == 0 && reinterpret_cast<uintptr_t>(a.b) % 16 == 0;
+}
+
 }  // namespace
 
 bool pair_gemv_ok(Elem type, int64_t k) { return k > 0 && size_t(k) * elem_bytes(type) <= kGemvMaxSmem; }
 
 cudaError_t pair_gemv(const PairGemvArgs& a, cudaStream_t stream) {
   if (a.pairs == 0 || a.n == 0) return cudaSuccess;
-  if (!pair_gemv_ok(a.type, a.k) || (a.n + kColsPerBlock - 1) / kColsPerBlock > 65535) return cudaErrorInvalidValue;
-  const int64_t vec = 16 / elem_bytes(a.type);
-  const bool aligned = a.k % vec == 0 && a.lda % vec == 0 && a.b_expert_stride % vec == 0 &&
-                       reinterpret_cast<uintptr_t>(a.a) % 16 == 0 && reinterpret_cast<uintptr_t>(a.b) % 16 == 0;
+  if (!pair_gemv_ok(a.type, a.k) || a.top_k < 1 || a.pairs > INT_MAX ||
+      (a.n + kGemvWarps - 1) / kGemvWarps > 65535)
+    return cudaErrorInvalidValue;
+  const bool aligned = aligned16(a);
   return with_elem(a.type, [&](auto tag) {
     using T = decltype(tag);
     return aligned ? launch_gemv<T, 16 / sizeof(T)>(a, stream) : launch_gemv<T, 1>(a, stream);
+  });
+}
+
+bool pair_gemv_combine_ok(int top_k) { return top_k >= 1 && top_k <= kCombineMaxSlots; }
+
+cudaError_t pair_gemv_combine(const PairGemvArgs& a, int64_t tokens, cudaStream_t stream) {
+  if (tokens == 0 || a.n == 0) return cudaSuccess;
+  if (!pair_gemv_combine_ok(a.top_k) || tokens > INT_MAX || a.routing_weights == nullptr) return cudaErrorInvalidValue;
+  // Enough columns per block that its kGemvWarps warps each get a unit when the slots are few (8 slots:
+  // 4 columns per block; 2 slots: 16).
+  const int64_t groups = (kGemvWarps + a.top_k - 1) / a.top_k;
+  const int64_t cols_per_block = groups * kRowsPerWarp;
+  const int64_t blocks_y = (a.n + cols_per_block - 1) / cols_per_block;
+  if (blocks_y > 65535) return cudaErrorInvalidValue;
+  const dim3 grid{unsigned(tokens), unsigned(blocks_y)};
+  const size_t smem = size_t(a.top_k) * size_t(cols_per_block) * sizeof(float) + size_t(a.top_k) * sizeof(int);
+  const bool aligned = aligned16(a);
+  return with_elem(a.type, [&](auto tag) {
+    using T = decltype(tag);
+    return with_elem(a.routing_weight_type, [&](auto wtag) {
+      using W = decltype(wtag);
+      if (aligned)
+        pair_gemv_combine_kernel<T, W, 16 / sizeof(T)><<<grid, kGemvThreads, smem, stream>>>(a, cols_per_block);
+      else
+        pair_gemv_combine_kernel<T, W, 1><<<grid, kGemvThreads, smem, stream>>>(a, cols_per_block);
+      return cudaGetLastError();
+    });
   });
 }
 

@@ -175,18 +175,28 @@ struct PairGemvArgs {
   int64_t b_expert_stride = 0;
   const void* bias = nullptr;  // bias[e * bias_expert_stride + n] or null
   int64_t bias_expert_stride = 0;
-  const int32_t* pair_expert = nullptr;  // [P]; pairs with id >= experts are skipped
+  const void* index = nullptr;  // top_k_index [P]: pair p's expert; ids outside [0, experts) are skipped
+  Index index_type = Index::i32;
+  int top_k = 1;
+  unsigned long long* error = nullptr;  // sticky routing error word (ids outside [0, experts]), or null
   int experts = 0;
   int64_t pairs = 0;
   int64_t n = 0, k = 0, inter = 0;
   int epilogue = kEpiF32;
   GateParams gate;
-  void* out = nullptr;  // [P, ldo]
+  const void* routing_weights = nullptr;  // pair_gemv_combine: [P] of routing_weight_type
+  Elem routing_weight_type = Elem::f32;
+  void* out = nullptr;  // pair_gemv: [P, ldo]; pair_gemv_combine: [tokens, ldo]
   int64_t ldo = 0;
 };
 // Whether pair_gemv serves these sizes (the A row is staged in shared memory).
 bool pair_gemv_ok(Elem type, int64_t k);
+// out[p, :] = epilogue(W[e_p] A[p / a_row_div]) for every pair.
 cudaError_t pair_gemv(const PairGemvArgs& a, cudaStream_t stream);
+// The second projection with the combine: out[t, :] = sum over slots s in order of
+// w[t * K + s] * (W[e] A[t * K + s] + bias[e]), in f32, rounded once to `type` (K = top_k, e the slot's expert).
+bool pair_gemv_combine_ok(int top_k);
+cudaError_t pair_gemv_combine(const PairGemvArgs& a, int64_t tokens, cudaStream_t stream);
 
 // ---- FP8 block-scaled experts (grouped_gemm_fp8.cu) ----
 

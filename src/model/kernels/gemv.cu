@@ -1,0 +1,185 @@
+// y [M, N] = x [M, K] w [N, K]^T + bias for the decode step's few rows (M <= kGemvMaxM): a memory-bound
+// GEMV that reads each weight row once for all M rows. Each warp streams kGemvRows weight rows together
+// with 16-byte loads, every lane keeping several pieces of each row in flight before the first multiply;
+// when the columns are few (router, o_proj) the block's warps split K, and their partial sums meet in shared
+// memory, added in warp order (deterministic).
+#include "model/kernels/layer_device.cuh"
+
+namespace moekit::model::kernels {
+namespace {
+
+constexpr int kThreads = 256, kWarps = kThreads / 32;
+constexpr int kGemvRows = 4;  // weight rows (output columns) per warp
+
+template <class T>
+struct Elem;
+template <>
+struct Elem<float> {
+  static __device__ __forceinline__ float f(float v) { return v; }
+};
+template <>
+struct Elem<bf16> {
+  static __device__ __forceinline__ float f(bf16 v) { return __bfloat162float(v); }
+};
+template <>
+struct Elem<f16> {
+  static __device__ __forceinline__ float f(f16 v) { return __half2float(v); }
+};
+
+// VEC consecutive elements of T at p (aligned to VEC * sizeof(T) bytes) as floats.
+template <class T, int VEC>
+struct Piece {
+  struct alignas(VEC * sizeof(T)) Raw {
+    T v[VEC];
+  };
+  Raw raw;
+  __device__ __forceinline__ void load(const T* p) { raw = *reinterpret_cast<const Raw*>(p); }
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) raw.v[i] = T(0.0f);
+  }
+  __device__ __forceinline__ float operator[](int i) const { return Elem<T>::f(raw.v[i]); }
+};
+
+// One round: U pieces of every weight row and x row loaded, then multiplied.
+template <class XT, class WT, int MR, int U, bool GUARD>
+__device__ __forceinline__ void gemv_round(const WT* (&rows)[kGemvRows], const XT* (&xr)[MR], int64_t base,
+                                           int64_t k_end, float (&acc)[MR][kGemvRows]) {
+  constexpr int VEC = 16 / sizeof(WT);
+  constexpr int64_t kStep = 32 * VEC;
+  Piece<WT, VEC> wp[U][kGemvRows];
+  Piece<XT, VEC> xp[U][MR];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    // Guarded: a piece past k_end loads the round's first piece (in range) and is zeroed, so that the loads
+    // stay unconditional.
+    const bool in = !GUARD || base + u * kStep < k_end;
+    const int64_t i = in ? base + u * kStep : base;
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r) {
+      wp[u][r].load(rows[r] + i);
+      if (!in) wp[u][r].zero();
+    }
+#pragma unroll
+    for (int m = 0; m < MR; ++m) {
+      xp[u][m].load(xr[m] + i);
+      if (!in) xp[u][m].zero();
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r)
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        const float wv = wp[u][r][v];
+#pragma unroll
+        for (int m = 0; m < MR; ++m) acc[m][r] = fmaf(xp[u][m][v], wv, acc[m][r]);
+      }
+}
+
+// Block: kWarps / ksplit column groups of kGemvRows columns; warp w takes group w / ksplit and the K slice
+// w % ksplit. MR >= M rows of x (rows past M are computed on row 0 and never stored).
+template <class XT, class WT, int MR>
+__global__ void __launch_bounds__(kThreads)
+    gemv_kernel(const XT* x, int64_t ldx, const WT* w, const void* bias, int bt, void* y, int yt, int M, int64_t N,
+                int64_t K, int ksplit, int64_t slice) {
+  constexpr int VEC = 16 / sizeof(WT);
+  constexpr int U = MR <= 2 ? 4 : 2;  // pieces of each row in flight per lane
+  constexpr int64_t kStep = 32 * VEC;
+  __shared__ float part[kWarps][MR][kGemvRows];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int groups = kWarps / ksplit;
+  const int group = warp / ksplit, ks = warp % ksplit;
+  const int64_t col0 = (int64_t(blockIdx.x) * groups + group) * kGemvRows;
+  const WT* rows[kGemvRows];
+#pragma unroll
+  for (int r = 0; r < kGemvRows; ++r) rows[r] = w + min(col0 + r, N - 1) * K;
+  const XT* xr[MR];
+#pragma unroll
+  for (int m = 0; m < MR; ++m) xr[m] = x + (m < M ? m : 0) * ldx;
+  float acc[MR][kGemvRows];
+#pragma unroll
+  for (int m = 0; m < MR; ++m)
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r) acc[m][r] = 0.0f;
+
+  const int64_t k_end = min(K, (ks + 1) * slice);
+  int64_t base = ks * slice + int64_t(lane) * VEC;
+  for (; base + (U - 1) * kStep < k_end; base += kStep * U)  // full rounds: unguarded loads, all issued at once
+    gemv_round<XT, WT, MR, U, false>(rows, xr, base, k_end, acc);
+  if (base < k_end) gemv_round<XT, WT, MR, U, true>(rows, xr, base, k_end, acc);
+#pragma unroll
+  for (int m = 0; m < MR; ++m)
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r) acc[m][r] = warp_sum(acc[m][r]);
+  if (lane == 0) {
+#pragma unroll
+    for (int m = 0; m < MR; ++m)
+#pragma unroll
+      for (int r = 0; r < kGemvRows; ++r) part[warp][m][r] = acc[m][r];
+  }
+  __syncthreads();
+  // One thread per (group, row, column): the K slices summed in order.
+  for (int j = threadIdx.x; j < groups * MR * kGemvRows; j += kThreads) {
+    const int g = j / (MR * kGemvRows), m = (j / kGemvRows) % MR, r = j % kGemvRows;
+    const int64_t c = (int64_t(blockIdx.x) * groups + g) * kGemvRows + r;
+    if (m >= M || c >= N) continue;
+    float s = 0.0f;
+    for (int q = 0; q < ksplit; ++q) s += part[g * ksplit + q][m][r];
+    if (bias) s += ld(bias, bt, c);
+    st(y, yt, m * N + c, s);
+  }
+}
+
+template <class XT, class WT>
+cudaError_t launch(const void* x, int64_t ldx, const void* w, const void* bias, int bt, void* y, int yt, int M,
+                   int64_t N, int64_t K, int sms, cudaStream_t s) {
+  constexpr int VEC = 16 / sizeof(WT);
+  // The fewest K slices per column group that still give every multiprocessor about four blocks.
+  int ksplit = 1;
+  while (ksplit < kWarps && (N + int64_t(kWarps / ksplit) * kGemvRows - 1) / (int64_t(kWarps / ksplit) * kGemvRows) <
+                                int64_t(4) * sms)
+    ksplit *= 2;
+  const int64_t step = 32 * VEC;
+  const int64_t slice = ((K + ksplit - 1) / ksplit + step - 1) / step * step;
+  const int64_t cols_per_block = int64_t(kWarps / ksplit) * kGemvRows;
+  const int64_t blocks = (N + cols_per_block - 1) / cols_per_block;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  const XT* xp = static_cast<const XT*>(x);
+  const WT* wp = static_cast<const WT*>(w);
+#define MOEKIT_GEMV_CASE(MR)                                                                                         \
+  gemv_kernel<XT, WT, MR><<<unsigned(blocks), kThreads, 0, s>>>(xp, ldx, wp, bias, bt, y, yt, M, N, K, ksplit, slice); \
+  break;
+  switch (M <= 1 ? 1 : M <= 2 ? 2 : M <= 4 ? 4 : 8) {
+    case 1: MOEKIT_GEMV_CASE(1)
+    case 2: MOEKIT_GEMV_CASE(2)
+    case 4: MOEKIT_GEMV_CASE(4)
+    default: MOEKIT_GEMV_CASE(8)
+  }
+#undef MOEKIT_GEMV_CASE
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool gemv_ok(const void* x, int xt, int64_t ldx, const void* w, int wt, int M, int64_t K) {
+  if (M < 1 || M > kGemvMaxM || K < 1) return false;
+  if (!((xt == wt && xt != kF32) || (xt != kF32 && wt == kF32))) return false;  // 16-bit x, w of x's type or f32
+  const int64_t vec = wt == kF32 ? 4 : 8;  // elements per 16-byte weight piece; x pieces have as many
+  const int64_t x_align = vec * (xt == kF32 ? 4 : 2);
+  return K % vec == 0 && ldx % vec == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(x) % x_align == 0;
+}
+
+cudaError_t gemv(const void* x, int xt, int64_t ldx, const void* w, int wt, const void* bias, int bt, void* y, int yt,
+                 int M, int64_t N, int64_t K, int sms, cudaStream_t s) {
+  if (M == 0 || N == 0) return cudaSuccess;
+  if (!gemv_ok(x, xt, ldx, w, wt, M, K)) return cudaErrorInvalidValue;
+  if (xt == kBF16 && wt == kBF16) return launch<bf16, bf16>(x, ldx, w, bias, bt, y, yt, M, N, K, sms, s);
+  if (xt == kF16 && wt == kF16) return launch<f16, f16>(x, ldx, w, bias, bt, y, yt, M, N, K, sms, s);
+  if (xt == kBF16) return launch<bf16, float>(x, ldx, w, bias, bt, y, yt, M, N, K, sms, s);
+  return launch<f16, float>(x, ldx, w, bias, bt, y, yt, M, N, K, sms, s);
+}
+
+}  // namespace moekit::model::kernels
