@@ -104,6 +104,8 @@ std::vector<int32_t> make_routing(int64_t T, int K, int E, bool skewed, int empt
   return idx;
 }
 
+int g_tile = 128;  // route tile of the TMA kernel (128, or 64 for its ping-pong form)
+
 struct Routed {
   int64_t P;
   Dev idx, pe, pr, sp, hist, off, toff, err;
@@ -127,7 +129,7 @@ struct Routed {
     b.offsets = off.as<int32_t>();
     b.tile_offsets = toff.as<int32_t>();
     b.error = err.as<unsigned long long>();
-    CK(k::route_sort(idx.p, k::Index::i32, T, K, E, 128, b, nullptr));
+    CK(k::route_sort(idx.p, k::Index::i32, T, K, E, g_tile, b, nullptr));
     CK(cudaDeviceSynchronize());
   }
   int32_t valid(int E) const {
@@ -188,6 +190,7 @@ void check_case(int64_t T, int K, int E, int64_t H, int64_t I, k::Elem type, boo
   g.bias_expert_stride = N1;
   g.offsets = r.off.as<int32_t>();
   g.tile_offsets = r.toff.as<int32_t>();
+  g.tile_m = g_tile;
   g.experts = E;
   g.max_rows = P;
   g.n = I;
@@ -202,7 +205,7 @@ void check_case(int64_t T, int K, int E, int64_t H, int64_t I, k::Elem type, boo
   CK(cudaMemset(act.p, 0xff, P * I * 2));
   g.out = act_ref.p;
   g.ldo = I;
-  CK(k::grouped_gemm_simt(g, 128, nullptr));
+  CK(k::grouped_gemm_simt(g, g_tile, nullptr));
   k::GroupedGemmArgs t1 = g;
   t1.a = xs.p;
   t1.a_rows = nullptr;
@@ -232,7 +235,7 @@ void check_case(int64_t T, int K, int E, int64_t H, int64_t I, k::Elem type, boo
   CK(cudaMemset(y.p, 0xff, P * H * 4));
   g2.out = y_ref.p;
   g2.ldo = H;
-  CK(k::grouped_gemm_simt(g2, 128, nullptr));
+  CK(k::grouped_gemm_simt(g2, g_tile, nullptr));
   k::GroupedGemmArgs t2 = g2;
   t2.out = y.p;
   const bool ok2 = k::grouped_gemm_tma_ok(t2, 90);
@@ -242,8 +245,10 @@ void check_case(int64_t T, int K, int E, int64_t H, int64_t I, k::Elem type, boo
   const double tol = bf ? 1e-2 : 5e-3;
   const bool pass = ok1 && ok2 && e1 < tol && e2 < 1e-3 && nan1 == 0 && nan2 == 0;
   if (!pass) ++g_fail;
-  std::printf("%s T=%ld K=%d E=%d H=%ld I=%ld %s %s%s%s%s rows=%d: first %.2e (nan %g)  second %.2e (nan %g)\n",
-              pass ? "ok  " : "FAIL", long(T), K, E, long(H), long(I), bf ? "bf16" : "f16",
+  std::printf("%s %s tile %d T=%ld K=%d E=%d H=%ld I=%ld %s %s%s%s%s rows=%d: first %.2e (nan %g)  second %.2e "
+              "(nan %g)\n",
+              pass ? "ok  " : "FAIL", g_tile == 64 ? "ping-pong" : "cooperative", g_tile, long(T), K, E, long(H),
+              long(I), bf ? "bf16" : "f16",
               gated ? (concat ? "gated-concat" : "gated-interleaved") : "act-only", bias ? " bias" : "",
               skewed ? " skewed" : "", empty_every ? " empty-experts" : "", valid, e1, nan1, e2, nan2);
 }
@@ -294,6 +299,7 @@ void time_shape(const char* name, int64_t T, int K, int E, int64_t H, int64_t I,
   g.b_stride_k = 1;
   g.offsets = r.off.as<int32_t>();
   g.tile_offsets = r.toff.as<int32_t>();
+  g.tile_m = g_tile;
   g.experts = E;
   g.max_rows = P;
   g.n = I;
@@ -335,9 +341,9 @@ void time_shape(const char* name, int64_t T, int K, int E, int64_t H, int64_t I,
   CK(cudaMemset(y.p, 0xff, P * H * 4));
   CK(k::gather_rows(type, x.p, H, r.sp.as<int32_t>(), K, r.off.as<int32_t>() + E, P, xs.p, nullptr));
   CK(k::grouped_gemm_tma(t1, nullptr));
-  CK(k::grouped_gemm_wgmma(g, 128, false, nullptr));
+  CK(k::grouped_gemm_wgmma(g, g_tile, false, nullptr));
   CK(k::grouped_gemm_tma(t2, nullptr));
-  CK(k::grouped_gemm_wgmma(g2, 128, false, nullptr));
+  CK(k::grouped_gemm_wgmma(g2, g_tile, false, nullptr));
   CK(cudaDeviceSynchronize());
   double n1, n2;
   const double e1 = rel_err(type, act.p, act2.p, P, I, I, &n1), e2 = rel_err(k::Elem::f32, y.p, y2.p, P, H, H, &n2);
@@ -373,9 +379,9 @@ void time_shape(const char* name, int64_t T, int K, int E, int64_t H, int64_t I,
     x2.out = cb.p;
     t_x2 = median_us([&] { return k::grouped_gemm_tma(x2, nullptr); }, reps);
   }
-  const double t_old1 = median_us([&] { return k::grouped_gemm_wgmma(g, 128, false, nullptr); }, reps);
+  const double t_old1 = median_us([&] { return k::grouped_gemm_wgmma(g, g_tile, false, nullptr); }, reps);
   const double t_tma2 = median_us([&] { return k::grouped_gemm_tma(t2, nullptr); }, reps);
-  const double t_old2 = median_us([&] { return k::grouped_gemm_wgmma(g2, 128, false, nullptr); }, reps);
+  const double t_old2 = median_us([&] { return k::grouped_gemm_wgmma(g2, g_tile, false, nullptr); }, reps);
   // cuBLAS: one GEMM over all P rows with one expert's weights (same FLOPs, no grouping), bf16 out.
   const float one = 1, zero = 0;
   auto blas1 = [&] {
@@ -395,10 +401,12 @@ void time_shape(const char* name, int64_t T, int K, int E, int64_t H, int64_t I,
   const double t_b1 = median_us(blas1, reps), t_b2 = median_us(blas2, reps);
   auto tf = [](double f, double us) { return f / us * 1e-6; };
   std::printf(
-      "%-14s T=%-6ld %-7s check %s (%.1e %.1e) | gate/up: tma %7.0f us %4.0f TF/s  old %7.0f us %4.0f  cublas %7.0f us "
+      "%-11s %3d %-14s T=%-6ld %-7s check %s (%.1e %.1e) | gate/up: tma %7.0f us %4.0f TF/s  old %7.0f us %4.0f  "
+      "cublas %7.0f us "
       "%4.0f  gather %5.0f us  [tma interleaved %4.0f, act-only %4.0f, f32-out %4.0f TF/s] | down: tma %7.0f us %4.0f  "
       "old %7.0f us %4.0f  cublas %7.0f us %4.0f [bf16-out %4.0f]\n",
-      name, long(T), skewed ? "skewed" : "uniform", pass ? "ok" : "FAIL", e1, e2, t_tma1, tf(f1, t_tma1), t_old1,
+      g_tile == 64 ? "ping-pong" : "cooperative", g_tile, name, long(T), skewed ? "skewed" : "uniform",
+      pass ? "ok" : "FAIL", e1, e2, t_tma1, tf(f1, t_tma1), t_old1,
       tf(f1, t_old1), t_b1, tf(f1, t_b1), t_gather, tf(f1, t_tma1i), tf(f1, t_tma1a), tf(f1, t_x1), t_tma2,
       tf(f2, t_tma2), t_old2, tf(f2, t_old2), t_b2, tf(f2, t_b2), tf(f2, t_x2));
   std::fflush(stdout);
@@ -421,7 +429,13 @@ int main(int argc, char** argv) {
     std::printf("no CUDA device\n");
     return 0;
   }
+  // the engine's forms: ping-pong (route tiles of 64) and cooperative (128)
   if (check) {
+    for (int split : {1, 0})
+    for (int tile : {64, 128}) {
+    k::set_grouped_gemm_tma_split_out(split != 0);
+    std::printf("-- route tile %d, %s epilogue staging\n", tile, split ? "split" : "paired");
+    g_tile = tile;
     uint64_t seed = 1;
     for (k::Elem t : {k::Elem::bf16, k::Elem::f16}) {
       check_case(300, 4, 8, 256, 128, t, true, true, false, false, 0, seed++);
@@ -432,16 +446,26 @@ int main(int argc, char** argv) {
       check_case(5, 2, 8, 64, 64, t, true, true, false, false, 0, seed++);
       check_case(517, 2, 16, 264, 200, t, true, true, false, true, 3, seed++);  // n not a multiple of the tile
       check_case(3000, 4, 8, 128, 64, t, true, true, false, false, 0, seed++);  // many whole 64-row blocks
+      check_case(77, 8, 64, 256, 192, t, true, true, false, false, 9, seed++);  // ~10 rows per expert
+    }
     }
   }
   if (timing) {
     cublasHandle_t blas;
     if (cublasCreate(&blas) != CUBLAS_STATUS_SUCCESS) return 1;
-    for (bool skewed : {false, true})
-      for (int64_t T : {4096, 16384}) {
-        time_shape("qwen3-30b-a3b", T, 8, 128, 2048, 768, skewed, reps, blas);
-        time_shape("mixtral-8x7b", T, 2, 8, 4096, 14336, skewed, reps, blas);
+    for (int split : {1, 0})
+      for (int tile : {64, 128}) {
+        k::set_grouped_gemm_tma_split_out(split != 0);
+        std::printf("-- route tile %d, %s epilogue staging\n", tile, split ? "split" : "paired");
+        g_tile = tile;
+        for (bool skewed : {false, true})
+          for (int64_t T : {512, 4096, 16384}) {
+            if ((tile == 64 && T == 16384) || (skewed && (T == 512 || !split))) continue;
+            time_shape("qwen3-30b-a3b", T, 8, 128, 2048, 768, skewed, reps, blas);
+            time_shape("mixtral-8x7b", T, 2, 8, 4096, 14336, skewed, reps, blas);
+          }
       }
+    k::set_grouped_gemm_tma_split_out(true);
     cublasDestroy(blas);
   }
   std::printf("%s (%d failures)\n", g_fail ? "FAILED" : "PASSED", g_fail);

@@ -1,6 +1,6 @@
 // The grouped projection kernels on the GPU: every registered backend that runs on cuda:0 (grouped_mm with
 // the warp-specialised TMA kernel (sm_90a) in its path and with it switched off, deepgemm, the others)
-// against the f64 reference in the TMA kernel's regime (row tiles of 128: many rows per expert), over odd
+// against the f64 reference in the TMA kernel's regime (row tiles of 128 or 64: many rows per expert), over odd
 // sizes, empty experts, skewed routing, sentinels, every gate layout and bias; each output poisoned first.
 // The kernel-level comparison of every variant with the SIMT kernel, and its timings, are in
 // bench/cuda_grouped_bench.cu. Skips without a GPU; on devices other than sm_90a the TMA kernel does not
@@ -9,6 +9,7 @@
 
 #include "test_experts_problem.h"
 #ifdef MOEKIT_WITH_CUDA
+#include "backends/cuda/kernels/kernels.h"
 #include "backends/cuda/policy.h"
 #endif
 
@@ -33,7 +34,10 @@ void skew(ExpertsProblem& p, std::mt19937_64& rng) {
   p.reference = reference_forward(p.experts, p.hidden_states, p.top_k_index, p.top_k_weights);
 }
 
-// Every backend on cuda:0, and grouped_mm once more with the TMA kernel switched off.
+// Every backend on cuda:0 (the TMA engine in the form its route tile picks: ping-pong up to ~128 rows per
+// expert, else cooperative), the three engine backends once more with ping-pong switched off (cooperative
+// throughout) and the epilogues' other staging schedule, and grouped_mm once more with the TMA kernel
+// switched off.
 void check_problem(const ExpertsProblem& p) {
   Outcome outcome;
   check_backends_on(p, Device::cuda(0), outcome);
@@ -41,6 +45,14 @@ void check_problem(const ExpertsProblem& p) {
   const bool saved = cuda::set_grouped_tma_enabled(false);
   check_backend(p, p.experts.to(Device::cuda(0)), "grouped_mm", "grouped_mm (no TMA)", outcome);
   cuda::set_grouped_tma_enabled(saved);
+  const bool pp = cuda::kernels::set_grouped_gemm_tma_pingpong(false);
+  const bool split = cuda::kernels::set_grouped_gemm_tma_split_out(false);
+  const Experts on_gpu = p.experts.to(Device::cuda(0));
+  for (const char* name : {"grouped_mm", "deepgemm", "sonicmoe"})
+    if (ExpertsInterface::global().get(name)->supports(on_gpu, p.config.act))
+      check_backend(p, on_gpu, name, std::string(name) + " (cooperative)", outcome);
+  cuda::kernels::set_grouped_gemm_tma_pingpong(pp);
+  cuda::kernels::set_grouped_gemm_tma_split_out(split);
 #endif
   EXPECT_GT(outcome.ran["grouped_mm"], 0);
   EXPECT_EQ(outcome.fail, 0);
@@ -55,7 +67,8 @@ TEST(CudaGroupedGemm, TmaKernelAgainstReference) {
     int64_t E, H, I, T, K;
   };
   const Shape3 shapes[] = {
-      {8, 256, 128, 700, 2}, {16, 264, 200, 900, 4}, {7, 328, 136, 613, 3}, {32, 256, 128, 1200, 4}};
+      {8, 256, 128, 700, 2}, {16, 264, 200, 900, 4}, {7, 328, 136, 613, 3}, {32, 256, 128, 1200, 4},
+      {64, 264, 136, 900, 6}};  // the last: ~85 rows per expert, the engine's ping-pong form
   int n = 0;
   for (const Shape3& s : shapes)
     for (DType dt : {DType::bf16, DType::f16}) {

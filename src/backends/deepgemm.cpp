@@ -1,7 +1,7 @@
 // deepgemm (SPEC section 2): DeepGEMM's contiguous layout: each expert's rows copied to a block that starts
-// at a multiple of the 128-row tile, then one warp-specialised TMA grouped GEMM per projection on Hopper
-// tensor cores (src/backends/cuda/deepgemm.cpp). CUDA only, compute capability 9.0; bf16 and f16 experts.
-// No host synchronisation: capturable in a CUDA graph.
+// at a multiple of the row tile (128, or 64 where the experts hold few rows), then one warp-specialised TMA
+// grouped GEMM per projection on Hopper tensor cores (src/backends/cuda/deepgemm.cpp). CUDA only, compute
+// capability 9.0; bf16 and f16 experts. No host synchronisation: capturable in a CUDA graph.
 #include "backends/backends.h"
 
 namespace moekit {
@@ -11,7 +11,8 @@ class DeepgemmBackend final : public ExpertsBackend {
  public:
   std::string_view name() const override { return "deepgemm"; }
   std::string_view description() const override {
-    return "rows padded to 128 per expert, one TMA grouped GEMM per projection on Hopper tensor cores";
+    return "rows padded to the row tile (64 or 128) per expert, one TMA grouped GEMM per projection on Hopper "
+           "tensor cores";
   }
   std::vector<DeviceType> devices() const override { return {DeviceType::cuda}; }
   std::vector<DType> weight_dtypes() const override { return {DType::bf16, DType::f16}; }

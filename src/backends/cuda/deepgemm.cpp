@@ -1,9 +1,10 @@
 // deepgemm on CUDA: DeepGEMM's "contiguous" layout on the warp-specialised TMA grouped kernel
 // (grouped_gemm_sm90_tma.cu). Pairs sorted by expert on the device; each expert's rows copied to a
-// block starting at a multiple of the 128-row tile (padding rows never read back), so every row tile is
-// whole and leaves by bulk tensor stores; both projections over that layout; the weighted combine reads
-// each pair's padded row. No host synchronisation and no allocation: capturable in a CUDA graph, so
-// the "masked" layout (fixed rows per expert, for graphs) is not needed on this engine.
+// block starting at a multiple of the row tile (128; 64 where the experts hold few rows; padding rows
+// never read back), so every row tile is whole and leaves by bulk tensor stores; both projections over
+// that layout; the weighted combine reads each pair's padded row. No host synchronisation and no
+// allocation: capturable in a CUDA graph, so the "masked" layout (fixed rows per expert, for graphs) is
+// not needed on this engine.
 //
 // Serves sm_90a devices with bf16/f16 experts in [out, in] layout, sizes multiples of 8; elsewhere it
 // throws not_supported saying why.
@@ -44,8 +45,10 @@ void run_deepgemm(const CallContext& c) {
   const std::string why = deepgemm_unsupported_reason(c.experts, c.call.hidden_states.dtype, c.device->arch());
   MOEKIT_CHECK_CODE(why.empty() && c.w1_k == 1 && c.w2_k == 1, not_supported, "experts implementation 'deepgemm': ",
                     why.empty() ? "weights must be in [out, in] layout" : why);
-  constexpr int kTile = 128;
+  // Experts' blocks padded to the engine's row tile: 64 (its ping-pong form) where the experts hold few
+  // rows, else 128.
   const int64_t P = c.pairs, E = c.experts_count;
+  const int kTile = k::grouped_tma_tile_m(P, int(E), /*gathered_a=*/false);
   const int64_t rows = k::grouped_max_tiles(P, int(E), kTile) * kTile;  // padded rows, upper bound
   const int64_t row_bytes = k::elem_bytes(c.type);
 
@@ -70,7 +73,8 @@ void run_deepgemm(const CallContext& c) {
                "contiguous_layout");
 
   // Every expert's block ends where the next one starts: whole tiles, so row_base serves as the offsets.
-  const Projections pr = grouped_projections(c, xl, nullptr, 1, row_base, r.tile_offsets, rows, act, y);
+  Projections pr = grouped_projections(c, xl, nullptr, 1, row_base, r.tile_offsets, rows, act, y);
+  pr.first.tile_m = pr.second.tile_m = kTile;
   const k::GroupedGemmArgs &g1 = pr.first, &g2 = pr.second;
   MOEKIT_CHECK_CODE(k::grouped_gemm_tma_ok(g1, c.device->arch()) && k::grouped_gemm_tma_ok(g2, c.device->arch()),
                     not_supported, "deepgemm: this build has no sm_90a code for the TMA grouped kernel");

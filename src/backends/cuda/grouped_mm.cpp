@@ -2,7 +2,7 @@
 // projection over the sorted rows (offsets read on the device), then the weighted combine. No host
 // synchronisation and no allocation: capturable in a CUDA graph.
 //
-// Kernel choice: on sm_90a, when the row tiles are 128 high (the large-T regime) and both projections
+// Kernel choice: on sm_90a, when the row tiles are 64 or 128 high (larger T) and both projections
 // suit it, the warp-specialised TMA kernel (grouped_gemm_sm90_tma.cu), with the routed rows of the
 // hidden states first gathered into a contiguous [rows, H] buffer that the copy engine reads. Otherwise
 // per projection (transparent fallback): the tensor-core kernels for bf16/f16 weights in [out, in]
@@ -76,15 +76,18 @@ void run_grouped_mm(const CallContext& c) {
   }
   namespace k = kernels;
   const int64_t P = c.pairs, E = c.experts_count;
-  const int tile_m = k::grouped_tile_m(P, int(E));
+  const int tile_cp = k::grouped_tile_m(P, int(E));  // the cp.async kernels' row tile
   const int arch = grouped_wgmma_enabled() ? c.device->arch() : std::min(c.device->arch(), 89);
   const bool wide = grouped_wgmma_wide_enabled();
 
   // The TMA kernel's size and layout conditions (grouped_gemm_tma_ok checks them again with the pointers).
-  const bool use_tma = grouped_tma_enabled() && tile_m == 128 && arch == 90 && c.w1_k == 1 && c.w2_k == 1 &&
+  // From route tiles of 64 up (its own tile then: 64 in its ping-pong form where the experts hold few rows).
+  const bool use_tma = grouped_tma_enabled() && (tile_cp == 128 || (tile_cp == 64 && k::grouped_gemm_tma_pingpong())) &&
+                       arch == 90 && c.w1_k == 1 && c.w2_k == 1 &&
                        c.hidden % 8 == 0 && c.inter % 8 == 0 && c.w1_n % 8 == 0 && c.w2_n % 8 == 0 &&
                        c.w1_expert % 8 == 0 && c.w2_expert % 8 == 0 &&
                        (c.type == k::Elem::bf16 || c.type == k::Elem::f16);
+  const int tile_m = use_tma ? k::grouped_tma_tile_m(P, int(E), /*gathered_a=*/false) : tile_cp;
 
   void* xs = nullptr;  // [P, H] gathered rows (TMA path)
   k::RoutingBuffers r;
@@ -102,8 +105,9 @@ void run_grouped_mm(const CallContext& c) {
                              c.stream),
                "route_sort");
 
-  const Projections pr = grouped_projections(c, c.call.hidden_states.data, r.sorted_pair, int(c.top_k), r.offsets,
-                                             r.tile_offsets, P, act, y);
+  Projections pr = grouped_projections(c, c.call.hidden_states.data, r.sorted_pair, int(c.top_k), r.offsets,
+                                       r.tile_offsets, P, act, y);
+  pr.first.tile_m = pr.second.tile_m = tile_m;
   const k::GroupedGemmArgs &g1 = pr.first, &g2 = pr.second;
 
   k::GroupedGemmArgs t1 = g1;  // the first projection over the gathered rows

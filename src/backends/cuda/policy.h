@@ -25,8 +25,8 @@ bool grouped_wgmma_wide_enabled();
 bool set_grouped_wgmma_wide_enabled(bool enabled);
 
 // Whether grouped_mm may run both projections on the warp-specialised TMA kernel (sm_90a, row tiles
-// of 128; the first projection's rows gathered into a contiguous buffer first) where it serves; on by
-// default. Off: the cp.async kernels above.
+// of 128, or 64 in its ping-pong form; the first projection's rows gathered into a contiguous buffer
+// first) where it serves; on by default. Off: the cp.async kernels above.
 bool grouped_tma_enabled();
 bool set_grouped_tma_enabled(bool enabled);
 

@@ -1,6 +1,6 @@
 // sonicmoe on CUDA: the routed forward with nothing written that is not needed, on the warp-specialised TMA
 // grouped kernel (grouped_gemm_sm90_tma.cu) that deepgemm runs; the two differ only in how data moves.
-//   1. route_sort (tile 128): pairs stably sorted by expert on the device.
+//   1. route_sort (tile 128, or 64 where the experts hold few rows): pairs stably sorted by expert.
 //   2. gate/up projection: the producer warpgroup gathers each row tile's token rows straight from the
 //      hidden states (cp.async by row index into the swizzled stages; sm_90's copy engine has no gather),
 //      the gated activation (+ biases, gpt-oss's clamped SwiGLU too) in the epilogue: the [pairs, I]
@@ -44,8 +44,9 @@ void run_sonicmoe(const CallContext& c) {
   const std::string why = sonicmoe_unsupported_reason(c.experts, c.call.hidden_states.dtype, c.device->arch());
   MOEKIT_CHECK_CODE(why.empty() && c.w1_k == 1 && c.w2_k == 1, not_supported, "experts implementation 'sonicmoe': ",
                     why.empty() ? "weights must be in [out, in] layout" : why);
-  constexpr int kTile = 128;
+  // The engine's row tile: 64 (its ping-pong form) where the experts hold few rows, else 128.
   const int64_t P = c.pairs, E = c.experts_count;
+  const int kTile = k::grouped_tma_tile_m(P, int(E), /*gathered_a=*/true);
   const int64_t row_bytes = k::elem_bytes(c.type);
 
   k::RoutingBuffers r;
@@ -63,6 +64,7 @@ void run_sonicmoe(const CallContext& c) {
   Projections pr = grouped_projections(c, c.call.hidden_states.data, r.sorted_pair, int(c.top_k), r.offsets,
                                        r.tile_offsets, P, act, nullptr);
   k::GroupedGemmArgs &g1 = pr.first, &g2 = pr.second;
+  g1.tile_m = g2.tile_m = kTile;
   g2.epilogue = k::kEpiWeighted;
   g2.bias = c.b2;
   g2.bias_expert_stride = c.hidden;

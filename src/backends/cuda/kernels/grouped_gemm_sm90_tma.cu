@@ -8,7 +8,12 @@
 // stages guarded by mbarriers ("full": bytes landed, "empty": both consumers done). Warpgroups 1 and 2
 // (registers raised) each multiply 64 rows by the 256 columns with wgmma m64n256k16, release a stage as
 // soon as the MMAs that read it retire, and write their tile through a per-warpgroup shared-memory
-// staging buffer (rows past the expert's end masked), the gate fused:
+// staging buffer (rows past the expert's end masked), the gate fused. That is the cooperative form (route
+// tiles of 128 rows). The ping-pong form (route tiles of 64, where the experts hold few rows) makes work
+// items of 64 rows: each consumer warpgroup takes every other item of its block whole, so one runs its
+// main loop while the other runs its epilogue; the stages come in item order, and a "turn" barrier lets a
+// warpgroup start its item's main loop only after the other has waited for the previous item's stages
+// (so no consumer waits on a stage barrier two phases ahead). The epilogues:
 //   - f32 (second projection) and gated silu * up with concatenated halves and no bias (the common
 //     first projection): staged in 128-byte swizzled boxes and written by bulk tensor stores for 64-row
 //     blocks inside the expert (the copy engine writes while the warpgroup starts its next tile), masked
@@ -36,6 +41,7 @@
 #include <cudaTypedefs.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <mutex>
 
 #include "backends/cuda/kernels/grouped_gemm_sm90.cuh"
@@ -47,7 +53,8 @@ using namespace sm90;
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4, kThreads = 384;
 constexpr int kABytes = kBM * kBK * 2, kBBoxBytes = 128 * kBK * 2, kStageBytes = kABytes + 2 * kBBoxBytes;
 constexpr int kOutBytes = 64 * 128 * 2;  // staging of 16-bit outputs, per consumer warpgroup
-constexpr size_t kSmemBytes = size_t(kStages) * kStageBytes + 2 * kOutBytes + 2 * kStages * 8 + 1024;
+constexpr size_t kSmemBytes = size_t(kStages) * kStageBytes + 2 * kOutBytes + (2 * kStages + 2) * 8 + 1024;
+static_assert((kStages & (kStages - 1)) == 0, "the consumers find an item's first stage by masking");
 constexpr int kGatherThreads = 128;  // producer warpgroup threads loading gathered A rows
 static_assert(kGatherThreads == 128 && kBM == 128 && kBK == 64, "gathered A: 16 rows x 8 chunks per pass");
 
@@ -88,19 +95,22 @@ static_assert(kGatherThreads == 128 && kBM == 128 && kBK == 64, "gathered A: 16 
       : "memory");
 }
 
-// Work item w of n_tiles column tiles: its expert, row tile and column tile. False past the end.
+// Work item w: its expert, column tile and first row (items of `rows` rows: route tiles of tile_m rows
+// split into tile_m / rows blocks, `sub` of them; m fastest within an expert). Empty (m0 >= m_end) for
+// the blocks past the end of an expert's last route tile: producer and consumers skip those alike.
 struct Work {
   int expert, n_tile;
   int64_t m0, m_end;
 };
-[[maybe_unused]] __device__ __forceinline__ void work_item(const GroupedGemmArgs& args, int w, int n_tiles, Work& t) {
-  const int e = tile_expert(args.tile_offsets, args.experts, w / n_tiles);
+[[maybe_unused]] __device__ __forceinline__ void work_item(const GroupedGemmArgs& args, int w, int n_tiles, int rows,
+                                                           int sub, Work& t) {
+  const int e = tile_expert(args.tile_offsets, args.experts, w / (n_tiles * sub));
   const int first_tile = __ldg(args.tile_offsets + e);
-  const int m_tiles = __ldg(args.tile_offsets + e + 1) - first_tile;
-  const int local = w - first_tile * n_tiles;
+  const int m_blocks = (__ldg(args.tile_offsets + e + 1) - first_tile) * sub;
+  const int local = w - first_tile * n_tiles * sub;
   t.expert = e;
-  t.n_tile = local / m_tiles;
-  t.m0 = __ldg(args.offsets + e) + int64_t(local % m_tiles) * kBM;
+  t.n_tile = local / m_blocks;
+  t.m0 = __ldg(args.offsets + e) + int64_t(local % m_blocks) * rows;
   t.m_end = __ldg(args.offsets + e + 1);
 }
 
@@ -123,27 +133,32 @@ template <class T, int EPI>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                             const __grid_constant__ CUtensorMap map_out, const bool use_tma_store,
-                            const GroupedGemmArgs args) {
+                            const bool pingpong, const bool split_out, const GroupedGemmArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char tma_smem[];
   const uint32_t base = (smem_u32(tma_smem) + 1023) & ~1023u;          // swizzled tiles: 1024-byte aligned
   const uint32_t bars = base + kStages * kStageBytes + 2 * kOutBytes;  // full[s] at bars + 8 s, empty[s] after
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (kStages + s); };
+  auto turn = [&](int c) { return bars + 8 * (2 * kStages + c); };  // ping-pong: consumer c may start its main loop
   const int tid = threadIdx.x, wg = tid / 128;
   const bool gather = args.a_rows != nullptr;
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full(s), gather ? 1 + kGatherThreads : 1);
-      mbar_init(empty(s), 8);  // one arrival per consumer warp
+      mbar_init(empty(s), pingpong ? 4 : 8);  // one arrival per warp of the consumer(s) reading the stage
     }
+    mbar_init(turn(0), 1);
+    mbar_init(turn(1), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 
   const int n_tiles = n_tiles_of<EPI>(args);
-  const int total = __ldg(args.tile_offsets + args.experts) * n_tiles;
+  const int rows = pingpong ? 64 : kBM, sub = args.tile_m / rows;  // rows per work item, items per route tile
+  const int total = __ldg(args.tile_offsets + args.experts) * n_tiles * sub;
+  const int a_bytes = rows * kBK * 2;
   const int ktiles = int((args.k + kBK - 1) / kBK);
   const bool concat_gate = EPI == kEpiGated && args.gate.concatenated;
 
@@ -153,21 +168,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Thread tid loads 16-byte chunk tid % 8 of rows tid / 8 + 16 i (i < 8) of every A tile (cp.async: a
       // warp reads four whole 128-byte rows per instruction), thread 0 the B boxes too (TMA). The rows'
       // swizzled chunk is the same for all eight (16 i leaves row % 8 unchanged).
-      const int chunk = tid & 7, sub = tid >> 3;
-      const uint32_t dst_off = uint32_t(sub) * (kBK * 2) + uint32_t((chunk ^ (sub & 7)) << 4);
+      const int chunk = tid & 7, r16 = tid >> 3;
+      const uint32_t dst_off = uint32_t(r16) * (kBK * 2) + uint32_t((chunk ^ (r16 & 7)) << 4);
       const T* a = static_cast<const T*>(args.a);
       int s = 0;
       uint32_t phase = 0;
       for (int w = blockIdx.x; w < total; w += gridDim.x) {
         Work t;
-        work_item(args, w, n_tiles, t);
+        work_item(args, w, n_tiles, rows, sub, t);
+        if (t.m0 >= t.m_end) continue;
         const int row0 = concat_gate ? t.n_tile * (kBN / 2) : t.n_tile * kBN;
         const int row1 = concat_gate ? int(args.inter) + row0 : row0 + 128;
         int src_row[kBM / 16];  // A row of each of this thread's eight tile rows; -1 past the expert's end
 #pragma unroll
         for (int i = 0; i < kBM / 16; ++i) {
-          const int64_t row = t.m0 + sub + 16 * i;
-          src_row[i] = row < t.m_end ? __ldg(args.a_rows + row) / args.a_row_div : -1;
+          const int64_t row = t.m0 + r16 + 16 * i;
+          src_row[i] = 16 * i < rows && row < t.m_end ? __ldg(args.a_rows + row) / args.a_row_div : -1;
         }
         for (int kt = 0; kt < ktiles; ++kt) {
           mbar_wait(empty(s), phase ^ 1);
@@ -180,6 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int64_t col = int64_t(kt) * kBK + chunk * 8;
 #pragma unroll
           for (int i = 0; i < kBM / 16; ++i) {
+            if (16 * i >= rows) break;  // the MMAs read the first `rows` rows of the A slot only
             const bool ok = src_row[i] >= 0 && col < args.k;
             cp_async16(st + dst_off + uint32_t(16 * i) * (kBK * 2), ok ? a + int64_t(src_row[i]) * args.lda + col : a,
                        ok);
@@ -201,13 +218,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t phase = 0;
     for (int w = blockIdx.x; w < total; w += gridDim.x) {
       Work t;
-      work_item(args, w, n_tiles, t);
+      work_item(args, w, n_tiles, rows, sub, t);
+      if (t.m0 >= t.m_end) continue;
       const int row0 = concat_gate ? t.n_tile * (kBN / 2) : t.n_tile * kBN;
       const int row1 = concat_gate ? int(args.inter) + row0 : row0 + 128;
       for (int kt = 0; kt < ktiles; ++kt) {
         mbar_wait(empty(s), phase ^ 1);
         const uint32_t st = base + s * kStageBytes;
-        mbar_expect_tx(full(s), kStageBytes);
+        mbar_expect_tx(full(s), a_bytes + 2 * kBBoxBytes);
         tma_load_2d(st, &map_a, full(s), kt * kBK, int(t.m0));
         tma_load_3d(st + kABytes, &map_b, full(s), kt * kBK, row0, t.expert);
         tma_load_3d(st + kABytes + kBBoxBytes, &map_b, full(s), kt * kBK, row1, t.expert);
@@ -220,21 +238,39 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  // consumers: warpgroup c = wg - 1 takes rows 64 c .. 64 c + 63 of each tile
+  // consumers. Cooperative (tiles of 128 rows): warpgroup c = wg - 1 takes rows 64 c .. 64 c + 63 of each
+  // tile. Ping-pong (items of 64 rows): warpgroup c takes every other item of the block, whole; the
+  // stages come in item order, so one warpgroup's main loop runs while the other's epilogue does.
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int c = wg - 1, lane = tid % 32, warp = (tid % 128) / 32;
-  int s = 0;
-  uint32_t phase = 0;
   float acc[kBN / 2];
+  int seq = -1;  // this block's non-empty items so far (the producer's order)
+  uint32_t turns = 0;  // ping-pong: waits on turn(c) so far
+  // Ping-pong order: warpgroup c starts the main loop of item seq only once the other warpgroup has
+  // finished waiting for the stages of item seq - 1 (it arrives on turn(c) after its main loop). Then
+  // every earlier fill of the ring has been observed complete, so the parity this warpgroup waits for is
+  // never two phases ahead of a stage's barrier (a consumer skipping the other's k blocks could be).
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     Work t;
-    work_item(args, w, n_tiles, t);
-    const bool has_rows = t.m0 + c * 64 < t.m_end;
+    work_item(args, w, n_tiles, rows, sub, t);
+    if (t.m0 >= t.m_end) continue;
+    ++seq;
+    if (pingpong && (seq & 1) != c) continue;
+    const int64_t r0 = pingpong ? t.m0 : t.m0 + c * 64;  // first row of this warpgroup's 64
+    const bool has_rows = r0 < t.m_end;
+    // this item's first stage and phase in the ring (kStages is a power of two)
+    const uint32_t g0 = uint32_t(seq) * uint32_t(ktiles);
+    int s = int(g0 % kStages);
+    uint32_t phase = (g0 / kStages) & 1;
+    if (pingpong && seq > 0) {
+      mbar_wait(turn(c), turns & 1);
+      ++turns;
+    }
     float wr[2] = {0.0f, 0.0f};  // kEpiWeighted: routing weights of this thread's two rows, loaded under the MMAs
     if constexpr (EPI == kEpiWeighted) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int64_t row = t.m0 + c * 64 + warp * 16 + (lane >> 2) + half * 8;
+        const int64_t row = r0 + warp * 16 + (lane >> 2) + half * 8;
         if (row < t.m_end) wr[half] = load_weight(args.row_weights, args.weight_type, __ldg(args.row_pair + row));
       }
     }
@@ -247,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Unconditional (a warpgroup past the expert's rows multiplies rows it will not store): wgmma
       // under a branch is serialised by the compiler.
       const uint32_t st = base + s * kStageBytes;
-      const uint64_t desc_a = smem_desc(st + c * 64 * kBK * 2);
+      const uint64_t desc_a = smem_desc(st + (pingpong ? 0 : c * 64 * kBK * 2));
       const uint64_t desc_b = smem_desc(st + kABytes);
       fence_operands(acc);
       asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -263,6 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         phase ^= 1;
       }
     }
+    if (pingpong && tid % 128 == 0) mbar_arrive(turn(1 - c));  // the other warpgroup's item may start
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     fence_operands(acc);
     if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
@@ -271,124 +308,95 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Accumulator 4j + q: row 16 warp + lane / 4 (+8 for q >= 2), virtual column 8j + 2 (lane % 4) (+1 for odd q).
     const T* bias =
         args.bias ? static_cast<const T*>(args.bias) + int64_t(t.expert) * args.bias_expert_stride : nullptr;
-    if constexpr (EPI == kEpiWeighted) {
-      // w[p] * (acc + bias) in 16 bits, two rounds of 128 columns through this warpgroup's staging buffer
-      // (two 64 x 64 boxes, 128-byte swizzle). A block of 64 rows inside the expert leaves by bulk tensor
-      // stores (the copy engine writes while the warpgroup goes on to its next tile), a block crossing the
-      // expert's end by masked 16-byte stores.
+    if constexpr (EPI == kEpiWeighted || EPI == kEpiF32) {
+      // Staged through this warpgroup's 16 KB buffer as 8 KB boxes (64 rows x 128 bytes, 128-byte swizzle:
+      // 64 16-bit or 32 f32 columns), then written by bulk tensor stores for a block of 64 rows inside the
+      // expert (the copy engine writes while the warpgroup goes on) or by masked 16-byte stores for a block
+      // crossing the expert's end. kEpiWeighted: w[p] * (acc + bias) rounded to 16 bits (4 boxes);
+      // kEpiF32: the accumulators (8 boxes). Two schedules (split_out): rounds of two boxes that wait for
+      // the previous round's stores to have read the buffer, or rounds of one box alternating between the
+      // buffer's halves, each waiting only for the stores of the round before last (the staging of one
+      // round overlaps the copy engine's reading of the previous one).
       unsigned char* stage = tma_smem + (base - smem_u32(tma_smem)) + kStages * kStageBytes + c * kOutBytes;
       const uint32_t stage_u32 = smem_u32(stage);
-      using T2 = std::conditional_t<std::is_same_v<T, bf16>, __nv_bfloat162, __half2>;
       const int tl = tid % 128;
-      T* out = static_cast<T*>(args.out);
-      const bool vec = (args.ldo & 7) == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0;
-      const bool whole = use_tma_store && t.m0 + c * 64 + 64 <= t.m_end;
+      const bool whole = use_tma_store && r0 + 64 <= t.m_end;
+      constexpr bool kF32 = EPI == kEpiF32;
+      constexpr int kBoxCols = kF32 ? 32 : 64, kBoxes = kBN / kBoxCols;
+      using OutT = std::conditional_t<kF32, float, T>;
+      OutT* out = static_cast<OutT*>(args.out);
+      const bool vec = (args.ldo & (kF32 ? 3 : 7)) == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0;
+      auto rounds = [&](auto boxes_per_round) {
+        constexpr int BPR = decltype(boxes_per_round)::value;
+        constexpr int kJ = kBoxCols * BPR / 8;  // 8-column accumulator groups per round
 #pragma unroll
-      for (int round = 0; round < 2; ++round) {
-        if (tl == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // staging free again
-        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
+        for (int round = 0; round < kBoxes / BPR; ++round) {
+          auto box = [&](int b) { return (BPR == 1 ? (round & 1) : b) * 8192; };
+          if (tl == 0) {  // the buffer (half) this round writes has been read by the copy engine
+            if constexpr (BPR == 1) asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+            else asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+          }
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = warp * 16 + (lane >> 2) + half * 8;
+          for (int half = 0; half < 2; ++half) {
+            const int r = warp * 16 + (lane >> 2) + half * 8;
 #pragma unroll
-          for (int jj = 0; jj < 16; ++jj) {
-            const int j = 16 * round + jj;
-            float b0 = 0.0f, b1 = 0.0f;
-            if (bias) {
-              const int64_t col = int64_t(t.n_tile) * kBN + 8 * j + 2 * (lane & 3);
-              if (col < args.n) b0 = to_f32(bias[col]);
-              if (col + 1 < args.n) b1 = to_f32(bias[col + 1]);
+            for (int jj = 0; jj < kJ; ++jj) {
+              const int j = kJ * round + jj;
+              const float a0 = acc[4 * j + 2 * half], a1 = acc[4 * j + 2 * half + 1];
+              if constexpr (kF32) {
+                const int l = jj * 8 + (lane & 3) * 2, b = l >> 5, lb = l & 31;
+                const int off = box(b) + r * 128 + (((lb >> 2) ^ (r & 7)) << 4) + (lb & 3) * 4;
+                *reinterpret_cast<float2*>(stage + off) = make_float2(a0, a1);
+              } else {
+                using T2 = std::conditional_t<std::is_same_v<T, bf16>, __nv_bfloat162, __half2>;
+                float b0 = 0.0f, b1 = 0.0f;
+                if (bias) {
+                  const int64_t col = int64_t(t.n_tile) * kBN + 8 * j + 2 * (lane & 3);
+                  if (col < args.n) b0 = to_f32(bias[col]);
+                  if (col + 1 < args.n) b1 = to_f32(bias[col + 1]);
+                }
+                T2 v;
+                v.x = from_f32<T>(wr[half] * (a0 + b0));
+                v.y = from_f32<T>(wr[half] * (a1 + b1));
+                const int off = box(jj >> 3) + r * 128 + (((jj & 7) ^ (r & 7)) << 4) + (lane & 3) * 4;
+                *reinterpret_cast<T2*>(stage + off) = v;
+              }
             }
-            T2 v;
-            v.x = from_f32<T>(wr[half] * (acc[4 * j + 2 * half] + b0));
-            v.y = from_f32<T>(wr[half] * (acc[4 * j + 2 * half + 1] + b1));
-            const int off = (jj >> 3) * 8192 + r * 128 + (((jj & 7) ^ (r & 7)) << 4) + (lane & 3) * 4;
-            *reinterpret_cast<T2*>(stage + off) = v;
           }
-        }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
-        const int64_t col0 = int64_t(t.n_tile) * kBN + 128 * round;
-        if (whole) {
-          if (tl == 0) {
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
+          const int64_t col0 = int64_t(t.n_tile) * kBN + kBoxCols * BPR * round;
+          if (whole) {
+            if (tl == 0) {
 #pragma unroll
-            for (int b = 0; b < 2; ++b)
-              asm volatile(
-                  "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(&map_out),
-                  "r"(int(col0) + 64 * b), "r"(int(t.m0) + c * 64), "r"(stage_u32 + b * 8192)
-                  : "memory");
-            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+              for (int b = 0; b < BPR; ++b)
+                asm volatile(
+                    "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(&map_out),
+                    "r"(int(col0) + kBoxCols * b), "r"(int(r0)), "r"(stage_u32 + box(b))
+                    : "memory");
+              asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+            }
+            continue;
           }
-          continue;
-        }
+          constexpr int kChunks = 8 * BPR, kPer = kF32 ? 4 : 8;  // 16-byte pieces per row and round, values each
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int idx = i * 128 + tl, r = idx >> 4, ch = idx & 15;
-          const int64_t row = t.m0 + c * 64 + r, col = col0 + ch * 8;
-          if (row >= t.m_end || col >= args.n) continue;
-          T* dst = out + row * args.ldo + col;
-          const unsigned char* src = stage + (ch >> 3) * 8192 + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
-          if (vec && col + 8 <= args.n) {
-            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-          } else {
-            for (int e = 0; e < 8 && col + e < args.n; ++e) dst[e] = reinterpret_cast<const T*>(src)[e];
-          }
-        }
-      }
-    } else if constexpr (EPI == kEpiF32) {
-      // f32 outputs: four rounds of 64 columns through this warpgroup's staging buffer (two 64 x 32 boxes,
-      // 128-byte swizzle). A block of 64 rows inside the expert leaves by bulk tensor stores (the copy
-      // engine writes while the warpgroup goes on to its next tile); a block crossing the expert's end
-      // leaves by masked 16-byte stores.
-      unsigned char* stage = tma_smem + (base - smem_u32(tma_smem)) + kStages * kStageBytes + c * kOutBytes;
-      const uint32_t stage_u32 = smem_u32(stage);
-      const bool whole = use_tma_store && t.m0 + c * 64 + 64 <= t.m_end;
-      const int tl = tid % 128;
-      float* out = static_cast<float*>(args.out);
-#pragma unroll
-      for (int round = 0; round < 4; ++round) {
-        if (tl == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // staging free again
-        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = warp * 16 + (lane >> 2) + half * 8;
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) {
-            const int l = jj * 8 + (lane & 3) * 2, b = l >> 5, lb = l & 31;
-            const int off = b * 8192 + r * 128 + ((((lb >> 2) ^ (r & 7))) << 4) + (lb & 3) * 4;
-            *reinterpret_cast<float2*>(stage + off) =
-                make_float2(acc[4 * (8 * round + jj) + 2 * half], acc[4 * (8 * round + jj) + 2 * half + 1]);
-          }
-        }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
-        const int col0 = t.n_tile * kBN + 64 * round;
-        if (whole) {
-          if (tl == 0) {
-#pragma unroll
-            for (int b = 0; b < 2; ++b)
-              asm volatile(
-                  "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(&map_out),
-                  "r"(col0 + 32 * b), "r"(int(t.m0) + c * 64), "r"(stage_u32 + b * 8192)
-                  : "memory");
-            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-          }
-        } else {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const int idx = i * 128 + tl, r = idx >> 4, ch = idx & 15, b = ch >> 3;
-            const int64_t row = t.m0 + c * 64 + r, col = col0 + ch * 4;
+          for (int i = 0; i < 64 * kChunks / 128; ++i) {
+            const int idx = i * 128 + tl, r = idx / kChunks, ch = idx % kChunks;
+            const int64_t row = r0 + r, col = col0 + ch * kPer;
             if (row >= t.m_end || col >= args.n) continue;
-            const float4 v = *reinterpret_cast<const float4*>(stage + b * 8192 + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
-            if (col + 4 <= args.n && (args.ldo & 3) == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0) {
-              *reinterpret_cast<float4*>(out + row * args.ldo + col) = v;
+            OutT* dst = out + row * args.ldo + col;
+            const unsigned char* src = stage + box(ch >> 3) + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
+            if (vec && col + kPer <= args.n) {
+              *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
             } else {
-              const float e4[4] = {v.x, v.y, v.z, v.w};
-              for (int e = 0; e < 4 && col + e < args.n; ++e) out[row * args.ldo + col + e] = e4[e];
+              for (int e = 0; e < kPer && col + e < args.n; ++e) dst[e] = reinterpret_cast<const OutT*>(src)[e];
             }
           }
         }
-      }
+      };
+      if (split_out) rounds(std::integral_constant<int, 1>{});
+      else rounds(std::integral_constant<int, 2>{});
     } else {
       bool direct = false;
       if constexpr (EPI == kEpiGated)
@@ -423,14 +431,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
         const int col0 = t.n_tile * (kBN / 2);
-        if (use_tma_store && t.m0 + c * 64 + 64 <= t.m_end) {
+        if (use_tma_store && r0 + 64 <= t.m_end) {
           if (tl == 0) {
             const uint32_t stage_u32 = smem_u32(stage);
 #pragma unroll
             for (int b = 0; b < 2; ++b)
               asm volatile(
                   "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(&map_out),
-                  "r"(col0 + 64 * b), "r"(int(t.m0) + c * 64), "r"(stage_u32 + b * 8192)
+                  "r"(col0 + 64 * b), "r"(int(r0)), "r"(stage_u32 + b * 8192)
                   : "memory");
             asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
           }
@@ -440,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             const int idx = i * 128 + tl, r = idx >> 4, ch = idx & 15;
-            const int64_t row = t.m0 + c * 64 + r, col = col0 + ch * 8;
+            const int64_t row = r0 + r, col = col0 + ch * 8;
             if (row >= t.m_end || col >= args.n) continue;
             const unsigned char* src = stage + (ch >> 3) * 8192 + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
             if (vec && col + 8 <= args.n) {
@@ -465,7 +473,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int cnt = out_per_round / 2, o0 = (tl & 1) * cnt;
         T* out = static_cast<T*>(args.out);
         const bool vec = (args.ldo & 7) == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0;
-        const int64_t row_g = t.m0 + c * 64 + r_out;
+        const int64_t row_g = r0 + r_out;
         const bool fast_silu =
             EPI == kEpiGated && !bias && args.gate.kind == kGateActMul && args.gate.activation == kActSilu;
 #pragma unroll
@@ -598,17 +606,58 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 // Weight rows per expert that the B boxes may address.
 int64_t weight_rows(const GroupedGemmArgs& a) { return a.epilogue == kEpiGated ? 2 * a.inter : a.n; }
 
+// The form follows the route tile: ping-pong (items of 64 rows, one warpgroup each) for route tiles of 64,
+// cooperative (tiles of 128 rows, both warpgroups) for 128. Measured on the H200 (docs/perf.md): ping-pong
+// over 128-row route tiles ran the many-tile projections 5-20% slower (each stage feeds half the MMAs, so
+// the 4-stage ring hides half the latency and the weights are fetched twice per 128 rows), and 10% faster
+// where the experts hold few rows. grouped_tma_tile_m picks 64 up to 384 rows per busy expert on average
+// for contiguous A rows and up to 128 for gathered ones (sonicmoe: at 256-512 rows ping-pong ran it 1-3%
+// slower end to end, deepgemm and grouped_mm 0-6% faster; at 1024 and more rows all slower; 512 rows was
+// measured on one preset only, so the limit stays under it),
+// while ping-pong is allowed: on unless set_grouped_gemm_tma_pingpong(false) or MOEKIT_TMA_PINGPONG=0.
+// MOEKIT_TMA_PINGPONG=N (N >= 2) sets the limit to N rows for both (a measurement knob).
+std::atomic<int> g_pingpong{-1};  // 0: off; 1: the limits above; N >= 2: limit N; -1: not read yet
+int pingpong_setting() {
+  int v = g_pingpong.load();
+  if (v < 0) {
+    const char* e = std::getenv("MOEKIT_TMA_PINGPONG");
+    const long n = e ? std::strtol(e, nullptr, 10) : -1;
+    v = e && e[0] == '0' ? 0 : (n >= 2 && n < (1L << 30) ? int(n) : 1);
+    int expected = -1;
+    if (!g_pingpong.compare_exchange_strong(expected, v)) v = expected;
+  }
+  return v;
+}
+bool pingpong_on() { return pingpong_setting() > 0; }
+
+// The weighted and f32 epilogues' staging schedule (see the kernel): rounds of one box alternating between
+// the buffer's halves (default), or rounds of two boxes (set_grouped_gemm_tma_split_out(false), or
+// MOEKIT_TMA_SPLIT_OUT=0 in the environment).
+std::atomic<int> g_split_out{-1};
+bool split_out_on() {
+  int v = g_split_out.load();
+  if (v < 0) {
+    const char* e = std::getenv("MOEKIT_TMA_SPLIT_OUT");
+    v = e && e[0] == '0' ? 0 : 1;
+    int expected = -1;
+    if (!g_split_out.compare_exchange_strong(expected, v)) v = expected;
+  }
+  return v == 1;
+}
+
 template <class T, int EPI>
 cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
   const auto encode = encode_fn();
   if (!encode) return cudaErrorNotSupported;
+  const bool pp = a.tile_m == 64;
+  const int rows = pp ? 64 : kBM;
   const CUtensorMapDataType dt =
       std::is_same_v<T, bf16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   CUtensorMap map_a{}, map_b{}, map_out{};
   if (!a.a_rows) {  // contiguous A rows (gathered rows are loaded by the producer warpgroup)
     const cuuint64_t dims[2] = {cuuint64_t(a.k), cuuint64_t(a.max_rows)};
     const cuuint64_t strides[1] = {cuuint64_t(a.lda) * 2};
-    const cuuint32_t box[2] = {kBK, kBM}, estr[2] = {1, 1};
+    const cuuint32_t box[2] = {kBK, cuuint32_t(rows)}, estr[2] = {1, 1};
     if (encode(&map_a, dt, 2, const_cast<void*>(a.a), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
@@ -645,9 +694,9 @@ cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
   if (err != cudaSuccess) return err;
   const int64_t cols = EPI == kEpiGated ? kBN / 2 : kBN;
-  const int64_t work = grouped_max_tiles(a.max_rows, a.experts, kBM) * ((a.n + cols - 1) / cols);
+  const int64_t work = grouped_max_tiles(a.max_rows, a.experts, rows) * ((a.n + cols - 1) / cols);
   const int grid = int(std::min<int64_t>(work, sm_count()));
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(map_a, map_b, map_out, tma_store, a);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(map_a, map_b, map_out, tma_store, pp, split_out_on(), a);
   return cudaGetLastError();
 }
 
@@ -671,6 +720,7 @@ cudaError_t launch_tma_epi(const GroupedGemmArgs& a, cudaStream_t stream) {
 bool grouped_gemm_tma_ok(const GroupedGemmArgs& a, int arch) {
   if (a.type != Elem::bf16 && a.type != Elem::f16) return false;
   if (a.b_stride_k != 1 || (a.a_rows && a.a_row_div < 1)) return false;
+  if (a.tile_m != 128 && a.tile_m != 64) return false;
   if (a.epilogue == kEpiWeighted && (!a.row_pair || !a.row_weights)) return false;
   if (a.k % 8 || a.lda % 8 || a.b_stride_n % 8 || a.b_expert_stride % 8 || a.k > a.b_stride_n) return false;
   if (!aligned16(a.a) || !aligned16(a.b)) return false;
@@ -679,6 +729,25 @@ bool grouped_gemm_tma_ok(const GroupedGemmArgs& a, int arch) {
 }
 
 bool grouped_gemm_tma_built_for(int arch) { return tma_compiled_for(arch); }
+
+bool grouped_gemm_tma_pingpong() { return pingpong_on(); }
+bool set_grouped_gemm_tma_split_out(bool on) {
+  const bool was = split_out_on();
+  g_split_out.store(on ? 1 : 0);
+  return was;
+}
+int grouped_tma_tile_m(int64_t pairs, int experts, bool gathered_a) {
+  const int v = pingpong_setting();
+  const int64_t limit = v == 1 ? (gathered_a ? 128 : 384) : v;
+  const int64_t busy = std::min<int64_t>(pairs, experts);
+  const int64_t avg = busy > 0 ? (pairs + busy - 1) / busy : 1;
+  return avg <= limit ? 64 : 128;
+}
+bool set_grouped_gemm_tma_pingpong(bool on) {
+  const int v = pingpong_setting();
+  g_pingpong.store(on ? (v > 0 ? v : 1) : 0);
+  return v > 0;
+}
 
 cudaError_t grouped_gemm_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (a.max_rows == 0 || a.n == 0) return cudaSuccess;

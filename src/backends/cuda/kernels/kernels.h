@@ -102,6 +102,7 @@ struct GroupedGemmArgs {
   int64_t bias_expert_stride = 0;
   const int32_t* offsets = nullptr;       // [E + 1] device
   const int32_t* tile_offsets = nullptr;  // [E + 1] device, for tile_m
+  int tile_m = 128;  // the TMA kernel's route tile (128, or 64: its ping-pong form); the others take a parameter
   int experts = 0;
   int64_t max_rows = 0;  // upper bound on the sorted rows (sizes the grid)
   int64_t n = 0;         // output columns: I for kEpiGated, else weight rows
@@ -132,16 +133,30 @@ bool grouped_gemm_wgmma_ok(const GroupedGemmArgs& a, int arch);
 // tiles of 128 rows), else the mma.sync kernel where it serves, else the SIMT kernel (any dtype,
 // layout, alignment).
 cudaError_t grouped_gemm(const GroupedGemmArgs& a, int tile_m, int arch, bool wide, cudaStream_t stream);
-// The warp-specialised persistent sm_90a kernel (grouped_gemm_sm90_tma.cu): row tiles of 128 (route_sort
-// with tile_m 128), K-major weights read by the copy engine (TMA), A either contiguous sorted rows (a_rows
-// null, read by TMA) or gathered by row index (a_rows set: the producer warpgroup copies row
-// a_rows[r] / a_row_div of A with cp.async into the swizzled stage). Epilogues kEpiGated, kEpiActOnly,
-// kEpiF32 and kEpiWeighted (row_pair and row_weights set). Serves bf16/f16 with k, lda and the weight strides multiples of 8 and 16-byte aligned A
-// and B, on a device of compute capability 9.0 with this build's sm_90a code.
+// The warp-specialised persistent sm_90a kernel (grouped_gemm_sm90_tma.cu): route tiles of a.tile_m = 128
+// or 64 rows (route_sort with the same tile_m), K-major weights read by the copy engine (TMA), A either
+// contiguous sorted rows (a_rows null, read by TMA) or gathered by row index (a_rows set: the producer
+// warpgroup copies row a_rows[r] / a_row_div of A with cp.async into the swizzled stage). Epilogues
+// kEpiGated, kEpiActOnly, kEpiF32 and kEpiWeighted (row_pair and row_weights set). Serves bf16/f16 with k,
+// lda and the weight strides multiples of 8 and 16-byte aligned A and B, on a device of compute
+// capability 9.0 with this build's sm_90a code.
 bool grouped_gemm_tma_ok(const GroupedGemmArgs& a, int arch);
 // Whether this build carries the kernel's sm_90a code for the current device, of compute capability `arch`.
 bool grouped_gemm_tma_built_for(int arch);
 cudaError_t grouped_gemm_tma(const GroupedGemmArgs& a, cudaStream_t stream);
+// Its form follows tile_m: 64 runs ping-pong (each consumer warpgroup owns items of 64 rows x 256
+// columns, one runs its main loop while the other runs its epilogue), 128 runs cooperative (both
+// warpgroups share tiles of 128 rows). Whether callers may route with 64 for it (on by default;
+// MOEKIT_TMA_PINGPONG=0 in the environment switches it off):
+bool grouped_gemm_tma_pingpong();
+// The route tile for the TMA kernel: 64 (ping-pong) up to 384 pairs per busy expert on average (128 with
+// A rows gathered by index) while ping-pong is allowed (MOEKIT_TMA_PINGPONG=N, N >= 2, sets the limit to
+// N), else 128 (cooperative).
+int grouped_tma_tile_m(int64_t pairs, int experts, bool gathered_a);
+// The staging schedule of its f32 and weighted epilogues: one 8 KB box per round alternating between two
+// halves of the staging buffer (on), or two boxes per round (off). Returns the previous setting.
+bool set_grouped_gemm_tma_split_out(bool on);
+bool set_grouped_gemm_tma_pingpong(bool on);  // returns the previous setting
 // The three cp.async kernels, for tests and measurements.
 cudaError_t grouped_gemm_wgmma(const GroupedGemmArgs& a, int tile_m, bool wide, cudaStream_t stream);
 cudaError_t grouped_gemm_mma(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);

@@ -4,9 +4,13 @@
 // route_sort is a counting sort in three launches over blocks of kRouteThreads pairs:
 //   1. histogram: per block, the count of each expert and each pair's rank among the block's pairs of
 //      its expert (warp match + per-warp counts in shared memory: no atomics, so the ranks are stable);
-//   2. scan (one block): expert offsets, tile offsets and each block's base row per expert;
-//   3. place: row = base + rank; sorted_pair[row] = pair.
+//   2. scan (one block): expert offsets, tile offsets and each block's first row among its expert's;
+//   3. place: row = offset + base + rank; sorted_pair[row] = pair.
+// Up to 4096 pairs and kOneBlockExperts experts (prefill of a few hundred tokens) the same sort
+// runs in one launch of one block: chunks of 1024 pairs ranked in order against running per-expert
+// counts in shared memory, then the scan and the placement, with the same results bit for bit.
 #include <climits>
+#include <cstdlib>
 
 #include "backends/cuda/kernels/device_math.cuh"
 
@@ -99,10 +103,20 @@ __global__ void __launch_bounds__(kScanThreads)
                       int32_t* tile_offsets) {
   __shared__ int warp_sums[32];
   const int e = threadIdx.x;
+  // One pass over the blocks' counts: each becomes the block's first row among the expert's (relative;
+  // route_place adds the expert's offset), eight loads in flight before the stores.
   int total = 0;
   if (e < experts) {
-#pragma unroll 8
-    for (int b = 0; b < nblocks; ++b) total += block_hist[b * int64_t(experts) + e];
+    for (int b0 = 0; b0 < nblocks; b0 += 8) {
+      int c[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) c[j] = b0 + j < nblocks ? block_hist[(b0 + j) * int64_t(experts) + e] : 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (b0 + j < nblocks) block_hist[(b0 + j) * int64_t(experts) + e] = total;
+        total += c[j];
+      }
+    }
   }
   const int tiles = (total + tile_m - 1) / tile_m;
   const int row0 = block_exclusive_scan(total, warp_sums);
@@ -110,13 +124,6 @@ __global__ void __launch_bounds__(kScanThreads)
   if (e < experts) {
     offsets[e] = row0;
     tile_offsets[e] = tile0;
-    int run = row0;
-    for (int b = 0; b < nblocks; ++b) {
-      const int64_t i = b * int64_t(experts) + e;
-      const int c = block_hist[i];
-      block_hist[i] = run;
-      run += c;
-    }
   }
   if (e == experts - 1) {
     offsets[experts] = row0 + total;
@@ -125,20 +132,107 @@ __global__ void __launch_bounds__(kScanThreads)
 }
 
 __global__ void route_place_kernel(int64_t pairs, int experts, const int32_t* pair_expert, int32_t* pair_row,
-                                   const int32_t* block_base, int32_t* sorted_pair) {
+                                   const int32_t* block_base, const int32_t* offsets, int32_t* sorted_pair) {
   const int64_t p = blockIdx.x * int64_t(kRouteThreads) + threadIdx.x;
   if (p >= pairs) return;
   const int e = pair_expert[p];
   if (e >= experts) return;
-  const int row = block_base[blockIdx.x * int64_t(experts) + e] + pair_row[p];
+  const int row = offsets[e] + block_base[blockIdx.x * int64_t(experts) + e] + pair_row[p];
   pair_row[p] = row;
   sorted_pair[row] = int32_t(p);
+}
+
+constexpr int kOneBlockThreads = 1024, kOneBlockWarps = kOneBlockThreads / 32;
+constexpr int64_t kOneBlockPairs = 16384;  // the most the kernel takes
+// Where it runs: up to 4096 pairs (MOEKIT_ROUTE_ONE_BLOCK=N sets another limit up to kOneBlockPairs, 0 none:
+// a measurement knob). On the H200 the one block took ~50 us more than the three launches at 16384 pairs
+// (16 chunks one after the other).
+int64_t one_block_pairs() {
+  static const int64_t limit = [] {
+    const char* e = std::getenv("MOEKIT_ROUTE_ONE_BLOCK");
+    const long long n = e ? std::strtoll(e, nullptr, 10) : 4096;
+    return n < 0 ? int64_t(0) : (n > kOneBlockPairs ? kOneBlockPairs : int64_t(n));
+  }();
+  return limit;
+}
+constexpr int kOneBlockExperts = 256;
+
+template <class IdxT>
+__global__ void __launch_bounds__(kOneBlockThreads)
+    route_sort_one_block_kernel(const IdxT* index, int64_t pairs, int top_k, int experts, int tile_m,
+                                int32_t* pair_expert, int32_t* pair_row, int32_t* sorted_pair, int32_t* offsets,
+                                int32_t* tile_offsets, unsigned long long* error) {
+  __shared__ int32_t warp_count[kOneBlockWarps * kOneBlockExperts];
+  __shared__ int32_t running[kOneBlockExperts];  // pairs of each expert in the chunks so far, then its first row
+  __shared__ int warp_sums[32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int i = threadIdx.x; i < kOneBlockWarps * experts; i += kOneBlockThreads) warp_count[i] = 0;
+  for (int i = threadIdx.x; i < experts; i += kOneBlockThreads) running[i] = 0;
+  __syncthreads();
+  for (int64_t p0 = 0; p0 < pairs; p0 += kOneBlockThreads) {
+    const int64_t p = p0 + threadIdx.x;
+    int e = experts;  // past the end or dropped
+    if (p < pairs) {
+      e = load_expert(index, p, top_k, experts, error);
+      pair_expert[p] = e;
+    }
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    const int rank_in_warp = __popc(same & ((1u << lane) - 1u));
+    if (e < experts && rank_in_warp == 0) warp_count[warp * experts + e] = __popc(same);
+    __syncthreads();
+    if (p < pairs) {
+      int rank = -1;
+      if (e < experts) {
+        rank = running[e] + rank_in_warp;
+        for (int w = 0; w < warp; ++w) rank += warp_count[w * experts + e];
+      }
+      pair_row[p] = rank;  // rank within the expert; the placement below adds its first row
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < experts; x += kOneBlockThreads) {
+      int c = 0;
+      for (int w = 0; w < kOneBlockWarps; ++w) {
+        c += warp_count[w * experts + x];
+        warp_count[w * experts + x] = 0;
+      }
+      running[x] += c;
+    }
+    __syncthreads();
+  }
+  const int e = threadIdx.x;
+  const int total = e < experts ? running[e] : 0;
+  const int tiles = (total + tile_m - 1) / tile_m;
+  const int row0 = block_exclusive_scan(total, warp_sums);
+  const int tile0 = block_exclusive_scan(tiles, warp_sums);
+  if (e < experts) {
+    offsets[e] = row0;
+    tile_offsets[e] = tile0;
+    running[e] = row0;
+  }
+  if (e == experts - 1) {
+    offsets[experts] = row0 + total;
+    tile_offsets[experts] = tile0 + tiles;
+  }
+  __syncthreads();
+  for (int64_t p = threadIdx.x; p < pairs; p += kOneBlockThreads) {  // the pairs this thread ranked
+    const int pe = pair_expert[p];
+    if (pe >= experts) continue;
+    const int row = running[pe] + pair_row[p];
+    pair_row[p] = row;
+    sorted_pair[row] = int32_t(p);
+  }
 }
 
 template <class IdxT>
 cudaError_t route_sort_typed(const IdxT* index, int64_t tokens, int top_k, int experts, int tile_m,
                              const RoutingBuffers& b, cudaStream_t stream) {
   const int64_t pairs = tokens * top_k;
+  if (pairs <= one_block_pairs() && experts <= kOneBlockExperts) {
+    route_sort_one_block_kernel<IdxT><<<1, kOneBlockThreads, 0, stream>>>(index, pairs, top_k, experts, tile_m,
+                                                                          b.pair_expert, b.pair_row, b.sorted_pair,
+                                                                          b.offsets, b.tile_offsets, b.error);
+    return cudaGetLastError();
+  }
   const int64_t nblocks = route_blocks(pairs);
   const size_t smem = size_t(kRouteWarps) * experts * sizeof(int32_t);
   route_histogram_kernel<IdxT><<<unsigned(nblocks), kRouteThreads, smem, stream>>>(
@@ -150,7 +244,7 @@ cudaError_t route_sort_typed(const IdxT* index, int64_t tokens, int top_k, int e
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   route_place_kernel<<<unsigned(nblocks), kRouteThreads, 0, stream>>>(pairs, experts, b.pair_expert, b.pair_row,
-                                                                      b.block_hist, b.sorted_pair);
+                                                                      b.block_hist, b.offsets, b.sorted_pair);
   return cudaGetLastError();
 }
 
