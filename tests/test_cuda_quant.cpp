@@ -1,8 +1,8 @@
 // FP8 block-scaled experts on the GPU: the activation quantisation kernel bit for bit against the host's
 // quantize_activations_fp8 (every dtype, partial and all-zero groups, saturating and subnormal values, UE8M0
 // scales), and grouped_mm, batched_mm and deepgemm on FP8 experts against the f64 reference over a sweep (K not a
-// multiple of 128 nor of 16, odd E, sentinels, empty experts, biases, row tiles of 32 and 128), each output
-// poisoned first; the backends without an FP8 path, and FP4 experts, refused with the reason. Skips without a GPU.
+// multiple of 128 nor of 16, odd E, sentinels, empty experts, biases, row tiles of 32 and 128, decode sizes on the
+// FP8 GEMV, which is also forced on beyond its reach and off below it), each output poisoned first; the backends without an FP8 path, and FP4 experts, refused with the reason. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <cmath>
