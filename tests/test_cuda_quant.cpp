@@ -1,8 +1,8 @@
 // FP8 block-scaled experts on the GPU: the activation quantisation kernel bit for bit against the host's
 // quantize_activations_fp8 (every dtype, partial and all-zero groups, saturating and subnormal values, UE8M0
 // scales), and grouped_mm, batched_mm and deepgemm on FP8 experts against the f64 reference over a sweep (K not a
-// multiple of 128 nor of 16, odd E, sentinels, empty experts, biases, row tiles of 32 and 128), each output
-// poisoned first; the backends without an FP8 path, and FP4 experts, refused with the reason. Skips without a GPU.
+// multiple of 128 nor of 16, odd E, sentinels, empty experts, biases, row tiles of 32 and 128, decode sizes on the
+// FP8 GEMV, which is also forced on beyond its reach and off below it), each output poisoned first; the backends without an FP8 path, and FP4 experts, refused with the reason. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -13,6 +13,7 @@
 #include "test_experts_problem.h"
 #ifdef MOEKIT_WITH_CUDA
 #include "backends/cuda/kernels/kernels.h"
+#include "backends/cuda/policy.h"
 #endif
 
 namespace moekit {
@@ -120,6 +121,17 @@ std::vector<std::pair<ProblemConfig, DType>> fp8_sweep() {
   add({.act = DType::f16, .T = 300, .E = 4, .K = 3, .H = 384, .I = 208, .has_gate = false,
        .activation = Activation::relu2, .empty_experts = true}, DType::ue8m0);
   add({.act = DType::bf16, .idt = DType::i32, .T = 520, .E = 7, .K = 2, .H = 1024, .I = 384});
+  // Decode sizes (P <= 64): the FP8 GEMV (gemv_quant.cu), one row per expert pass (P <= E) and four (P > E)
+  add({.T = 1, .E = 9, .K = 8, .H = 200, .I = 136, .sentinels = true});                // odd E, H % 16 != 0
+  add({.T = 2, .E = 33, .K = 4, .H = 1100, .I = 300, .has_bias = true, .concatenated = false});  // interleaved
+  add({.T = 32, .E = 9, .K = 2, .H = 136, .I = 72, .used = 1});      // one expert, 64 rows (repeated per token)
+  add({.T = 5, .E = 3, .K = 4, .H = 96, .I = 40, .used = 2, .sentinel_every = 4});     // repeats, sentinels
+  add({.act = DType::bf16, .rwt = DType::bf16, .T = 32, .E = 5, .K = 2, .H = 264, .I = 200,
+       .gate = GateKind::clamped_swiglu, .limit = 7.0f, .sentinels = true});
+  add({.act = DType::bf16, .T = 1, .E = 8, .K = 2, .H = 7168 / 8, .I = 2048 / 8}, DType::ue8m0);
+  add({.act = DType::f16, .idt = DType::i32, .T = 16, .E = 33, .K = 4, .H = 384, .I = 208, .has_gate = false,
+       .has_bias = true, .activation = Activation::relu2}, DType::ue8m0);
+  add({.T = 4, .E = 5, .K = 2, .H = 64, .I = 48, .sentinel_every = 1});                // every slot a sentinel
   return v;
 }
 
@@ -147,6 +159,85 @@ TEST(CudaQuant, Fp8GroupedBatchedAndDeepgemmMatchTheReference) {
   }
   EXPECT_GT(checked, 0);
 }
+
+#ifdef MOEKIT_WITH_CUDA
+// Sets the FP8 GEMV's reach for the scope.
+class Fp8GemvPolicy {
+ public:
+  explicit Fp8GemvPolicy(int64_t max_pairs) : previous_(cuda::set_fp8_gemv_max_pairs(max_pairs)) {}
+  ~Fp8GemvPolicy() { cuda::set_fp8_gemv_max_pairs(previous_); }
+  Fp8GemvPolicy(const Fp8GemvPolicy&) = delete;
+  Fp8GemvPolicy& operator=(const Fp8GemvPolicy&) = delete;
+
+ private:
+  int64_t previous_;
+};
+
+// The FP8 GEMV forced on beyond its default reach (experts of more than one row tile of 64, P > 64) and off (the
+// tiled kernels at decode sizes): both against the reference, and the GEMV the same bits on a second run.
+TEST(CudaQuant, Fp8GemvForcedOnAndOffMatchesTheReference) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  std::vector<std::pair<ProblemConfig, DType>> cases = {
+      {{.T = 100, .E = 3, .K = 2, .H = 200, .I = 136, .used = 1}, DType::f32},  // 200 rows: 4 tiles of one expert
+      {{.T = 70, .E = 7, .K = 2, .H = 130, .I = 72, .has_bias = true, .sentinels = true}, DType::f32},
+      {{.act = DType::bf16, .rwt = DType::bf16, .T = 90, .E = 5, .K = 3, .H = 264, .I = 200}, DType::ue8m0},
+      {{.T = 3, .E = 9, .K = 3, .H = 300, .I = 100, .has_gate = false, .activation = Activation::gelu}, DType::f32},
+      {{.act = DType::f16, .T = 8, .E = 4, .K = 2, .H = 144, .I = 64}, DType::f32},
+  };
+  uint64_t seed = 900;
+  for (const auto& [c, sdt] : cases) {
+    const test::ExpertsProblem p = make_fp8_problem(c, seed++, sdt);
+    const Experts g = p.experts.to(Device::cuda(0));
+    for (const int64_t reach : {int64_t(1) << 40, int64_t(0)}) {
+      const Fp8GemvPolicy policy(reach);
+      for (const char* name : {"grouped_mm", "batched_mm", "deepgemm"}) {
+        if (!ExpertsInterface::global().get(name)->supports(g, c.act).ok) continue;
+        double err = 0;
+        const Tensor out = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
+        const std::string problem = test::compare_with_reference(p, out, &err);
+        std::printf("  %-10s gemv %-3s %s scales %s: rel L2 %.2e %s\n", name, reach ? "on" : "off",
+                    c.to_string().c_str(), dtype_name(sdt), err, problem.c_str());
+        EXPECT_TRUE(problem.empty()) << name << " gemv " << (reach ? "on " : "off ") << c.to_string() << ": "
+                                     << problem;
+        if (reach) {  // deterministic: no atomics, a fixed order of sums
+          const Tensor again = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
+          const Tensor a = out.to(Device::cpu()), b = again.to(Device::cpu());
+          ASSERT_EQ(a.nbytes(), b.nbytes());
+          EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << name << " " << c.to_string();
+        }
+      }
+    }
+  }
+}
+
+// The launcher refuses what the kernel cannot read (unaligned or short A rows) instead of reading out of bounds.
+TEST(CudaQuant, Fp8GemvRefusesWhatItCannotRead) {
+  namespace k = cuda::kernels;
+  k::Fp8GemmArgs a;
+  a.a = reinterpret_cast<const uint8_t*>(size_t(256));
+  a.b = reinterpret_cast<const uint8_t*>(size_t(512));
+  a.lda = 256;
+  a.b_k = 208;
+  a.k = 200;
+  a.b_stride_n = 208;
+  a.b_expert_stride = 208 * 64;
+  EXPECT_TRUE(k::fp8_gemv_ok(a));
+  k::Fp8GemmArgs bad = a;
+  bad.lda = 192;  // shorter than the weight rows
+  EXPECT_FALSE(k::fp8_gemv_ok(bad));
+  bad = a;
+  bad.b = reinterpret_cast<const uint8_t*>(size_t(520));
+  EXPECT_FALSE(k::fp8_gemv_ok(bad));
+  bad = a;
+  bad.b_k = 200;
+  EXPECT_FALSE(k::fp8_gemv_ok(bad));
+  bad = a;
+  bad.k = 220;
+  EXPECT_FALSE(k::fp8_gemv_ok(bad));
+  EXPECT_EQ(k::fp8_gemv(bad, 64, 1, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(k::fp8_gemv(a, 64, 3, nullptr), cudaErrorInvalidValue);
+}
+#endif
 
 // Bad routing ids on an FP8 forward: the sticky error word names the first one.
 TEST(CudaQuant, Fp8BadIdIsAClearError) {

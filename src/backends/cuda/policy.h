@@ -30,4 +30,10 @@ bool set_grouped_wgmma_wide_enabled(bool enabled);
 bool grouped_tma_enabled();
 bool set_grouped_tma_enabled(bool enabled);
 
+// Largest number of pairs for which FP8 experts (grouped_mm, batched_mm, deepgemm) run the weight-streaming GEMV
+// (kernels/gemv_quant.cu) instead of the tiled projections: 64 by default, MOEKIT_FP8_GEMV_MAX_PAIRS in the
+// environment at first use (0: never). Setting it returns the previous value (process-wide).
+int64_t fp8_gemv_max_pairs();
+int64_t set_fp8_gemv_max_pairs(int64_t pairs);
+
 }  // namespace moekit::cuda

@@ -10,9 +10,16 @@
 // (grouped_gemm_sm90_fp8.cu), over the quantized rows written in sorted order (the copy engine has no row
 // gather); otherwise the mma.sync kernel (grouped_gemm_fp8.cu), which gathers the token rows itself.
 // MOEKIT_FP8_WGMMA=0 in the environment keeps to the mma.sync kernel (for comparisons).
+// Decode sizes (P <= fp8_gemv_max_pairs(), policy.h): both projections on the FP8 GEMV instead (gemv_quant.cu),
+// over the same sorted rows and quantized activations: one block per (hit expert's row tile, block of columns),
+// each hit expert's weights streamed once per step (the tiled kernels read them at a fraction of the bandwidth
+// when the tiles hold one or two rows).
+#include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
+#include "backends/cuda/policy.h"
 #include "backends/cuda/state.h"
 #include "moekit/quant.h"
 
@@ -26,13 +33,35 @@ bool wgmma_enabled() {
   }();
   return on;
 }
+
+// The GEMV's default reach (policy.h fp8_gemv_max_pairs): 64, the decode sizes of issue 11 (T = 1..64 at top-k
+// 1..8 reach it at P = 64). Not yet measured against the mma.sync kernel on the H200: the crossover may lie
+// higher, notably for few experts with many rows each (MOEKIT_FP8_GEMV_MAX_PAIRS overrides it for measuring).
+constexpr int64_t kFp8GemvMaxPairs = 64;
+// Row tile of the GEMV's routing: up to this many rows of an expert share one block per column block (a tile of
+// more rows is another block, streaming the weights again).
+constexpr int kFp8GemvTile = 64;
+std::atomic<int64_t>& fp8_gemv_limit() {
+  static std::atomic<int64_t> v{[] {
+    const char* e = std::getenv("MOEKIT_FP8_GEMV_MAX_PAIRS");
+    return e && *e ? int64_t(std::strtoll(e, nullptr, 10)) : kFp8GemvMaxPairs;
+  }()};
+  return v;
+}
 }  // namespace
+
+int64_t fp8_gemv_max_pairs() { return fp8_gemv_limit().load(); }
+int64_t set_fp8_gemv_max_pairs(int64_t pairs) { return fp8_gemv_limit().exchange(pairs); }
 
 void run_fp8(const CallContext& c) {
   namespace k = kernels;
   const int64_t P = c.pairs, E = c.experts_count, T = c.tokens, H = c.hidden, I = c.inter, N1 = c.n1;
   const int64_t HB = fp8_blocks(H), IB = fp8_blocks(I);
-  const int tile_m = k::fp8_tile_m(P, int(E));
+  const auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  // Decode: the GEMV (its launcher checks the rest: strides are multiples of 16 by construction).
+  const bool gemv = P <= fp8_gemv_max_pairs() && c.q1_ld % 16 == 0 && c.q2_ld % 16 == 0 && aligned16(c.q1) &&
+                    aligned16(c.q2);
+  const int tile_m = gemv ? kFp8GemvTile : k::fp8_tile_m(P, int(E));
   const int arch = c.device->arch();
 
   // The second projection's arguments decide the kernel (the first one's differ only in A and the epilogue).
@@ -51,7 +80,7 @@ void run_fp8(const CallContext& c) {
   // f32 activations keep to the mma.sync kernel: wgmma's FP8 accumulation is not exact within a block (its
   // partial sums land within about 1e-4 instead of f32 rounding), which moves the requantized activations
   // enough to miss the f32 tolerance (1e-5); it is well within the bf16 / f16 ones.
-  const bool sm90 = wgmma_enabled() && tile_m == 128 && c.type != k::Elem::f32 &&
+  const bool sm90 = !gemv && wgmma_enabled() && tile_m == 128 && c.type != k::Elem::f32 &&
                     k::grouped_gemm_fp8_sm90_ok(probe, arch) &&
                     (c.first_epilogue != k::kEpiGated || c.gate.concatenated) && c.q1_ld % 16 == 0 &&
                     (N1 * c.q1_ld) % 16 == 0 && (reinterpret_cast<uintptr_t>(c.q1) & 15) == 0;
@@ -82,8 +111,14 @@ void run_fp8(const CallContext& c) {
     check_launch(k::quantize_fp8_rows(c.type, c.call.hidden_states.data, H, nullptr, 1, T, H, nullptr, c.fp8_pow2,
                                       xq, HB * kFp8Block, xs, HB, c.stream),
                  "quantize_fp8_rows (hidden states)");
+  // The GEMV passes over 4 rows of an expert at once when experts average more than one row (else 1: each
+  // weight chunk converted once).
+  const int rows_per_pass = P > E ? 4 : 1;
   auto gemm = [&](const k::Fp8GemmArgs& g, const char* what) {
-    check_launch(sm90 ? k::grouped_gemm_fp8_sm90(g, c.stream) : k::grouped_gemm_fp8(g, tile_m, c.stream), what);
+    check_launch(gemv   ? k::fp8_gemv(g, tile_m, rows_per_pass, c.stream)
+                 : sm90 ? k::grouped_gemm_fp8_sm90(g, c.stream)
+                        : k::grouped_gemm_fp8(g, tile_m, c.stream),
+                 what);
   };
 
   k::Fp8GemmArgs g1;

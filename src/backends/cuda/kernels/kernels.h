@@ -270,4 +270,15 @@ cudaError_t grouped_gemm_fp8(const Fp8GemmArgs& a, int tile_m, cudaStream_t stre
 bool grouped_gemm_fp8_sm90_ok(const Fp8GemmArgs& a, int arch);
 cudaError_t grouped_gemm_fp8_sm90(const Fp8GemmArgs& a, cudaStream_t stream);
 
+// ---- FP8 experts at decode sizes (gemv_quant.cu): the projection above as a weight-streaming GEMV ----
+
+// One block per (row tile of tile_m sorted rows, block of output columns): each warp streams four weight rows of
+// the tile's expert once per `rows_per_pass` (1 or 4) rows of the tile, 16-byte loads, e4m3 converted in
+// registers, sums as grouped_gemm_fp8 forms them (per 128-input block, scaled by a_scale * w_scale). Same
+// arguments and epilogues (kEpiGated, kEpiActOnly, kEpiF32); tile_offsets for tile_m. Whether it serves them:
+// b_k and lda multiples of 16 with k <= b_k <= lda (A rows padded with zero codes, as quantize_fp8_rows writes
+// them), 16-byte aligned A and B, weight strides multiples of 16.
+bool fp8_gemv_ok(const Fp8GemmArgs& a);
+cudaError_t fp8_gemv(const Fp8GemmArgs& a, int tile_m, int rows_per_pass, cudaStream_t stream);
+
 }  // namespace moekit::cuda::kernels
