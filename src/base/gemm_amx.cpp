@@ -20,7 +20,8 @@ namespace moekit::cpu {
 namespace {
 
 constexpr int64_t kChunkK = 512;  // 2 panels x 512 k x 32 B = 32 KiB of B per pass
-constexpr int64_t kAhead = 4;     // B prefetch distance in 32-k steps
+constexpr int64_t kAhead = 2;     // B prefetch distance in 32-k steps
+constexpr int64_t kAheadMem = 8;  // the same for the first row block, whose B comes from memory
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
@@ -56,7 +57,7 @@ void from_buffer(const float* buf, int rows, int64_t cols, float* c, int64_t ldc
 // cols0 / cols1: valid columns of the panels (16 = full, read and written in place).
 template <int MB, int NP>
 void block(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b1, int64_t k0, int64_t k1, float* c,
-           int64_t ldc, bool acc, int rows0, int rows1, int64_t cols0, int64_t cols1, bool fetch) {
+           int64_t ldc, bool acc, int rows0, int rows1, int64_t cols0, int64_t cols1, int64_t ahead) {
   alignas(64) float buf[4][256];
   const int64_t sc = ldc * 4, sa = lda * 2;
   float* c0 = c;
@@ -87,11 +88,11 @@ void block(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b
   }
   for (int64_t k = k0; k < k1; k += 32) {
     // The first row block of a pass reads B from memory: fetch its tiles kAhead steps ahead.
-    if (fetch && k + kAhead * 32 < k1) {
-      const char* p0 = reinterpret_cast<const char*>(b0 + (k + kAhead * 32) * 16);
+    if (k + ahead * 32 < k1) {
+      const char* p0 = reinterpret_cast<const char*>(b0 + (k + ahead * 32) * 16);
       for (int l = 0; l < 1024; l += 64) _mm_prefetch(p0 + l, _MM_HINT_T0);
       if (NP == 2) {
-        const char* p1 = reinterpret_cast<const char*>(b1 + (k + kAhead * 32) * 16);
+        const char* p1 = reinterpret_cast<const char*>(b1 + (k + ahead * 32) * 16);
         for (int l = 0; l < 1024; l += 64) _mm_prefetch(p1 + l, _MM_HINT_T0);
       }
     }
@@ -442,7 +443,7 @@ void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedB
   float* cb = c + n0;
   int cfg0 = -1, cfg1 = -1;
   // One row block reads each B tile once: no reuse to keep in L1, so all of k in one pass.
-  const int64_t chunk = m <= 32 ? w.kp : kChunkK;
+  const int64_t chunk = w.kp;
   for (int64_t k0 = 0; k0 < w.kp; k0 += chunk) {
     const int64_t k1 = k0 + chunk < w.kp ? k0 + chunk : w.kp;
     const bool acc = k0 > 0;
@@ -459,11 +460,11 @@ void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedB
         const uint16_t* ai = a + i * lda;
         float* ci = cb + i * ldc + p * 16;
         if (r1 > 0) {
-          if (two) block<2, 2>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, i == 0);
-          else block<2, 1>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, i == 0);
+          if (two) block<2, 2>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, i == 0 ? kAheadMem : kAhead);
+          else block<2, 1>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, i == 0 ? kAheadMem : kAhead);
         } else {
-          if (two) block<1, 2>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, i == 0);
-          else block<1, 1>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, i == 0);
+          if (two) block<1, 2>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, i == 0 ? kAheadMem : kAhead);
+          else block<1, 1>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, i == 0 ? kAheadMem : kAhead);
         }
       }
     }
