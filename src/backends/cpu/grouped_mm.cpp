@@ -1,7 +1,5 @@
 // grouped_mm on the CPU: pairs sorted by expert (routing/), one grouped GEMM per projection over the sorted rows
 // (every (expert, column tile) is one task, all experts at once), then unsort and combine (common.h).
-#include <omp.h>
-
 #include <algorithm>
 #include <vector>
 
@@ -29,10 +27,8 @@ std::vector<Tile> grouped_tiles(const ExpertRouting& r, int64_t n, int64_t tile_
 }
 
 // bf16 tiles: (expert, row block, column range), largest experts first. Row blocks (bf16_tile_m) split the
-// experts that got many rows, so one popular expert does not leave the other threads idle at the end. A task takes
-// as many kBf16TileN column blocks as leaves about kTasksPerThread tasks per thread: wide tasks keep the expert's
-// rows in the core's L2 over all its columns (each weight panel is read once, the rows of A once per task).
-constexpr int64_t kTasksPerThread = 8;
+// experts that got many rows, so one popular expert does not leave the other threads idle at the end; column ranges
+// as wide as bf16_task_cols allows keep the expert's rows in the core's L2 over many weight panels.
 std::vector<Tile> bf16_tiles(const ExpertRouting& r, int64_t n) {
   std::vector<int64_t> experts = r.active_experts();
   std::stable_sort(experts.begin(), experts.end(),
@@ -42,9 +38,7 @@ std::vector<Tile> bf16_tiles(const ExpertRouting& r, int64_t n) {
     const int64_t m = r.counts[size_t(e)];
     row_tasks += (m + bf16_tile_m(m) - 1) / bf16_tile_m(m);
   }
-  const int64_t blocks = (n + kBf16TileN - 1) / kBf16TileN, want = kTasksPerThread * omp_get_max_threads();
-  const int64_t per_task = std::clamp<int64_t>(blocks * row_tasks / std::max<int64_t>(want, 1), 1, blocks);
-  const int64_t width = per_task * kBf16TileN;
+  const int64_t width = bf16_task_cols(n, row_tasks);
   std::vector<Tile> tiles;
   for (const int64_t e : experts) {
     const int64_t m = r.counts[size_t(e)], tm = bf16_tile_m(m);
