@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CPU experts timings on a many-core host (written for the 16-core Xeon of the H200 machine), about 3 minutes:
 # for qwen3-30b-a3b, mixtral-8x7b, then deepseek-v3 (while the time budget lasts), bf16, T = 1, 8, 64, 512, 2048:
-#   1. moekit bench (grouped_mm, batched_mm; the ceilings are measured by the first run and reused by the others);
+#   1. moekit bench (grouped_mm; the ceilings are measured by the first run and reused by the others);
 #   2. transformers' own experts backends on the same shape and token counts (scripts/hf_cpu_bench.py; needs torch and
 #      transformers, skipped without them).
 # Then one table: moekit's best median per (shape, T), its ratio to the roofline floor, transformers' best and the
@@ -9,7 +9,8 @@
 #
 # Usage: scripts/cpu_bench_16core.sh [BIN_DIR (default build-gpu/bin)] [OUT_DIR (default $OUT or /tmp/cpu_bench)]
 # Environment: THREADS (default: the number of cores, at most 16), BUDGET_S (default 170: a shape starts only while
-# the elapsed time is below BUDGET_S - 50), TOKENS (default 1,8,64,512,2048), SHAPES (default
+# the elapsed time is below BUDGET_S - 50), BACKENDS (moekit's, default grouped_mm: the best at every T on that
+# host so far; batched_mm reads each pair's expert once per pair), TOKENS (default 1,8,64,512,2048), SHAPES (default
 # qwen3-30b-a3b,mixtral-8x7b,deepseek-v3), HF (default 1: time transformers too), FP8 (default 0).
 set -uo pipefail
 BIN=${1:-build-gpu/bin}
@@ -32,7 +33,7 @@ if [ "$HF" = 1 ] && ! python3 -c 'import torch, transformers' 2>/dev/null; then
   echo "transformers: not installed here, skipped"; HF=0
 fi
 
-COMMON=(bench --device cpu --backends grouped_mm,batched_mm --warmup 2 --iters 30 --min-iters 3 --min-time 0.3
+COMMON=(bench --device cpu --backends "${BACKENDS:-grouped_mm}" --warmup 1 --iters 20 --min-iters 3 --min-time 0.2
         --max-seconds 8 --check-macs 20000000 --quiet)
 CEIL=()
 run() {  # run NAME ARGS...: one bench call, records in $DIR/NAME.json, its table in $DIR/NAME.txt
@@ -48,7 +49,7 @@ hf() {  # hf SHAPE: transformers' backends on SHAPE, records in $DIR/hf-SHAPE.js
   [ "$HF" = 1 ] || return
   local s=$SECONDS left=$((BUDGET_S + 30 - SECONDS))
   [ $left -lt 30 ] && left=30
-  timeout $left python3 "$HERE/hf_cpu_bench.py" --json "$DIR/hf-$1.json" --shapes "$1" --tokens "$TOKENS" \
+  timeout $left python3 "$HERE/hf_cpu_bench.py" --json "$DIR/hf-$1.json" --shapes "$1" --tokens "$TOKENS" --min-time 0.2 \
     --budget-s $((left - 10)) $([ $first = 1 ] && echo --peak) > "$DIR/hf-$1.txt" 2>&1
   echo "hf-$1: rc=$? $((SECONDS - s)) s"
 }

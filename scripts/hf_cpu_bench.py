@@ -87,9 +87,11 @@ def main():
         mt, cls_path, kw = SHAPES[shape]
         cfg = AutoConfig.for_model(mt, **kw)
         cfg._experts_implementation = "eager"
-        torch.set_default_dtype(torch.bfloat16)
-        ex = load_class(cls_path)(cfg)
-        torch.set_default_dtype(torch.float32)
+        try:  # parameters made in bf16 directly (deepseek-v3's experts are 22.5 GB in bf16)
+            torch.set_default_dtype(torch.bfloat16)
+            ex = load_class(cls_path)(cfg)
+        finally:
+            torch.set_default_dtype(torch.float32)
         ex = ex.to(torch.bfloat16)
         with torch.no_grad():
             for p in ex.parameters():

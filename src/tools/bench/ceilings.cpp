@@ -188,11 +188,19 @@ double cpu_read_gbps(int64_t cache_bytes) {
     uint64_t total = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : total)
     for (int t = 0; t < threads; ++t) {
-      uint64_t a = 0;
-      const size_t begin = size_t(t) * chunk, end = std::min(n, begin + chunk);
-#pragma omp simd reduction(+ : a)
-      for (size_t i = begin; i < end; ++i) a += buf[i];
-      total += a;
+      // Four sums of 8-byte words, each cache line fetched 1 KiB ahead (as the experts' kernels fetch their weights:
+      // without it some virtual machines' prefetchers leave a single stream at a fraction of the memory's rate).
+      const size_t begin = std::min(n, size_t(t) * chunk), end = std::min(n, begin + chunk);
+      const uint64_t* p = buf.get() + begin;
+      const size_t len = end - begin;
+      uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+      size_t i = 0;
+      for (; i + 8 <= len; i += 8) {
+        if (i + 128 < len) __builtin_prefetch(p + i + 128, 0, 3);
+        a0 += p[i] + p[i + 4], a1 += p[i + 1] + p[i + 5], a2 += p[i + 2] + p[i + 6], a3 += p[i + 3] + p[i + 7];
+      }
+      for (; i < len; ++i) a0 += p[i];
+      total += a0 + a1 + a2 + a3;
     }
     sink = sink + total;
   };
