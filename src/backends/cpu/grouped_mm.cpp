@@ -41,9 +41,10 @@ std::vector<Tile> bf16_tiles(const ExpertRouting& r, int64_t n) {
   const int64_t width = bf16_task_cols(n, row_tasks);
   std::vector<Tile> tiles;
   for (const int64_t e : experts) {
-    const int64_t m = r.counts[size_t(e)], tm = bf16_tile_m(m);
+    // Decode-sized experts (below the AMX rows) share nothing across columns: narrow tasks, spread over more threads.
+    const int64_t m = r.counts[size_t(e)], tm = bf16_tile_m(m), w = m < kAmxMinRows ? kBf16TileN : width;
     for (int64_t m0 = 0; m0 < m; m0 += tm)
-      for (int64_t n0 = 0; n0 < n; n0 += width) tiles.push_back({e, n0, std::min(n, n0 + width), m0, std::min(m, m0 + tm)});
+      for (int64_t n0 = 0; n0 < n; n0 += w) tiles.push_back({e, n0, std::min(n, n0 + w), m0, std::min(m, m0 + tm)});
   }
   return tiles;
 }
