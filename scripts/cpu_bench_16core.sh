@@ -1,27 +1,39 @@
 #!/usr/bin/env bash
 # CPU experts timings on a many-core host (written for the 16-core Xeon of the H200 machine), about 3 minutes:
-#   1. qwen3-30b-a3b, bf16, T = 1, 8, 64, 512, 2048 (grouped_mm, batched_mm): prefill against the floor;
-#   2. qwen3-30b-a3b, FP8 (128 x 128 block-scaled e4m3), T = 1, 8: decode against bf16 (fewer bytes, less time?);
-#   3. while the time budget lasts: mixtral-8x7b, then deepseek-v3, bf16 and FP8 at T = 1, 8, 64.
-# Then one table: best median per (shape, T, kind), its backend, FP8 / bf16 and the ratio to the roofline floor.
+# for qwen3-30b-a3b, mixtral-8x7b, then deepseek-v3 (while the time budget lasts), bf16, T = 1, 8, 64, 512, 2048:
+#   1. moekit bench (grouped_mm; the ceilings are measured by the first run and reused by the others);
+#   2. transformers' own experts backends on the same shape and token counts (scripts/hf_cpu_bench.py; needs torch and
+#      transformers, skipped without them).
+# Then one table: moekit's best median per (shape, T), its ratio to the roofline floor, transformers' best and the
+# speed-up. FP8=1 adds moekit's FP8 experts at T = 1, 8 beside bf16.
 #
 # Usage: scripts/cpu_bench_16core.sh [BIN_DIR (default build-gpu/bin)] [OUT_DIR (default $OUT or /tmp/cpu_bench)]
-# Environment: THREADS (default: the number of cores, at most 16), BUDGET_S (default 170: the optional shapes start
-# only while the elapsed time is below BUDGET_S - 60).
+# Environment: THREADS (default: the number of cores, at most 16), BUDGET_S (default 170: a shape starts only while
+# the elapsed time is below BUDGET_S - 50), BACKENDS (moekit's, default grouped_mm: the best at every T on that
+# host so far; batched_mm reads each pair's expert once per pair), TOKENS (default 1,8,64,512,2048), SHAPES (default
+# qwen3-30b-a3b,mixtral-8x7b,deepseek-v3), HF (default 1: time transformers too), FP8 (default 0).
 set -uo pipefail
 BIN=${1:-build-gpu/bin}
 DIR=${2:-${OUT:-/tmp/cpu_bench}}
 mkdir -p "$DIR"
 MOEKIT="$BIN/moekit"
 [ -x "$MOEKIT" ] || { echo "no moekit at $MOEKIT (give the bin folder of a build)" >&2; exit 2; }
+HERE=$(cd "$(dirname "$0")" && pwd)
 CORES=$(nproc)
 THREADS=${THREADS:-$((CORES < 16 ? CORES : 16))}
 BUDGET_S=${BUDGET_S:-170}
+TOKENS=${TOKENS:-1,8,64,512,2048}
+SHAPES=${SHAPES:-qwen3-30b-a3b,mixtral-8x7b,deepseek-v3}
+HF=${HF:-1}
+FP8=${FP8:-0}
 export OMP_NUM_THREADS=$THREADS OMP_PROC_BIND=close OMP_PLACES=cores
 echo "moekit CPU bench: $THREADS threads on $CORES cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
-echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "load: $(cut -d' ' -f1-3 /proc/loadavg); $(lscpu | grep -E '^(Thread|Core|Socket)' | tr -s ' ' | tr '\n' ';')"
+if [ "$HF" = 1 ] && ! python3 -c 'import torch, transformers' 2>/dev/null; then
+  echo "transformers: not installed here, skipped"; HF=0
+fi
 
-COMMON=(bench --device cpu --backends grouped_mm,batched_mm --warmup 2 --iters 30 --min-iters 3 --min-time 0.3
+COMMON=(bench --device cpu --backends "${BACKENDS:-grouped_mm}" --warmup 1 --iters 20 --min-iters 3 --min-time 0.2
         --max-seconds 8 --check-macs 20000000 --quiet)
 CEIL=()
 run() {  # run NAME ARGS...: one bench call, records in $DIR/NAME.json, its table in $DIR/NAME.txt
@@ -33,47 +45,78 @@ run() {  # run NAME ARGS...: one bench call, records in $DIR/NAME.json, its tabl
   echo "$name: rc=$rc $((SECONDS - s)) s$([ $rc = 124 ] && echo ' (timed out: its finished shapes are in the json)')"
 }
 
-run qwen3-bf16 --shape qwen3-30b-a3b --tokens 1,8,64,512,2048
-# The later runs reuse the ceilings measured by the first (same floor for every row, and no time spent on them).
-if [ -s "$DIR/qwen3-bf16.json" ]; then
-  read -r PEAK BW < <(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d["peak_tflops"], d["copy_tbps"] * 1000)' "$DIR/qwen3-bf16.json")
-  [ -n "${PEAK:-}" ] && CEIL=(--peak-tflops "$PEAK" --bandwidth-gbps "$BW")
-fi
-run qwen3-fp8 --shape qwen3-30b-a3b --tokens 1,8 --quant fp8
-for shape in mixtral-8x7b deepseek-v3; do
-  if [ $SECONDS -lt $((BUDGET_S - 60)) ]; then
-    run "$shape-bf16" --shape "$shape" --tokens 1,8,64
-    run "$shape-fp8" --shape "$shape" --tokens 1,8 --quant fp8
-  else
+hf() {  # hf SHAPE: transformers' backends on SHAPE, records in $DIR/hf-SHAPE.json
+  [ "$HF" = 1 ] || return
+  local s=$SECONDS left=$((BUDGET_S + 30 - SECONDS))
+  [ $left -lt 30 ] && left=30
+  timeout $left python3 "$HERE/hf_cpu_bench.py" --json "$DIR/hf-$1.json" --shapes "$1" --tokens "$TOKENS" --min-time 0.2 \
+    --budget-s $((left - 10)) $([ $first = 1 ] && echo --peak) > "$DIR/hf-$1.txt" 2>&1
+  echo "hf-$1: rc=$? $((SECONDS - s)) s"
+}
+
+first=1
+for shape in ${SHAPES//,/ }; do
+  if [ $first = 0 ] && [ $SECONDS -ge $((BUDGET_S - 50)) ]; then
     echo "$shape: skipped (time budget)"
+    continue
   fi
+  run "$shape-bf16" --shape "$shape" --tokens "$TOKENS"
+  if [ $first = 1 ] && [ -s "$DIR/$shape-bf16.json" ]; then
+    # The later runs reuse the ceilings measured by the first (same floor for every row, no time spent on them).
+    read -r PEAK BW < <(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d["peak_tflops"], d["copy_tbps"] * 1000)' "$DIR/$shape-bf16.json")
+    [ -n "${PEAK:-}" ] && CEIL=(--peak-tflops "$PEAK" --bandwidth-gbps "$BW")
+    grep -m1 '^ceilings' "$DIR/$shape-bf16.txt"
+  fi
+  [ "$FP8" = 1 ] && run "$shape-fp8" --shape "$shape" --tokens 1,8 --quant fp8
+  hf "$shape"
+  first=0
 done
 echo "elapsed $SECONDS s"
 
 python3 - "$DIR" <<'EOF'
 import glob, json, os, sys
-best = {}  # (shape, tokens, kind) -> record
-meta = None
+best, hf = {}, {}  # (shape, tokens, kind) -> moekit record; (shape, tokens) -> transformers' best record
+meta, torch_peak = None, 0.0
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
     try:
         d = json.load(open(f))
     except Exception as e:
         print(f"{f}: unreadable ({e})")
         continue
-    meta = meta or d
+    is_hf = os.path.basename(f).startswith("hf-")
+    torch_peak = max(torch_peak, d.get("torch_bf16_gemm_tflops", 0.0))
+    if not is_hf and "peak_tflops" in d:
+        meta = meta or d
     for r in d.get("records", []):
+        if is_hf:
+            k = (r["shape"], r["tokens"])
+            if "median_us" in r and (k not in hf or r["median_us"] < hf[k]["median_us"]):
+                hf[k] = r
+            continue
         kind = "fp8" if "fp8" in r.get("dtype", "") else "bf16"
         key = (r["shape"], r["tokens"], kind)
         if key not in best or r["median_us"] < best[key]["median_us"]:
             best[key] = r
 if not best:
     sys.exit("no records")
-print(f"\n{meta['card']}; peak {meta['peak_tflops']:.2f} TFLOP/s, copy {meta['copy_tbps'] * 1000:.0f} GB/s")
-print("| shape | T | bf16 ms (backend) | bf16 x floor | FP8 ms (backend) | FP8 x floor | FP8 / bf16 |")
-print("|---|---|---|---|---|---|---|")
-for shape, t in sorted({(k[0], k[1]) for k in best}, key=lambda x: (x[0], x[1])):
-    b, q = best.get((shape, t, "bf16")), best.get((shape, t, "fp8"))
-    cell = lambda r: (f"{r['median_us'] / 1000:.3g} ({r['backend']})", f"{r['floor_ratio']:.2f}") if r else ("-", "-")
-    ratio = f"{q['median_us'] / b['median_us']:.2f}" if b and q else "-"
-    print(f"| {shape} | {t} | {cell(b)[0]} | {cell(b)[1]} | {cell(q)[0]} | {cell(q)[1]} | {ratio} |")
+print(f"\n{meta['card']}; peak {meta['peak_tflops']:.2f} TFLOP/s, bandwidth {meta['copy_tbps'] * 1000:.0f} GB/s")
+print(f"({meta.get('ceilings_method', '')})")
+# The floor's peak is the best bf16 GEMM measured on this host: moekit's or torch's (oneDNN), whichever is higher.
+peak = max(meta["peak_tflops"], torch_peak)
+bw = meta["copy_tbps"] * 1000
+if torch_peak:
+    print(f"torch bf16 GEMM {torch_peak:.2f} TFLOP/s; floor below with peak {peak:.2f} TFLOP/s, {bw:.0f} GB/s")
+floor_us = lambda r: max(r["flops"] / (peak * 1e12), r["bytes"] / (bw * 1e9)) * 1e6
+print("| shape | T | moekit bf16 ms (backend) | x floor | floor ms | transformers best ms (impl) | speed-up | FP8 ms | FP8 x floor |")
+print("|---|---|---|---|---|---|---|---|---|")
+for shape, t in sorted({(k[0], k[1]) for k in best} | set(hf), key=lambda x: (x[0], x[1])):
+    b, q, h = best.get((shape, t, "bf16")), best.get((shape, t, "fp8")), hf.get((shape, t))
+    mk = f"{b['median_us'] / 1000:.3g} ({b['backend']})" if b else "-"
+    fr = f"{b['median_us'] / floor_us(b):.2f}" if b else "-"
+    fl = f"{floor_us(b) / 1000:.3g}" if b else "-"
+    hs = f"{h['median_us'] / 1000:.3g} ({h['impl']})" if h else "-"
+    sp = f"{h['median_us'] / b['median_us']:.2f}x" if b and h else "-"
+    qs = f"{q['median_us'] / 1000:.3g}" if q else "-"
+    qf = f"{q['median_us'] / floor_us(q):.2f}" if q else "-"
+    print(f"| {shape} | {t} | {mk} | {fr} | {fl} | {hs} | {sp} | {qs} | {qf} |")
 EOF

@@ -13,6 +13,7 @@
 
 #include "base/convert.h"
 #include "base/gemm.h"
+#include "backends/cpu/common.h"
 #include "backends/reference.h"
 #include "routing/routing.h"
 #include "test_experts_problem.h"
@@ -349,6 +350,28 @@ TEST(Backends, BatchedMmDoesNotCopyWeightsPerPair) {
 }
 
 // ---- routing ----
+
+// The CPU backends' per-call scratch: a released large buffer is handed out again (no fresh pages per call), a
+// larger request gets a block that holds it (written whole: ASan checks the size), and the pool's blocks are not
+// shared between live buffers.
+TEST(CpuScratch, LargeBuffersAreReusedAndSized) {
+  const int64_t n = 777781;  // floats: about 3 MiB, a size no other test asks for
+  float* first = nullptr;
+  {
+    cpu::FloatBuffer a = cpu::make_buffer(n);
+    first = a.get();
+    std::fill(a.get(), a.get() + n, 1.0f);
+  }
+  cpu::FloatBuffer b = cpu::make_buffer(n);
+  EXPECT_EQ(b.get(), first) << "a released block of the same size was not reused";
+  cpu::FloatBuffer c = cpu::make_buffer(n);  // while b lives: another block
+  EXPECT_NE(c.get(), b.get());
+  std::fill(c.get(), c.get() + n, 2.0f);
+  cpu::FloatBuffer d = cpu::make_buffer(3 * n);
+  std::fill(d.get(), d.get() + 3 * n, 3.0f);
+  EXPECT_EQ(b[0], 1.0f);
+  EXPECT_EQ(c[n - 1], 2.0f);
+}
 
 TEST(Routing, StableCountingSortDropsSentinels) {
   for (const DType idt : {DType::i32, DType::i64}) {

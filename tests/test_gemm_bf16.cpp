@@ -160,3 +160,26 @@ TEST(CpuGemmBf16, RowsToBf16RoundsLikeTheScalarConversionAndPads) {
       ASSERT_EQ(dst[size_t(i * kp + j)], want) << "row " << i << " col " << j;
     }
 }
+
+// A row stride past kp (the backends pad each activation row by a cache line) reads only the first kp values of
+// each row: the padding holds NaNs, and the product has the bits of the dense-stride one.
+TEST(CpuGemmBf16, PaddedRowStrideGivesTheSameBits) {
+  std::mt19937_64 rng(23);
+  for (const cpu::Isa isa : bf16_isas()) {
+    cpu::set_isa_override(isa);
+    const cpu::GemmKernels& kern = cpu::gemm_kernels();
+    for (const Dims d : {Dims{5, 40, 70}, Dims{40, 50, 70}, Dims{70, 33, 1030}}) {
+      const Problem p(d.m, d.n, d.k, false, rng);
+      const int64_t lda = p.kp + 32;
+      std::vector<uint16_t> padded(size_t(d.m * lda), 0x7FC0);  // bf16 NaN past kp
+      for (int64_t i = 0; i < d.m; ++i) std::memcpy(&padded[size_t(i * lda)], &p.a[size_t(i * p.kp)], size_t(p.kp) * 2);
+      std::vector<float> dense(size_t(d.m * d.n), NAN), strided(size_t(d.m * d.n), NAN);
+      cpu::gemm_bf16(kern, p.a.data(), p.kp, d.m, p.pack(), dense.data(), d.n);
+      cpu::gemm_bf16(kern, padded.data(), lda, d.m, p.pack(), strided.data(), d.n);
+      for (size_t i = 0; i < dense.size(); ++i) ASSERT_FALSE(std::isnan(dense[i])) << cpu::isa_name(isa);
+      EXPECT_EQ(std::memcmp(dense.data(), strided.data(), dense.size() * 4), 0)
+          << cpu::isa_name(isa) << " m=" << d.m << ": the row stride changed bits";
+    }
+    cpu::clear_isa_override();
+  }
+}

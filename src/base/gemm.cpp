@@ -294,14 +294,22 @@ int64_t bf16_tile_m(int64_t m) {
   return m <= 256 ? m : 128;
 }
 
+int64_t bf16_task_cols(int64_t n, int64_t row_tasks) {
+  constexpr int64_t kTasksPerThread = 8;
+  const int64_t blocks = (n + kBf16TileN - 1) / kBf16TileN, want = kTasksPerThread * omp_get_max_threads();
+  return std::clamp<int64_t>(blocks * row_tasks / std::max<int64_t>(want, 1), 1, std::max<int64_t>(blocks, 1)) *
+         kBf16TileN;
+}
+
 void gemm_bf16(const GemmKernels& kern, const uint16_t* a, int64_t lda, int64_t m, const PackedBf16& w, float* c,
                int64_t ldc) {
   MOEKIT_CHECK(kern.gemm_bf16_tile, "gemm_bf16: the ", isa_name(kern.isa), " kernels have no bf16 tile");
   if (m <= 0 || w.n <= 0) return;
-  const int64_t tm = bf16_tile_m(m), row_tiles = (m + tm - 1) / tm, col_tiles = (w.n + kBf16TileN - 1) / kBf16TileN;
+  const int64_t tm = bf16_tile_m(m), row_tiles = (m + tm - 1) / tm, tn = bf16_task_cols(w.n, row_tiles);
+  const int64_t col_tiles = (w.n + tn - 1) / tn;
   parallel_tasks(row_tiles * col_tiles, 0, m * w.n * w.k, [&](int64_t t, float*) {
-    const int64_t r0 = (t / col_tiles) * tm, n0 = (t % col_tiles) * kBf16TileN;
-    kern.gemm_bf16_tile(a + r0 * lda, lda, std::min(tm, m - r0), w, n0, std::min(w.n, n0 + kBf16TileN),
+    const int64_t r0 = (t / col_tiles) * tm, n0 = (t % col_tiles) * tn;
+    kern.gemm_bf16_tile(a + r0 * lda, lda, std::min(tm, m - r0), w, n0, std::min(w.n, n0 + tn),
                         c + r0 * ldc, ldc);
   });
 }

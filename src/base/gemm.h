@@ -151,5 +151,9 @@ void gemm_bf16(const GemmKernels& kernels, const uint16_t* a, int64_t lda, int64
 // The column and row block of one bf16 task (multiples of 16 and 32) for m rows: the blocks the backends split on.
 constexpr int64_t kBf16TileN = 128;
 int64_t bf16_tile_m(int64_t m);
+// Columns of one bf16 task over n columns when there are row_tasks row blocks to share among the OpenMP threads: as
+// many kBf16TileN blocks as leave about 8 tasks per thread (wide tasks keep their rows of A in the core's L2 over
+// more columns), at least one block.
+int64_t bf16_task_cols(int64_t n, int64_t row_tasks);
 
 }  // namespace moekit::cpu

@@ -1,9 +1,9 @@
 // The bf16 tile on AMX: C tiles of 16 rows x 16 f32 columns accumulate _tile_dpbf16ps(A [16 rows x 32 k],
 // B [16 k-pairs x 16 columns x 2]) where B is 1 KiB of a packed panel read in place. A block of up to 32 rows x
-// 2 panels keeps four C tiles (tmm0-3), two A tiles (tmm4-5) and two B tiles (tmm6-7). k runs in passes of
-// kChunkK so that the two panels' B of one pass stay in L1 over all rows; C goes through memory between passes
-// (an exact f32 round trip, so the result does not depend on the pass length). Rows below kAmxMinRows go to the
-// AVX512-BF16 tile. Compiled with the avx512 flags plus -mamx-tile -mamx-bf16 -mavx512bf16 -mavx512vbmi.
+// 2 panels keeps four C tiles (tmm0-3), two A tiles (tmm4-5) and two B tiles (tmm6-7) over all of k: C stays in
+// the tile registers (no round trips through memory), A and the two panels' B come from L2 (the first row block of
+// a panel pair reads B from memory, fetched further ahead). Rows below kAmxMinRows go to the AVX512-BF16 tile.
+// Compiled with the avx512 flags plus -mamx-tile -mamx-bf16 -mavx512bf16 -mavx512vbmi.
 //
 // Also the FP8 tile of the amx ISA: gemm_fp8_kernels.h with e4m3 decoded by two 128-entry byte tables (vpermi2b,
 // AVX512-VBMI, which every AMX CPU has) straight into the top bytes of f64 lanes: the same values as the f16 route
@@ -19,8 +19,8 @@
 namespace moekit::cpu {
 namespace {
 
-constexpr int64_t kChunkK = 512;  // 2 panels x 512 k x 32 B = 32 KiB of B per pass
-constexpr int64_t kAhead = 4;     // B prefetch distance in 32-k steps
+constexpr int64_t kAhead = 2;     // B prefetch distance in 32-k steps (B in L2)
+constexpr int64_t kAheadMem = 8;  // the same for the first row block of a panel pair, whose B comes from memory
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
@@ -56,7 +56,7 @@ void from_buffer(const float* buf, int rows, int64_t cols, float* c, int64_t ldc
 // cols0 / cols1: valid columns of the panels (16 = full, read and written in place).
 template <int MB, int NP>
 void block(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b1, int64_t k0, int64_t k1, float* c,
-           int64_t ldc, bool acc, int rows0, int rows1, int64_t cols0, int64_t cols1, bool fetch) {
+           int64_t ldc, bool acc, int rows0, int rows1, int64_t cols0, int64_t cols1, int64_t ahead) {
   alignas(64) float buf[4][256];
   const int64_t sc = ldc * 4, sa = lda * 2;
   float* c0 = c;
@@ -86,12 +86,12 @@ void block(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b
     }
   }
   for (int64_t k = k0; k < k1; k += 32) {
-    // The first row block of a pass reads B from memory: fetch its tiles kAhead steps ahead.
-    if (fetch && k + kAhead * 32 < k1) {
-      const char* p0 = reinterpret_cast<const char*>(b0 + (k + kAhead * 32) * 16);
+    // The B tiles `ahead` steps on, into L1.
+    if (k + ahead * 32 < k1) {
+      const char* p0 = reinterpret_cast<const char*>(b0 + (k + ahead * 32) * 16);
       for (int l = 0; l < 1024; l += 64) _mm_prefetch(p0 + l, _MM_HINT_T0);
       if (NP == 2) {
-        const char* p1 = reinterpret_cast<const char*>(b1 + (k + kAhead * 32) * 16);
+        const char* p1 = reinterpret_cast<const char*>(b1 + (k + ahead * 32) * 16);
         for (int l = 0; l < 1024; l += 64) _mm_prefetch(p1 + l, _MM_HINT_T0);
       }
     }
@@ -441,30 +441,26 @@ void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedB
   const uint16_t* b = w.data + (n0 / 16) * panel_stride;
   float* cb = c + n0;
   int cfg0 = -1, cfg1 = -1;
-  // One row block reads each B tile once: no reuse to keep in L1, so all of k in one pass.
-  const int64_t chunk = m <= 32 ? w.kp : kChunkK;
-  for (int64_t k0 = 0; k0 < w.kp; k0 += chunk) {
-    const int64_t k1 = k0 + chunk < w.kp ? k0 + chunk : w.kp;
-    const bool acc = k0 > 0;
-    for (int64_t p = 0; p < panels; p += 2) {
-      const bool two = p + 1 < panels;
-      const int64_t cols0 = p + 1 == panels ? n1 - n0 - p * 16 : 16;
-      const int64_t cols1 = two ? (p + 2 == panels ? n1 - n0 - (p + 1) * 16 : 16) : 0;
-      const uint16_t* b0 = b + p * panel_stride;
-      const uint16_t* b1 = b0 + panel_stride;
-      for (int64_t i = 0; i < m; i += 32) {
-        const int64_t left = m - i;
-        const int r0 = left >= 16 ? 16 : int(left), r1 = left >= 32 ? 16 : (left > 16 ? int(left - 16) : 0);
-        if (r0 != cfg0 || r1 != cfg1) configure(r0, r1), cfg0 = r0, cfg1 = r1;
-        const uint16_t* ai = a + i * lda;
-        float* ci = cb + i * ldc + p * 16;
-        if (r1 > 0) {
-          if (two) block<2, 2>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, i == 0);
-          else block<2, 1>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, i == 0);
-        } else {
-          if (two) block<1, 2>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, i == 0);
-          else block<1, 1>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, i == 0);
-        }
+  const int64_t kp = w.kp;
+  for (int64_t p = 0; p < panels; p += 2) {
+    const bool two = p + 1 < panels;
+    const int64_t cols0 = p + 1 == panels ? n1 - n0 - p * 16 : 16;
+    const int64_t cols1 = two ? (p + 2 == panels ? n1 - n0 - (p + 1) * 16 : 16) : 0;
+    const uint16_t* b0 = b + p * panel_stride;
+    const uint16_t* b1 = b0 + panel_stride;
+    for (int64_t i = 0; i < m; i += 32) {
+      const int64_t left = m - i;
+      const int r0 = left >= 16 ? 16 : int(left), r1 = left >= 32 ? 16 : (left > 16 ? int(left - 16) : 0);
+      if (r0 != cfg0 || r1 != cfg1) configure(r0, r1), cfg0 = r0, cfg1 = r1;
+      const uint16_t* ai = a + i * lda;
+      float* ci = cb + i * ldc + p * 16;
+      const int64_t ahead = i == 0 ? kAheadMem : kAhead;
+      if (r1 > 0) {
+        if (two) block<2, 2>(ai, lda, b0, b1, 0, kp, ci, ldc, false, r0, r1, cols0, cols1, ahead);
+        else block<2, 1>(ai, lda, b0, b1, 0, kp, ci, ldc, false, r0, r1, cols0, cols1, ahead);
+      } else {
+        if (two) block<1, 2>(ai, lda, b0, b1, 0, kp, ci, ldc, false, r0, r1, cols0, cols1, ahead);
+        else block<1, 1>(ai, lda, b0, b1, 0, kp, ci, ldc, false, r0, r1, cols0, cols1, ahead);
       }
     }
   }

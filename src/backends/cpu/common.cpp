@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
+#include <new>
 
 #include "backends/backends.h"
 #include "base/convert.h"
@@ -11,6 +13,21 @@
 namespace moekit::cpu {
 
 namespace {
+// round_row with a bf16 loop the compiler vectorises (no branch per element; the same bits as f32_to_bf16).
+void round_in_place(float* x, int64_t n, DType t) {
+  if (t != DType::bf16) {
+    round_row(x, n, t);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t b;
+    __builtin_memcpy(&b, x + i, 4);
+    const uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u, quiet = (b | 0x00400000u) & 0xffff0000u;
+    const uint32_t r = (b & 0x7fffffffu) > 0x7f800000u ? quiet : rounded;
+    __builtin_memcpy(x + i, &r, 4);
+  }
+}
+
 // x[0, n) += bias[e, n0 : n0 + n]
 void add_bias(float* x, const Tensor& bias, int64_t e, int64_t n0, int64_t n) {
   const int64_t off = e * bias.size(1) + n0;
@@ -137,9 +154,102 @@ void prepare(const Experts& experts) {
   });
 }
 
+// ---- scratch ----
+
+namespace {
+constexpr size_t kScratchMinBytes = size_t(1) << 20;
+constexpr size_t kScratchAlign = 64;
+struct ScratchPool {
+  std::mutex mutex;
+  std::vector<std::pair<size_t, void*>> blocks;  // (bytes, block)
+  size_t bytes = 0;
+};
+ScratchPool& scratch_pool() {
+  static ScratchPool* pool = new ScratchPool;  // never destroyed: buffers may be released during exit
+  return *pool;
+}
+}  // namespace
+
+void* scratch_alloc(size_t& bytes) {
+  if (bytes >= kScratchMinBytes) {
+    ScratchPool& pool = scratch_pool();
+    std::lock_guard<std::mutex> lock(pool.mutex);
+    size_t best = pool.blocks.size();
+    for (size_t i = 0; i < pool.blocks.size(); ++i)
+      if (pool.blocks[i].first >= bytes && pool.blocks[i].first / 2 <= bytes &&
+          (best == pool.blocks.size() || pool.blocks[best].first > pool.blocks[i].first))
+        best = i;
+    if (best < pool.blocks.size()) {
+      void* p = pool.blocks[best].second;
+      bytes = pool.blocks[best].first;
+      pool.bytes -= pool.blocks[best].first;
+      pool.blocks.erase(pool.blocks.begin() + std::ptrdiff_t(best));
+      return p;
+    }
+  }
+  return ::operator new(std::max<size_t>(bytes, 1), std::align_val_t(kScratchAlign));
+}
+
+void ScratchDeleter::operator()(void* p) const {
+  if (!p) return;
+  if (bytes >= kScratchMinBytes) {
+    ScratchPool& pool = scratch_pool();
+    std::lock_guard<std::mutex> lock(pool.mutex);
+    // Make room by dropping the oldest blocks; a block larger than the whole pool is not kept.
+    while (!pool.blocks.empty() && pool.bytes + bytes > kScratchPoolBytes) {
+      ::operator delete(pool.blocks.front().second, std::align_val_t(kScratchAlign));
+      pool.bytes -= pool.blocks.front().first;
+      pool.blocks.erase(pool.blocks.begin());
+    }
+    if (pool.bytes + bytes <= kScratchPoolBytes) {
+      pool.blocks.emplace_back(bytes, p);
+      pool.bytes += bytes;
+      return;
+    }
+  }
+  ::operator delete(p, std::align_val_t(kScratchAlign));
+}
+
 Bf16Buffer bf16_rows(const float* src, int64_t lds, int64_t rows, int64_t k, int64_t kp) {
-  Bf16Buffer out(new uint16_t[size_t(std::max<int64_t>(rows * kp, 1))]);
+  size_t bytes = size_t(std::max<int64_t>(rows * kp, 1)) * sizeof(uint16_t);
+  Bf16Buffer out(static_cast<uint16_t*>(scratch_alloc(bytes)), ScratchDeleter{bytes});
   parallel_for(rows, 16, rows * k, [&](int64_t i) { rows_to_bf16(src + i * lds, lds, 1, k, out.get() + i * kp, kp); });
+  return out;
+}
+
+Bf16Buffer gather_bf16_rows(const Plan& p, const ExpertsCall& call, const int64_t* row_pairs, int64_t rows,
+                            int64_t ld) {
+  MOEKIT_CHECK(call.hidden_states.dtype == DType::bf16, "gather_bf16_rows takes bf16 hidden states, got ",
+               dtype_name(call.hidden_states.dtype));
+  const int64_t K = call.top_k(), H = p.H;
+  size_t bytes = size_t(std::max<int64_t>(rows * ld, 1)) * sizeof(uint16_t);
+  Bf16Buffer out(static_cast<uint16_t*>(scratch_alloc(bytes)), ScratchDeleter{bytes});
+  const auto* src = static_cast<const uint16_t*>(call.hidden_states.data);
+  parallel_for(rows, 16, rows * H, [&](int64_t i) {
+    const int64_t t = row_pairs ? row_pairs[i] / K : i;
+    uint16_t* d = out.get() + i * ld;
+    std::copy(src + t * H, src + t * H + H, d);
+    std::fill(d + H, d + ld, uint16_t(0));
+  });
+  return out;
+}
+
+Bf16Buffer gated_bf16_rows(const Plan& p, float* h, int64_t rows, const int64_t* row_expert, int64_t ld) {
+  MOEKIT_CHECK(p.act == DType::bf16, "gated_bf16_rows takes bf16 activations, got ", dtype_name(p.act));
+  const int64_t I = p.I, N1 = p.N1;
+  size_t bytes = size_t(std::max<int64_t>(rows * ld, 1)) * sizeof(uint16_t);
+  Bf16Buffer out(static_cast<uint16_t*>(scratch_alloc(bytes)), ScratchDeleter{bytes});
+  parallel_for(rows, 8, rows * N1 * kGateCost, [&](int64_t i) {
+    float* row = h + i * N1;
+    first_epilogue_row(p, row_expert[i], row);
+    uint16_t* d = out.get() + i * ld;
+    for (int64_t j = 0; j < I; ++j) {  // the values are bf16 already: keep the top half (NaN made quiet)
+      uint32_t b;
+      __builtin_memcpy(&b, row + j, 4);
+      d[j] = uint16_t((b & 0x7fffffffu) > 0x7f800000u ? (b >> 16) | 0x40u : b >> 16);
+    }
+    std::fill(d + I, d + ld, uint16_t(0));
+  });
   return out;
 }
 
@@ -208,7 +318,10 @@ void quant_gemm(const Plan& p, bool down, int64_t e, const Fp8Rows& a, int64_t r
   });
 }
 
-FloatBuffer make_buffer(int64_t n) { return FloatBuffer(new float[size_t(std::max<int64_t>(n, 1))]); }
+FloatBuffer make_buffer(int64_t n) {
+  size_t bytes = size_t(std::max<int64_t>(n, 1)) * sizeof(float);
+  return FloatBuffer(static_cast<float*>(scratch_alloc(bytes)), ScratchDeleter{bytes});
+}
 
 // ---- rows ----
 
@@ -263,10 +376,10 @@ void first_epilogue_row(const Plan& p, int64_t e, float* h) {
     apply_gate_row<float>(*p.spec, h, h);  // reads gate/up at or after the position it writes
     return;
   }
-  round_row(h, p.N1, p.act);  // the product, then the bias added to it, each in the activation dtype
+  round_in_place(h, p.N1, p.act);  // the product, then the bias added to it, each in the activation dtype
   if (p.b1) {
     add_bias(h, *p.b1, e, 0, p.N1);
-    round_row(h, p.N1, p.act);
+    round_in_place(h, p.N1, p.act);
   }
   gate_row_rounded(*p.spec, p.act, h);
 }
@@ -274,10 +387,10 @@ void first_epilogue_row(const Plan& p, int64_t e, float* h) {
 void down_epilogue(const Plan& p, int64_t e, float* y, int64_t ldy, int64_t rows, int64_t n0, int64_t n1) {
   for (int64_t r = 0; r < rows; ++r) {
     float* row = y + r * ldy + n0;
-    round_row(row, n1 - n0, p.act);
+    round_in_place(row, n1 - n0, p.act);
     if (p.b2) {
       add_bias(row, *p.b2, e, n0, n1 - n0);
-      round_row(row, n1 - n0, p.act);
+      round_in_place(row, n1 - n0, p.act);
     }
   }
 }

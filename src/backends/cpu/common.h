@@ -91,9 +91,34 @@ constexpr int64_t kGateCost = 8;
 void for_each_token_chunk(const ExpertsCall& call, int64_t floats_per_pair,
                           const std::function<void(const ExpertsCall&)>& fn);
 
+// Per-call scratch: buffers of 1 MiB and more go back to a process-wide pool when released and are handed out again
+// by later calls (best fit, at most twice the size asked), so that a call does not fault in fresh pages for its hundreds of MiB of intermediates
+// every time (the kernel's page clearing cost as much as the products at prefill sizes). The pool keeps at most
+// kScratchPoolBytes; contents are uninitialised.
+constexpr size_t kScratchPoolBytes = size_t(1) << 30;
+struct ScratchDeleter {
+  size_t bytes = 0;
+  void operator()(void* p) const;
+};
+// At least `bytes` bytes, 64-byte aligned; `bytes` becomes the block's size (give it to the ScratchDeleter).
+void* scratch_alloc(size_t& bytes);
+
 // dst[i, 0:kp) = bf16(src[i, 0:k)), zero past k (all threads).
-using Bf16Buffer = std::unique_ptr<uint16_t[]>;
+using Bf16Buffer = std::unique_ptr<uint16_t[], ScratchDeleter>;
 Bf16Buffer bf16_rows(const float* src, int64_t lds, int64_t rows, int64_t k, int64_t kp);
+
+// Row stride of bf16 activation rows of kp (packed_bf16_k) values for the bf16 tiles: kp plus one cache line, so
+// that the 16 rows of an AMX tile load fall in different L1 sets (kp is often a multiple of 4 KiB / 2).
+inline int64_t bf16_row_ld(int64_t kp) { return kp + 32; }
+
+// Bf16 activations (Plan::packed): dst[i, 0:H) = hidden_states[token(i), :], zero to ld, token(i) =
+// row_pairs[i] / K (or i when row_pairs is null). No conversion: the inputs are bf16 already (all threads).
+Bf16Buffer gather_bf16_rows(const Plan& p, const ExpertsCall& call, const int64_t* row_pairs, int64_t rows,
+                            int64_t ld);
+
+// The first epilogue (first_epilogue_row) of each row of h [rows, N1] (row i of expert row_expert[i]), its I
+// gated values written as bf16 rows of stride ld, zero past I (exact: the epilogue rounds them to bf16) (all threads).
+Bf16Buffer gated_bf16_rows(const Plan& p, float* h, int64_t rows, const int64_t* row_expert, int64_t ld);
 
 // Rows for the quantized tiles: quantized to FP8 (base/gemm.h fp8_quantize_rows), or plain values for FP4 weights
 // with float activations (plain_rows): q [rows, ld] and scales s [rows, lds].
@@ -113,8 +138,8 @@ void quant_tile(const Plan& p, bool down, int64_t e, const Fp8Rows& a, int64_t r
 // The same over all columns (all threads over column tiles).
 void quant_gemm(const Plan& p, bool down, int64_t e, const Fp8Rows& a, int64_t r0, int64_t m, float* c, int64_t ldc);
 
-// Uninitialised float buffer.
-using FloatBuffer = std::unique_ptr<float[]>;
+// Uninitialised float buffer (from the scratch pool).
+using FloatBuffer = std::unique_ptr<float[], ScratchDeleter>;
 FloatBuffer make_buffer(int64_t n);
 
 // dst[i, :] = f32(hidden_states[token(i), :]) for i in [0, rows), token(i) = rows_pairs[i] / K (all threads).

@@ -26,43 +26,50 @@ std::vector<Tile> grouped_tiles(const ExpertRouting& r, int64_t n, int64_t tile_
   return tiles;
 }
 
-// bf16 tiles: (expert, row block, column block), largest experts first. Row blocks (bf16_tile_m) split the
-// experts that got many rows, so one popular expert does not leave the other threads idle at the end.
+// bf16 tiles: (expert, row block, column range), largest experts first. Row blocks (bf16_tile_m) split the
+// experts that got many rows, so one popular expert does not leave the other threads idle at the end; column ranges
+// as wide as bf16_task_cols allows keep the expert's rows in the core's L2 over many weight panels.
 std::vector<Tile> bf16_tiles(const ExpertRouting& r, int64_t n) {
   std::vector<int64_t> experts = r.active_experts();
   std::stable_sort(experts.begin(), experts.end(),
                    [&](int64_t a, int64_t b) { return r.counts[size_t(a)] > r.counts[size_t(b)]; });
+  int64_t row_tasks = 0;
+  for (const int64_t e : experts) {
+    const int64_t m = r.counts[size_t(e)];
+    row_tasks += (m + bf16_tile_m(m) - 1) / bf16_tile_m(m);
+  }
+  const int64_t width = bf16_task_cols(n, row_tasks);
   std::vector<Tile> tiles;
   for (const int64_t e : experts) {
-    const int64_t m = r.counts[size_t(e)], tm = bf16_tile_m(m);
+    // Decode-sized experts (below the AMX rows) share nothing across columns: narrow tasks, spread over more threads.
+    const int64_t m = r.counts[size_t(e)], tm = bf16_tile_m(m), w = m < kAmxMinRows ? kBf16TileN : width;
     for (int64_t m0 = 0; m0 < m; m0 += tm)
-      for (int64_t n0 = 0; n0 < n; n0 += kBf16TileN)
-        tiles.push_back({e, n0, std::min(n, n0 + kBf16TileN), m0, std::min(m, m0 + tm)});
+      for (int64_t n0 = 0; n0 < n; n0 += w) tiles.push_back({e, n0, std::min(n, n0 + w), m0, std::min(m, m0 + tm)});
   }
   return tiles;
 }
 
-// The two projections on the bf16 tile over packed weights (Plan::packed).
-void grouped_bf16(const Plan& p, const ExpertRouting& r, float* xy, float* h1, const int64_t* row_expert) {
+// The two projections on the bf16 tile over packed weights (Plan::packed): bf16 input rows gathered as they are,
+// the gate's bf16 results written straight into the down projection's rows.
+void grouped_bf16(const Plan& p, const ExpertsCall& call, const ExpertRouting& r, float* y, float* h1,
+                  const int64_t* row_expert) {
   const int64_t rows = r.routed(), H = p.H, N1 = p.N1;
   const GemmKernels& k = *p.kernels;
-  const int64_t kp1 = p.packed->kp1, kp2 = p.packed->kp2;
-  const Bf16Buffer xa = bf16_rows(xy, H, rows, H, kp1);
+  const int64_t ld1 = bf16_row_ld(p.packed->kp1), ld2 = bf16_row_ld(p.packed->kp2);
+  const Bf16Buffer xa = gather_bf16_rows(p, call, r.sorted_pairs.data(), rows, ld1);
   const std::vector<Tile> up = bf16_tiles(r, N1);
   parallel_tasks(int64_t(up.size()), 0, rows * N1 * H, [&](int64_t i, float*) {
     const Tile& t = up[size_t(i)];
     const int64_t r0 = r.offsets[size_t(t.expert)] + t.m0;
-    k.gemm_bf16_tile(xa.get() + r0 * kp1, kp1, t.m1 - t.m0, p.first_packed(t.expert), t.n0, t.n1, h1 + r0 * N1, N1);
+    k.gemm_bf16_tile(xa.get() + r0 * ld1, ld1, t.m1 - t.m0, p.first_packed(t.expert), t.n0, t.n1, h1 + r0 * N1, N1);
   });
-  parallel_for(rows, 8, rows * N1 * kGateCost,
-               [&](int64_t i) { first_epilogue_row(p, row_expert[i], h1 + i * N1); });
-  const Bf16Buffer ha = bf16_rows(h1, N1, rows, p.I, kp2);
+  const Bf16Buffer ha = gated_bf16_rows(p, h1, rows, row_expert, ld2);
   const std::vector<Tile> down = bf16_tiles(r, H);
   parallel_tasks(int64_t(down.size()), 0, rows * H * p.I, [&](int64_t i, float*) {
     const Tile& t = down[size_t(i)];
     const int64_t r0 = r.offsets[size_t(t.expert)] + t.m0, m = t.m1 - t.m0;
-    k.gemm_bf16_tile(ha.get() + r0 * kp2, kp2, m, p.down_packed(t.expert), t.n0, t.n1, xy + r0 * H, H);
-    down_epilogue(p, t.expert, xy + r0 * H, H, m, t.n0, t.n1);
+    k.gemm_bf16_tile(ha.get() + r0 * ld2, ld2, m, p.down_packed(t.expert), t.n0, t.n1, y + r0 * H, H);
+    down_epilogue(p, t.expert, y + r0 * H, H, m, t.n0, t.n1);
   });
 }
 
@@ -98,18 +105,17 @@ void grouped_chunk(const Plan& p, const ExpertsCall& call) {
   for (int64_t e = 0; e < p.E; ++e)
     for (int64_t i = r.offsets[size_t(e)]; i < r.offsets[size_t(e + 1)]; ++i) row_expert[size_t(i)] = e;
 
+  if (p.packed) {
+    grouped_bf16(p, call, r, xy.get(), h1.get(), row_expert.data());
+    combine(p, call, xy.get(), H, r.position.data());
+    return;
+  }
   gather_rows(p, call, r.sorted_pairs.data(), rows, xy.get());
   if (p.quantized()) {
     grouped_fp8(p, r, xy.get(), h1.get(), row_expert.data());
     combine(p, call, xy.get(), H, r.position.data());
     return;
   }
-  if (p.packed) {
-    grouped_bf16(p, r, xy.get(), h1.get(), row_expert.data());
-    combine(p, call, xy.get(), H, r.position.data());
-    return;
-  }
-
   const std::vector<Tile> up = grouped_tiles(r, N1, k.max_tile_n);
   parallel_tasks(int64_t(up.size()), k.work_floats, rows * N1 * H, [&](int64_t i, float* work) {
     const Tile& t = up[size_t(i)];
