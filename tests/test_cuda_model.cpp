@@ -5,12 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
 #include "model/ops.h"
 #include "moekit/model.h"
 #include "moekit/safetensors.h"
+#include "test_argmax_case.h"
 #include "test_experts_problem.h"
 
 using namespace moekit;
@@ -102,6 +104,25 @@ TEST_F(CudaModelOps, DecodeGemvMatchesCpuForFewRows) {
           }
         }
       }
+    }
+  }
+}
+
+// The decode step's greedy choice on the device: the host sampler's id on every finite row (ties, -inf,
+// suppressed ids), non-finite rows flagged; rows of odd lengths.
+TEST_F(CudaModelOps, ArgmaxRowsIsTheGreedySamplersChoice) {
+  for (const auto& [R, V] : {std::pair<int64_t, int64_t>{1, 1}, {3, 7}, {9, 1000}, {6, 32003}, {33, 151936}}) {
+    SCOPED_TRACE(::testing::Message() << "R=" << R << " V=" << V);
+    const test::ArgmaxCase c = test::argmax_case(R, V, rng);
+    const Tensor gl = on_gpu(c.logits);
+    Tensor init = Tensor::empty({R, 2}, DType::i64);
+    for (int64_t i = 0; i < 2 * R; ++i) init.ptr<int64_t>()[i] = -77;
+    Tensor out = on_gpu(init);
+    gpu().argmax_rows(gl.view(), c.suppress, out.view());
+    const Tensor h = on_cpu(out);
+    for (int64_t r = 0; r < R; ++r) {
+      EXPECT_EQ(h.ptr<int64_t>()[2 * r + 1], c.expect[size_t(2 * r + 1)]) << "row " << r;
+      if (c.expect[size_t(2 * r + 1)] == 1) EXPECT_EQ(h.ptr<int64_t>()[2 * r], c.expect[size_t(2 * r)]) << "row " << r;
     }
   }
 }
@@ -526,6 +547,11 @@ TEST_P(CudaFixtureModel, LogitsTokensDecodeSwitchAndGraphsMatchTransformers) {
       if (graphs) {  // a second generation replays the same graph from its first decode steps on
         const GenerationResult again = model.generate(test::row_ids(ids, 0), gc);
         EXPECT_EQ(again.tokens, expect);
+        // The greedy tokens of graphed steps are picked on the device; the host's pick from the logits agrees.
+        setenv("MOEKIT_DEVICE_GREEDY", "0", 1);
+        const GenerationResult host = model.generate(test::row_ids(ids, 0), gc);
+        unsetenv("MOEKIT_DEVICE_GREEDY");
+        EXPECT_EQ(host.tokens, expect) << "greedy on the host";
       }
     }
   }

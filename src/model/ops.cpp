@@ -120,6 +120,18 @@ void DeviceOps::qk_norm_rope_cache(const TensorView& q, const TensorView& k, con
   write_rows(v, v_cache, pos0);
 }
 
+ArgmaxDims check_argmax_rows(const TensorView& logits, const std::vector<int64_t>& suppress, const TensorView& out) {
+  MOEKIT_CHECK(logits.dtype == DType::f32 && logits.dim() == 2 && logits.is_contiguous() && logits.shape[1] > 0,
+               "argmax_rows: logits must be a contiguous [R, V] f32 tensor with V > 0, got ", logits.to_string());
+  const int64_t R = logits.shape[0], V = logits.shape[1];
+  MOEKIT_CHECK(out.dtype == DType::i64 && out.is_contiguous() && out.numel() == 2 * R && out.device == logits.device,
+               "argmax_rows: output must be a contiguous i64 tensor of ", 2 * R, " values on ",
+               logits.device.to_string(), ", got ", out.to_string());
+  MOEKIT_CHECK(suppress.size() <= DeviceOps::kMaxSuppress, "argmax_rows: ", suppress.size(),
+               " suppressed ids; at most ", DeviceOps::kMaxSuppress);
+  return {R, V};
+}
+
 int64_t check_decode_attention(const TensorView& qkv, int64_t Hq, int64_t Hkv, const std::vector<DecodeSeq>& seqs,
                                const TensorView& out) {
   const int64_t B = int64_t(seqs.size());

@@ -477,6 +477,19 @@ class CudaOps final : public DeviceOps {
                                          dv, row0.value, row0.device, stream()));
   }
 
+  void argmax_rows(const TensorView& logits, const std::vector<int64_t>& suppress,
+                   const TensorView& out) const override {
+    const auto [R, V] = check_argmax_rows(logits, suppress, out);
+    MOEKIT_CHECK(logits.device.is_cuda(), "argmax_rows: logits must be on a CUDA device, got ", logits.to_string());
+    static_assert(DeviceOps::kMaxSuppress <= size_t(kernels::kArgmaxMaxSuppress));
+    kernels::Suppress sup{};
+    sup.n = int(suppress.size());
+    for (size_t i = 0; i < suppress.size(); ++i) sup.ids[i] = suppress[i];
+    if (R == 0) return;
+    DeviceGuard g(logits.device.index);
+    MOEKIT_CUDA_CALL(kernels::argmax_rows(logits.ptr<float>(), R, V, sup, out.ptr<int64_t>(), stream()));
+  }
+
   std::unique_ptr<StepGraph> capture(const std::function<void()>& body) const override {
     const cudaStream_t s = stream();
     MOEKIT_CHECK_CODE(s != nullptr, invalid_argument,

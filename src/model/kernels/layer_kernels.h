@@ -135,4 +135,14 @@ constexpr int kRouteSoftmaxTopk = 0, kRouteTopkSoftmax = 1, kRouteGroupedSigmoid
 cudaError_t route(const float* logits, const float* bias, int64_t T, int E, int K, int kind, bool norm, float scale,
                   int n_group, int topk_group, int32_t* index, float* weights, cudaStream_t s);
 
+// Greedy choice per row (DeviceOps::argmax_rows): out[2r] = the first index of the largest value of row r of
+// logits [R, V] f32 with the ids of `suppress` counted as -inf, out[2r + 1] = 1 when the row is all finite, else 0.
+constexpr int kArgmaxMaxSuppress = 16;
+struct Suppress {
+  int n = 0;
+  int64_t ids[kArgmaxMaxSuppress];
+};
+cudaError_t argmax_rows(const float* logits, int64_t R, int64_t V, const Suppress& suppress, int64_t* out,
+                        cudaStream_t s);
+
 }  // namespace moekit::model::kernels
