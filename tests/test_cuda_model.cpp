@@ -295,13 +295,17 @@ TEST_F(CudaModelOps, AttentionMatchesCpuAndReadsNoKeyPastThePosition) {
 TEST_F(CudaModelOps, DecodeAttentionOverSequencesMatchesCpu) {
   RopeConfig rc;
   rc.theta = 10000.0;
-  const int64_t Hq = 8, Hkv = 2, D = 64;
-  for (DType t : {DType::f32, DType::bf16}) {
+  const int64_t Hq = 8, Hkv = 2;
+  // Heads of 64 and 128 dims (16-bit caches: the 16-byte-load kernel and the scalar one), caches of up to 700
+  // rows: tiles of 64 keys with a partial last one, several splits.
+  for (const auto& [t, D] : {std::pair{DType::f32, int64_t(64)}, {DType::bf16, int64_t(64)}, {DType::bf16, int64_t(128)},
+                             {DType::f16, int64_t(128)}}) {
     for (int64_t B : {int64_t(1), int64_t(3), int64_t(37)}) {
       for (bool norm : {false, true}) {
         for (int64_t window : {int64_t(0), int64_t(5)}) {
           const bool with_sinks = window > 0;
-          SCOPED_TRACE(::testing::Message() << dtype_name(t) << " B " << B << " norm " << norm << " window " << window);
+          SCOPED_TRACE(::testing::Message() << dtype_name(t) << " D " << D << " B " << B << " norm " << norm
+                                            << " window " << window);
           const model::RopeSpec spec = model::make_rope(rc, D, 4096);
           Tensor qkv = test::randn({B, (Hq + 2 * Hkv) * D + 8}, t, rng, 2.0);  // rows wider than q|k|v: a stride
           const Tensor qw = test::randn({D}, t, rng), kw = test::randn({D}, t, rng);
@@ -309,8 +313,8 @@ TEST_F(CudaModelOps, DecodeAttentionOverSequencesMatchesCpu) {
           std::vector<Tensor> kc, vc, pos_dev;
           std::vector<int64_t> pos;
           for (int64_t i = 0; i < B; ++i) {
-            const int64_t S = 3 + (i * 37) % 200;
-            pos.push_back((i * 13) % S);
+            const int64_t S = 3 + (i * 37) % (D == 128 && B < 37 ? 700 : 200) + (D == 128 && i == 0 ? 500 : 0);
+            pos.push_back(D == 128 ? S - 1 - ((i * 13) % S) / 4 : (i * 13) % S);  // 128: most of the cache is read
             kc.push_back(test::randn({S, Hkv, D}, t, rng));
             vc.push_back(test::randn({S, Hkv, D}, t, rng));
             pos_dev.push_back(device_scalar(pos.back()));
@@ -338,14 +342,19 @@ TEST_F(CudaModelOps, DecodeAttentionOverSequencesMatchesCpu) {
           std::vector<Tensor> rk, rv;
           run(cpu(), Device::cpu(), false, ref, rk, rv);
           for (bool dev_pos : {false, true}) {
-            SCOPED_TRACE(dev_pos ? "device positions" : "host positions");
-            Tensor got;
-            std::vector<Tensor> gk, gv;
-            run(gpu(), kDev, dev_pos, got, gk, gv);
-            EXPECT_LT(dist(got, ref), tol(t));
-            for (int64_t i = 0; i < B; ++i) {
-              EXPECT_LT(dist(gk[size_t(i)], rk[size_t(i)]), tol(t)) << "sequence " << i;
-              EXPECT_TRUE(test::bitwise_equal(on_cpu(gv[size_t(i)]), rv[size_t(i)])) << "sequence " << i;
+            for (bool vec : {true, false}) {
+              SCOPED_TRACE(::testing::Message() << (dev_pos ? "device positions" : "host positions")
+                                                << (vec ? ", 16-byte loads" : ", scalar loads"));
+              model::set_vector_decode_attention(vec);
+              Tensor got;
+              std::vector<Tensor> gk, gv;
+              run(gpu(), kDev, dev_pos, got, gk, gv);
+              model::set_vector_decode_attention(true);
+              EXPECT_LT(dist(got, ref), tol(t));
+              for (int64_t i = 0; i < B; ++i) {
+                EXPECT_LT(dist(gk[size_t(i)], rk[size_t(i)]), tol(t)) << "sequence " << i;
+                EXPECT_TRUE(test::bitwise_equal(on_cpu(gv[size_t(i)]), rv[size_t(i)])) << "sequence " << i;
+              }
             }
           }
         }
@@ -353,6 +362,7 @@ TEST_F(CudaModelOps, DecodeAttentionOverSequencesMatchesCpu) {
     }
   }
   // Bad operands are refused before any launch.
+  const int64_t D = 64;
   const Tensor x = on_gpu(test::randn({2, (Hq + 2 * Hkv) * D}, DType::f32, rng));
   const Tensor c = on_gpu(test::randn({4, Hkv, D}, DType::f32, rng)), out = on_gpu(test::randn({2, Hq, D}, DType::f32, rng));
   const model::RopeSpec spec = model::make_rope(rc, D, 4096);

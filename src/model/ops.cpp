@@ -194,6 +194,21 @@ bool fused_decode() {
 }
 void set_fused_decode(bool on) { g_fused_decode.store(on ? 1 : 0); }
 
+namespace {
+std::atomic<int> g_vector_decode_attention{-1};  // -1: not read yet
+}
+bool vector_decode_attention() {
+  int on = g_vector_decode_attention.load(std::memory_order_relaxed);
+  if (on < 0) {
+    const char* v = std::getenv("MOEKIT_VEC_DECODE_ATTENTION");
+    int expected = -1;
+    g_vector_decode_attention.compare_exchange_strong(expected, (v && std::string(v) == "0") ? 0 : 1);
+    on = g_vector_decode_attention.load(std::memory_order_relaxed);
+  }
+  return on == 1;
+}
+void set_vector_decode_attention(bool on) { g_vector_decode_attention.store(on ? 1 : 0); }
+
 RouteDims check_route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
                       const TensorView& index, const TensorView& weights) {
   MOEKIT_CHECK(logits.dtype == DType::f32 && logits.dim() == 2 && logits.is_contiguous(),

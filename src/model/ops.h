@@ -207,6 +207,11 @@ QkvDims check_qk_norm_rope_cache(const TensorView& q, const TensorView& k, const
 // recorded decode graph keeps the form it was recorded with).
 bool fused_decode();
 void set_fused_decode(bool on);
+// Whether the CUDA decode_attention reads 16-bit caches with heads of 64, 128 or 256 dims in 16-byte pieces (all of
+// a key tile's loads in flight) rather than one element at a time: on unless MOEKIT_VEC_DECODE_ATTENTION=0 (read
+// once) or set_vector_decode_attention says otherwise (tests; a recorded decode graph keeps its kernel).
+bool vector_decode_attention();
+void set_vector_decode_attention(bool on);
 // The kernel nodes of the last graph the CUDA ops' capture() recorded in this process (0 before any, and
 // without CUDA): what one decode step launches, for tests and measurements.
 int64_t last_capture_kernel_nodes();

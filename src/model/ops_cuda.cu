@@ -361,7 +361,8 @@ class CudaOps final : public DeviceOps {
                                   .chunk = chunk,
                                   .part = part,
                                   .seqs = &tab,
-                                  .ldq = ld};
+                                  .ldq = ld,
+                                  .vec = vector_decode_attention()};
       MOEKIT_CUDA_CALL(kernels::attention(args, s));
     }
   }

@@ -103,6 +103,9 @@ struct AttentionArgs {
   // (k, v and the positions above unused). Null: one sequence, q [T, Hq, Dk] contiguous.
   const DecodeSeqs* seqs = nullptr;
   int64_t ldq = 0;
+  // With seqs: 16-byte loads (16-bit caches, Dk == Dv of 64, 128 or 256, 16-byte aligned caches), else the
+  // scalar kernel.
+  bool vec = false;
 };
 // Causal attention of the T queries at positions pos .. pos + T - 1 (flash-decoding when splits > 1).
 cudaError_t attention(const AttentionArgs& a, cudaStream_t s);
