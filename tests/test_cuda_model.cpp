@@ -86,8 +86,12 @@ TEST_F(CudaModelOps, DecodeGemvMatchesCpuForFewRows) {
   struct Case {
     int64_t M, K, N;
   };
+  // Up to 8 rows through the GEMV, then the default split (16-bit weights from 4 rows on through cuBLAS).
+  const int64_t saved = model::gemv_max_rows();
+  for (const int64_t max_rows : {int64_t(8), saved}) {
+  model::set_gemv_max_rows(max_rows);
   for (const Case c : {Case{1, 2048, 37}, Case{2, 8, 5}, Case{3, 1000, 700}, Case{5, 4104, 130}, Case{8, 264, 2051},
-                       Case{1, 768, 2048}, Case{8, 4096, 12}}) {
+                       Case{1, 768, 2048}, Case{8, 4096, 12}, Case{4, 2048, 4096}}) {
     for (DType xt : {DType::bf16, DType::f16}) {
       for (DType wt : {xt, DType::f32}) {
         for (DType yt : {xt, DType::f32}) {
@@ -100,12 +104,15 @@ TEST_F(CudaModelOps, DecodeGemvMatchesCpuForFewRows) {
             Tensor y = poisoned({c.M, c.N}, yt, Device::cpu()), gy = poisoned({c.M, c.N}, yt, kDev);
             cpu().linear(model::columns(wide.view(), 0, c.K), w.view(), bias ? b.view() : TensorView(), y.view());
             gpu().linear(model::columns(gwide.view(), 0, c.K), gw.view(), bias ? gb.view() : TensorView(), gy.view());
-            EXPECT_LT(dist(gy, y), tol(DType::bf16));
+            EXPECT_LT(dist(gy, y), tol(DType::bf16)) << "GEMV up to " << max_rows << " rows";
           }
         }
       }
     }
   }
+  }
+  model::set_gemv_max_rows(saved);
+  EXPECT_THROW(model::set_gemv_max_rows(9), Error);
 }
 
 // The decode step's greedy choice on the device: the host sampler's id on every finite row (ties, -inf,

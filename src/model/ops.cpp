@@ -209,6 +209,33 @@ bool vector_decode_attention() {
 }
 void set_vector_decode_attention(bool on) { g_vector_decode_attention.store(on ? 1 : 0); }
 
+namespace {
+constexpr int64_t kGemvMaxRowsDefault = 3, kGemvMaxRowsLimit = 8;
+std::atomic<int64_t> g_gemv_max_rows{-1};  // -1: not read yet
+}
+int64_t gemv_max_rows() {
+  int64_t rows = g_gemv_max_rows.load(std::memory_order_relaxed);
+  if (rows < 0) {
+    int64_t want = kGemvMaxRowsDefault;
+    if (const char* v = std::getenv("MOEKIT_GEMV_MAX_ROWS")) {
+      char* end = nullptr;
+      const long n = std::strtol(v, &end, 10);
+      MOEKIT_CHECK(end != v && *end == '\0' && n >= 0 && n <= kGemvMaxRowsLimit,
+                   "MOEKIT_GEMV_MAX_ROWS must be an integer from 0 to ", kGemvMaxRowsLimit, ", got '", v, "'");
+      want = n;
+    }
+    int64_t expected = -1;
+    g_gemv_max_rows.compare_exchange_strong(expected, want);
+    rows = g_gemv_max_rows.load(std::memory_order_relaxed);
+  }
+  return rows;
+}
+void set_gemv_max_rows(int64_t rows) {
+  MOEKIT_CHECK(rows >= 0 && rows <= kGemvMaxRowsLimit, "gemv max rows must be from 0 to ", kGemvMaxRowsLimit,
+               ", got ", rows);
+  g_gemv_max_rows.store(rows);
+}
+
 RouteDims check_route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
                       const TensorView& index, const TensorView& weights) {
   MOEKIT_CHECK(logits.dtype == DType::f32 && logits.dim() == 2 && logits.is_contiguous(),

@@ -202,7 +202,7 @@ QkvDims check_qk_norm_rope_cache(const TensorView& q, const TensorView& k, const
                                  const TensorView& q_norm, const TensorView& k_norm, int64_t pos0,
                                  const RopeSpec& rope, const TensorView& k_cache, const TensorView& v_cache);
 // Whether the model's decode step uses the fused forms (one QKV projection, decode_attention; on CUDA also the
-// GEMV for linears of up to 8 rows): on unless
+// GEMV for linears of few rows, gemv_max_rows): on unless
 // the environment sets MOEKIT_FUSED_DECODE=0 (read once), or set_fused_decode says otherwise (tests; a model's
 // recorded decode graph keeps the form it was recorded with).
 bool fused_decode();
@@ -212,6 +212,11 @@ void set_fused_decode(bool on);
 // once) or set_vector_decode_attention says otherwise (tests; a recorded decode graph keeps its kernel).
 bool vector_decode_attention();
 void set_vector_decode_attention(bool on);
+// The most rows a CUDA linear of 16-bit weights runs as the decode step's GEMV (fused decode); more go to cuBLAS,
+// which streams the weights faster from about 4 rows on. 3 unless MOEKIT_GEMV_MAX_ROWS (0 to 8, read once) or
+// set_gemv_max_rows says otherwise. Linears of f32 weights (the router) keep the GEMV up to 8 rows.
+int64_t gemv_max_rows();
+void set_gemv_max_rows(int64_t rows);
 // The kernel nodes of the last graph the CUDA ops' capture() recorded in this process (0 before any, and
 // without CUDA): what one decode step launches, for tests and measurements.
 int64_t last_capture_kernel_nodes();

@@ -115,8 +115,10 @@ class CudaOps final : public DeviceOps {
     const int dev = x.device.index;
     DeviceGuard g(dev);
     const cudaStream_t s = stream();
-    // The decode step's few rows (fused decode): a GEMV that streams each weight row once.
-    if (M <= kernels::kGemvMaxM && fused_decode() && kernels::gemv_ok(x.data, xt, ldx, w.data, wt, int(M), K)) {
+    // The decode step's few rows (fused decode): a GEMV that streams each weight row once, up to gemv_max_rows()
+    // rows (cuBLAS reads the weights better from there on) and for f32 weights (the router) up to kGemvMaxM.
+    if (M <= kernels::kGemvMaxM && (M <= gemv_max_rows() || wt != xt) && fused_decode() &&
+        kernels::gemv_ok(x.data, xt, ldx, w.data, wt, int(M), K)) {
       MOEKIT_CUDA_CALL(kernels::gemv(x.data, xt, ldx, w.data, wt, bias.data, bias.data ? code(bias, "linear bias") : 0,
                                      y.data, yt, int(M), N, K, cuda::device_info(dev).multiprocessors, s));
       return;
