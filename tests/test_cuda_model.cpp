@@ -5,12 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
 #include "model/ops.h"
 #include "moekit/model.h"
 #include "moekit/safetensors.h"
+#include "test_argmax_case.h"
 #include "test_experts_problem.h"
 
 using namespace moekit;
@@ -84,8 +86,12 @@ TEST_F(CudaModelOps, DecodeGemvMatchesCpuForFewRows) {
   struct Case {
     int64_t M, K, N;
   };
+  // Up to 8 rows through the GEMV, then the default split (16-bit weights from 4 rows on through cuBLAS).
+  const int64_t saved = model::gemv_max_rows();
+  for (const int64_t max_rows : {int64_t(8), saved}) {
+  model::set_gemv_max_rows(max_rows);
   for (const Case c : {Case{1, 2048, 37}, Case{2, 8, 5}, Case{3, 1000, 700}, Case{5, 4104, 130}, Case{8, 264, 2051},
-                       Case{1, 768, 2048}, Case{8, 4096, 12}}) {
+                       Case{1, 768, 2048}, Case{8, 4096, 12}, Case{4, 2048, 4096}}) {
     for (DType xt : {DType::bf16, DType::f16}) {
       for (DType wt : {xt, DType::f32}) {
         for (DType yt : {xt, DType::f32}) {
@@ -98,10 +104,32 @@ TEST_F(CudaModelOps, DecodeGemvMatchesCpuForFewRows) {
             Tensor y = poisoned({c.M, c.N}, yt, Device::cpu()), gy = poisoned({c.M, c.N}, yt, kDev);
             cpu().linear(model::columns(wide.view(), 0, c.K), w.view(), bias ? b.view() : TensorView(), y.view());
             gpu().linear(model::columns(gwide.view(), 0, c.K), gw.view(), bias ? gb.view() : TensorView(), gy.view());
-            EXPECT_LT(dist(gy, y), tol(DType::bf16));
+            EXPECT_LT(dist(gy, y), tol(DType::bf16)) << "GEMV up to " << max_rows << " rows";
           }
         }
       }
+    }
+  }
+  }
+  model::set_gemv_max_rows(saved);
+  EXPECT_THROW(model::set_gemv_max_rows(9), Error);
+}
+
+// The decode step's greedy choice on the device: the host sampler's id on every finite row (ties, -inf,
+// suppressed ids), non-finite rows flagged; rows of odd lengths.
+TEST_F(CudaModelOps, ArgmaxRowsIsTheGreedySamplersChoice) {
+  for (const auto& [R, V] : {std::pair<int64_t, int64_t>{1, 1}, {3, 7}, {9, 1000}, {6, 32003}, {33, 151936}}) {
+    SCOPED_TRACE(::testing::Message() << "R=" << R << " V=" << V);
+    const test::ArgmaxCase c = test::argmax_case(R, V, rng);
+    const Tensor gl = on_gpu(c.logits);
+    Tensor init = Tensor::empty({R, 2}, DType::i64);
+    for (int64_t i = 0; i < 2 * R; ++i) init.ptr<int64_t>()[i] = -77;
+    Tensor out = on_gpu(init);
+    gpu().argmax_rows(gl.view(), c.suppress, out.view());
+    const Tensor h = on_cpu(out);
+    for (int64_t r = 0; r < R; ++r) {
+      EXPECT_EQ(h.ptr<int64_t>()[2 * r + 1], c.expect[size_t(2 * r + 1)]) << "row " << r;
+      if (c.expect[size_t(2 * r + 1)] == 1) EXPECT_EQ(h.ptr<int64_t>()[2 * r], c.expect[size_t(2 * r)]) << "row " << r;
     }
   }
 }
@@ -274,13 +302,17 @@ TEST_F(CudaModelOps, AttentionMatchesCpuAndReadsNoKeyPastThePosition) {
 TEST_F(CudaModelOps, DecodeAttentionOverSequencesMatchesCpu) {
   RopeConfig rc;
   rc.theta = 10000.0;
-  const int64_t Hq = 8, Hkv = 2, D = 64;
-  for (DType t : {DType::f32, DType::bf16}) {
+  const int64_t Hq = 8, Hkv = 2;
+  // Heads of 64 and 128 dims (16-bit caches: the 16-byte-load kernel and the scalar one), caches of up to 700
+  // rows: tiles of 64 keys with a partial last one, several splits.
+  for (const auto& [t, D] : {std::pair{DType::f32, int64_t(64)}, {DType::bf16, int64_t(64)}, {DType::bf16, int64_t(128)},
+                             {DType::f16, int64_t(128)}}) {
     for (int64_t B : {int64_t(1), int64_t(3), int64_t(37)}) {
       for (bool norm : {false, true}) {
         for (int64_t window : {int64_t(0), int64_t(5)}) {
           const bool with_sinks = window > 0;
-          SCOPED_TRACE(::testing::Message() << dtype_name(t) << " B " << B << " norm " << norm << " window " << window);
+          SCOPED_TRACE(::testing::Message() << dtype_name(t) << " D " << D << " B " << B << " norm " << norm
+                                            << " window " << window);
           const model::RopeSpec spec = model::make_rope(rc, D, 4096);
           Tensor qkv = test::randn({B, (Hq + 2 * Hkv) * D + 8}, t, rng, 2.0);  // rows wider than q|k|v: a stride
           const Tensor qw = test::randn({D}, t, rng), kw = test::randn({D}, t, rng);
@@ -288,8 +320,8 @@ TEST_F(CudaModelOps, DecodeAttentionOverSequencesMatchesCpu) {
           std::vector<Tensor> kc, vc, pos_dev;
           std::vector<int64_t> pos;
           for (int64_t i = 0; i < B; ++i) {
-            const int64_t S = 3 + (i * 37) % 200;
-            pos.push_back((i * 13) % S);
+            const int64_t S = 3 + (i * 37) % (D == 128 && B < 37 ? 700 : 200) + (D == 128 && i == 0 ? 500 : 0);
+            pos.push_back(D == 128 ? S - 1 - ((i * 13) % S) / 4 : (i * 13) % S);  // 128: most of the cache is read
             kc.push_back(test::randn({S, Hkv, D}, t, rng));
             vc.push_back(test::randn({S, Hkv, D}, t, rng));
             pos_dev.push_back(device_scalar(pos.back()));
@@ -317,14 +349,19 @@ TEST_F(CudaModelOps, DecodeAttentionOverSequencesMatchesCpu) {
           std::vector<Tensor> rk, rv;
           run(cpu(), Device::cpu(), false, ref, rk, rv);
           for (bool dev_pos : {false, true}) {
-            SCOPED_TRACE(dev_pos ? "device positions" : "host positions");
-            Tensor got;
-            std::vector<Tensor> gk, gv;
-            run(gpu(), kDev, dev_pos, got, gk, gv);
-            EXPECT_LT(dist(got, ref), tol(t));
-            for (int64_t i = 0; i < B; ++i) {
-              EXPECT_LT(dist(gk[size_t(i)], rk[size_t(i)]), tol(t)) << "sequence " << i;
-              EXPECT_TRUE(test::bitwise_equal(on_cpu(gv[size_t(i)]), rv[size_t(i)])) << "sequence " << i;
+            for (bool vec : {true, false}) {
+              SCOPED_TRACE(::testing::Message() << (dev_pos ? "device positions" : "host positions")
+                                                << (vec ? ", 16-byte loads" : ", scalar loads"));
+              model::set_vector_decode_attention(vec);
+              Tensor got;
+              std::vector<Tensor> gk, gv;
+              run(gpu(), kDev, dev_pos, got, gk, gv);
+              model::set_vector_decode_attention(true);
+              EXPECT_LT(dist(got, ref), tol(t));
+              for (int64_t i = 0; i < B; ++i) {
+                EXPECT_LT(dist(gk[size_t(i)], rk[size_t(i)]), tol(t)) << "sequence " << i;
+                EXPECT_TRUE(test::bitwise_equal(on_cpu(gv[size_t(i)]), rv[size_t(i)])) << "sequence " << i;
+              }
             }
           }
         }
@@ -332,6 +369,7 @@ TEST_F(CudaModelOps, DecodeAttentionOverSequencesMatchesCpu) {
     }
   }
   // Bad operands are refused before any launch.
+  const int64_t D = 64;
   const Tensor x = on_gpu(test::randn({2, (Hq + 2 * Hkv) * D}, DType::f32, rng));
   const Tensor c = on_gpu(test::randn({4, Hkv, D}, DType::f32, rng)), out = on_gpu(test::randn({2, Hq, D}, DType::f32, rng));
   const model::RopeSpec spec = model::make_rope(rc, D, 4096);
@@ -526,6 +564,11 @@ TEST_P(CudaFixtureModel, LogitsTokensDecodeSwitchAndGraphsMatchTransformers) {
       if (graphs) {  // a second generation replays the same graph from its first decode steps on
         const GenerationResult again = model.generate(test::row_ids(ids, 0), gc);
         EXPECT_EQ(again.tokens, expect);
+        // The greedy tokens of graphed steps are picked on the device; the host's pick from the logits agrees.
+        setenv("MOEKIT_DEVICE_GREEDY", "0", 1);
+        const GenerationResult host = model.generate(test::row_ids(ids, 0), gc);
+        unsetenv("MOEKIT_DEVICE_GREEDY");
+        EXPECT_EQ(host.tokens, expect) << "greedy on the host";
       }
     }
   }

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "model/ops.h"
+#include "test_argmax_case.h"
 #include "test_util.h"
 
 using namespace moekit;
@@ -269,3 +270,23 @@ TEST(ModelOps, RmsNormAndRouters) {
 }
 
 }  // namespace
+
+TEST(ModelOps, ArgmaxRowsIsTheGreedySamplersChoice) {
+  std::mt19937_64 rng(5);
+  for (const auto& [R, V] : {std::pair<int64_t, int64_t>{1, 1}, {3, 7}, {9, 1000}, {6, 32003}}) {
+    SCOPED_TRACE(::testing::Message() << "R=" << R << " V=" << V);
+    const test::ArgmaxCase c = test::argmax_case(R, V, rng);
+    Tensor out = Tensor::empty({R, 2}, DType::i64);
+    for (int64_t i = 0; i < 2 * R; ++i) out.ptr<int64_t>()[i] = -77;
+    cpu().argmax_rows(c.logits.view(), c.suppress, out.view());
+    for (int64_t r = 0; r < R; ++r) {
+      EXPECT_EQ(out.ptr<int64_t>()[2 * r + 1], c.expect[size_t(2 * r + 1)]) << "row " << r;
+      if (c.expect[size_t(2 * r + 1)] == 1) EXPECT_EQ(out.ptr<int64_t>()[2 * r], c.expect[size_t(2 * r)]) << "row " << r;
+    }
+  }
+  // Bad operands are refused.
+  Tensor l = Tensor::empty({2, 5}, DType::f32), o = Tensor::empty({2, 2}, DType::i64), small = Tensor::empty({3}, DType::i64);
+  EXPECT_THROW(cpu().argmax_rows(l.view(), {}, small.view()), Error);
+  EXPECT_THROW(cpu().argmax_rows(l.view(), std::vector<int64_t>(DeviceOps::kMaxSuppress + 1, 0), o.view()), Error);
+  EXPECT_THROW(cpu().argmax_rows(Tensor::empty({2, 5}, DType::bf16).view(), {}, o.view()), Error);
+}

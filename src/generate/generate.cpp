@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <sstream>
+#include <string>
 
 #include "core/checked.h"
 #include "generate/sampling.h"
@@ -56,16 +58,26 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
 
 constexpr int64_t kUpfrontTokens = 4096;
 
-// Row r of the logits; throws naming the position when it holds NaN or Inf (weights or config values
-// that make the forward non-finite would otherwise give arbitrary tokens and a successful exit).
-std::vector<float> row(const Tensor& logits, int64_t r, int64_t position) {
-  const int64_t V = logits.size(1);
-  const float* p = logits.ptr<float>() + r * V;
+// Row r of logits [., V] f32 on the host; throws naming the position when it holds NaN or Inf (weights or config
+// values that make the forward non-finite would otherwise give arbitrary tokens and a successful exit).
+std::vector<float> row(const float* logits, int64_t V, int64_t r, int64_t position) {
+  const float* p = logits + r * V;
   for (int64_t i = 0; i < V; ++i)
     MOEKIT_CHECK_CODE(std::isfinite(p[i]), runtime, "generate: the logits at position ", position,
                       " are not finite (token ", i, ": ", p[i],
                       "); the weights or the config (rms_norm_eps, rope theta, ...) give NaN or Inf");
   return std::vector<float>(p, p + V);
+}
+std::vector<float> row(const Tensor& logits, int64_t r, int64_t position) {
+  return row(logits.ptr<float>(), logits.size(1), r, position);
+}
+
+// Whether graphed decode steps pick greedy tokens on the device (only the ids come back): greedy decoding without
+// a repetition penalty, at most DeviceOps::kMaxSuppress EOS ids, unless MOEKIT_DEVICE_GREEDY=0.
+bool device_greedy(const GenerationConfig& gc, size_t eos_ids) {
+  if (gc.do_sample || gc.repetition_penalty != 1.0f || eos_ids > model::DeviceOps::kMaxSuppress) return false;
+  const char* v = std::getenv("MOEKIT_DEVICE_GREEDY");
+  return !(v && std::string(v) == "0");
 }
 // The decode steps' map: decode_experts_implementation over the prefill map (validated by a trial switch,
 // then back to the prefill map), else decode_switch's rule.
@@ -134,10 +146,26 @@ GenerationResult Model::generate(const std::vector<int64_t>& prompt, const Gener
   if (res.decode_experts != res.prefill_experts) set_experts_implementation(res.decode_experts);
   t0 = std::chrono::steady_clock::now();
   const int64_t replays0 = impl_->graph_replays;
+  const bool on_device = graphs && device_greedy(gc, eos.size());
+  const std::vector<int64_t> no_ids;
   while (true) {
-    logits = graphs ? impl_->decode_step_graphed(tok, cache) : impl_->forward({tok}, cache, false);
-    ++res.decode_steps;
-    tok = pick(row(logits, 0, cache.length() - 1));
+    if (graphs) {
+      // Greedy: the device picks the token (EOS suppressed as the sampler would); else the logits come back.
+      const bool too_early = int64_t(res.tokens.size()) < gc.min_new_tokens;
+      const auto out = impl_->decode_step_graphed(tok, cache, on_device ? (too_early ? &eos : &no_ids) : nullptr);
+      ++res.decode_steps;
+      if (!out.ids.empty()) {
+        tok = out.ids[0];
+        res.tokens.push_back(tok);
+        if (gc.on_token) gc.on_token(tok);
+      } else {
+        tok = pick(row(out.logits, out.V, 0, cache.length() - 1));
+      }
+    } else {
+      logits = impl_->forward({tok}, cache, false);
+      ++res.decode_steps;
+      tok = pick(row(logits, 0, cache.length() - 1));
+    }
     if (done(tok)) break;
   }
   res.decode_ms = ms_since(t0);
@@ -183,13 +211,16 @@ std::vector<GenerationResult> Model::generate_batch(const std::vector<std::vecto
     impl_->reserve(seqs[i].cache, std::min(total, n + kUpfrontTokens));
     if (gc.repetition_penalty != 1.0f) seqs[i].history = prompts[i];
   }
-  // Sequence i's next token from row r of the logits; true when it is finished.
-  auto step = [&](size_t i, const Tensor& logits, int64_t r) {
+  // Sequence i's next token from row r of the logits [., V] on the host, or the token the device chose (picked >= 0).
+  auto step_with = [&](size_t i, const float* logits, int64_t V, int64_t r, int64_t picked) {
     Sequence& q = seqs[i];
     GenerationResult& out = res[i];
     const bool too_early = int64_t(out.tokens.size()) < gc.min_new_tokens;
-    std::vector<float> l = row(logits, r, q.cache.length() - 1);
-    const int64_t tok = q.sampler.next(l, too_early ? eos : std::vector<int64_t>{}, q.history);
+    int64_t tok = picked;
+    if (tok < 0) {
+      std::vector<float> l = row(logits, V, r, q.cache.length() - 1);
+      tok = q.sampler.next(l, too_early ? eos : std::vector<int64_t>{}, q.history);
+    }
     if (gc.repetition_penalty != 1.0f) q.history.push_back(tok);
     out.tokens.push_back(tok);
     q.last = tok;
@@ -199,6 +230,11 @@ std::vector<GenerationResult> Model::generate_batch(const std::vector<std::vecto
     else if (int64_t(out.tokens.size()) >= gc.max_new_tokens)
       q.done = true;
   };
+  auto step = [&](size_t i, const Tensor& logits, int64_t r) {
+    step_with(i, logits.ptr<float>(), logits.size(1), r, -1);
+  };
+  const bool on_device = graphs && device_greedy(gc, eos.size());
+  const std::vector<int64_t> no_ids;
 
   auto t0 = std::chrono::steady_clock::now();
   {
@@ -234,11 +270,23 @@ std::vector<GenerationResult> Model::generate_batch(const std::vector<std::vecto
         caches.push_back(i < 0 ? &pad : &seqs[size_t(i)].cache);
         advance.push_back(i >= 0 && !seqs[size_t(i)].done);
       }
-      const Tensor logits = impl_->decode_batch_graphed(tokens, caches, advance);
-      for (size_t s = 0; s < slots.size(); ++s)
-        if (advance[s]) {
-          ++res[size_t(slots[s])].decode_steps;
-          step(size_t(slots[s]), logits, int64_t(s));
+      // Greedy: the device picks every slot's token when the EOS suppression (min_new_tokens) is the same for all
+      // the advancing sequences (it is: they have as many tokens each); else the logits come back.
+      const std::vector<int64_t>* suppress = nullptr;
+      if (on_device) {
+        int early = -1;  // -1: none seen, 0 / 1: all the same so far, 2: mixed
+        for (size_t sl = 0; sl < slots.size(); ++sl) {
+          if (!advance[sl]) continue;
+          const int e = int64_t(res[size_t(slots[sl])].tokens.size()) < gc.min_new_tokens ? 1 : 0;
+          early = early < 0 || early == e ? e : 2;
+        }
+        if (early == 0 || early == 1) suppress = early == 1 ? &eos : &no_ids;
+      }
+      const auto out = impl_->decode_batch_graphed(tokens, caches, advance, suppress);
+      for (size_t sl = 0; sl < slots.size(); ++sl)
+        if (advance[sl]) {
+          ++res[size_t(slots[sl])].decode_steps;
+          step_with(size_t(slots[sl]), out.logits, out.V, int64_t(sl), out.ids.empty() ? -1 : out.ids[sl]);
         }
     } else {
       std::vector<std::vector<int64_t>> ids;

@@ -360,12 +360,15 @@ bool DecodeGraph::matches(const std::vector<KvCache::State*>& slots, const void*
   return cache == key(slots, io);
 }
 
-Tensor Model::Impl::decode_step_graphed(int64_t token, KvCache& cache) {
-  return decode_batch_graphed({token}, {&cache}, {true});
+Model::Impl::StepOut Model::Impl::decode_step_graphed(int64_t token, KvCache& cache,
+                                                     const std::vector<int64_t>* greedy_suppress) {
+  return decode_batch_graphed({token}, {&cache}, {true}, greedy_suppress);
 }
 
-Tensor Model::Impl::decode_batch_graphed(const std::vector<int64_t>& tokens, const std::vector<KvCache*>& caches,
-                                         const std::vector<bool>& advance) {
+Model::Impl::StepOut Model::Impl::decode_batch_graphed(const std::vector<int64_t>& tokens,
+                                                       const std::vector<KvCache*>& caches,
+                                                       const std::vector<bool>& advance,
+                                                       const std::vector<int64_t>* greedy_suppress) {
   MOEKIT_CHECK_CODE(options.device.is_cuda(), not_supported, "decode graphs need a CUDA device, the model runs on ",
                     options.device.to_string());
   const int64_t B = int64_t(tokens.size());
@@ -390,12 +393,17 @@ Tensor Model::Impl::decode_batch_graphed(const std::vector<int64_t>& tokens, con
     g = DecodeGraph{};  // the inputs move: no recorded graph reads them any more
     step_io = Tensor::empty({2 * B}, DType::i64, dev);
   }
-  std::vector<int64_t> io(size_t(2 * B));
+  if (greedy_suppress)
+    MOEKIT_CHECK(greedy_suppress->size() <= model::DeviceOps::kMaxSuppress, "decode step: ", greedy_suppress->size(),
+                 " suppressed ids; at most ", model::DeviceOps::kMaxSuppress);
+  // The inputs go up from page-locked memory without a wait: the last step's synchronisation (below) has
+  // finished the copy that read this memory before.
+  int64_t* io = static_cast<int64_t*>(step_in.get(size_t(2 * B) * sizeof(int64_t), dev));
   for (int64_t i = 0; i < B; ++i) {
-    io[size_t(i)] = tokens[size_t(i)];
-    io[size_t(B + i)] = slots[size_t(i)]->length;
+    io[i] = tokens[size_t(i)];
+    io[B + i] = slots[size_t(i)]->length;
   }
-  memcpy_any(step_io.data(), dev, io.data(), Device::cpu(), io.size() * sizeof(int64_t), s);
+  model::copy_async(step_io.data(), dev, io, Device::cpu(), size_t(2 * B) * sizeof(int64_t), s);
   const int64_t* d_io = step_io.ptr<int64_t>();
   std::vector<model::Segment> segs;
   for (int64_t i = 0; i < B; ++i) {
@@ -404,8 +412,33 @@ Tensor Model::Impl::decode_batch_graphed(const std::vector<int64_t>& tokens, con
   }
   const TensorView ids(step_io.data(), DType::i64, {B}, dev);
   const ExpertsMap map = experts_map;
+  // One copy back per step into page-locked memory, then one wait: B (token, finite) pairs for a greedy step
+  // (the logits after all when an advancing slot's are not finite), else the logits.
   auto finish = [&](const Tensor& logits_dev) {
-    Tensor out = to_host(logits_dev, s);
+    StepOut out;
+    const int64_t V = logits_dev.size(1);
+    bool need_logits = !greedy_suppress;
+    if (greedy_suppress) {
+      if (!step_pick.defined() || step_pick.numel() < 2 * B) step_pick = Tensor::empty({2 * B}, DType::i64, dev);
+      const TensorView pick(step_pick.data(), DType::i64, {2 * B}, dev);
+      ops().argmax_rows(logits_dev.view(), *greedy_suppress, pick);
+      auto* h = static_cast<int64_t*>(step_out.get(size_t(2 * B) * sizeof(int64_t), dev));
+      model::copy_async(h, Device::cpu(), step_pick.data(), dev, size_t(2 * B) * sizeof(int64_t), s);
+      stream_synchronize(s, dev);
+      for (int64_t i = 0; i < B; ++i) {
+        out.ids.push_back(h[2 * i]);
+        if (advance[size_t(i)] && h[2 * i + 1] != 1) need_logits = true;
+      }
+    }
+    if (need_logits) {
+      out.ids.clear();
+      const size_t bytes = size_t(B * V) * sizeof(float);
+      void* h = step_out.get(bytes, dev);
+      model::copy_async(h, Device::cpu(), logits_dev.data(), dev, bytes, s);
+      stream_synchronize(s, dev);
+      out.logits = static_cast<const float*>(h);
+      out.V = V;
+    }
     for (int64_t i = 0; i < B; ++i)
       if (advance[size_t(i)]) slots[size_t(i)]->length += 1;
     return out;

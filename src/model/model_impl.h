@@ -153,6 +153,8 @@ struct Model::Impl {
 
   model::Scratch scratch;
   Tensor step_io;  // [2B] i64 on the device: the tokens, then the positions, of a graphed decode step
+  Tensor step_pick;  // [2B] i64 on the device: a greedy step's (token, finite) per slot
+  model::HostStaging step_in, step_out;  // page-locked: step_io's source; the picks or the logits coming back
   DecodeGraph decode_graph;
   int64_t graph_replays = 0;
 
@@ -162,17 +164,26 @@ struct Model::Impl {
   void apply_experts_map();
   // The decoder forward over `ids` after the cache; logits [n, V] f32 on the CPU.
   Tensor forward(const std::vector<int64_t>& ids, KvCache& cache, bool all_logits);
+  // What a graphed decode step gives back: every slot's logits on the host, or (greedy steps) every slot's token.
+  struct StepOut {
+    const float* logits = nullptr;  // [B, V] f32 in page-locked memory, valid until the next step
+    int64_t V = 0;
+    std::vector<int64_t> ids;       // [B] when the device chose the tokens
+  };
   // One decode step through the CUDA graph of decode steps (recorded on first use and whenever the cache
-  // buffers, scratch memory or experts map changed); logits [1, V] f32 on the CPU.
-  Tensor decode_step_graphed(int64_t token, KvCache& cache);
+  // buffers, scratch memory or experts map changed), as decode_batch_graphed with one slot.
+  StepOut decode_step_graphed(int64_t token, KvCache& cache, const std::vector<int64_t>* greedy_suppress = nullptr);
   // One new token for each of several sequences (prefill of ragged prompts when the token lists are longer):
   // one forward whose experts call has T = all tokens; logits [sequences, V] f32 on the CPU (each one's last
   // position). Every cache's length grows by its tokens.
   Tensor forward_batch(const std::vector<std::vector<int64_t>>& ids, const std::vector<KvCache*>& caches);
   // One decode step of B slots through the CUDA graph recorded for them (as decode_step_graphed). Slots
   // whose `advance` is false (padding, finished sequences) run at their cache's length without growing it.
-  Tensor decode_batch_graphed(const std::vector<int64_t>& tokens, const std::vector<KvCache*>& caches,
-                              const std::vector<bool>& advance);
+  // greedy_suppress set (at most DeviceOps::kMaxSuppress ids): the device picks each slot's token as the host's
+  // greedy sampler would with these ids suppressed, and only the B ids come back; when an advancing slot's logits
+  // are not all finite, the logits come back instead (the caller reports them).
+  StepOut decode_batch_graphed(const std::vector<int64_t>& tokens, const std::vector<KvCache*>& caches,
+                               const std::vector<bool>& advance, const std::vector<int64_t>* greedy_suppress = nullptr);
   void reserve(KvCache& cache, int64_t tokens) const;
   // Throws Error(not_supported) when the decoder's backend in `map` cannot be recorded in a CUDA graph.
   void require_capturable_experts(const ExpertsMap& map) const;

@@ -120,6 +120,18 @@ void DeviceOps::qk_norm_rope_cache(const TensorView& q, const TensorView& k, con
   write_rows(v, v_cache, pos0);
 }
 
+ArgmaxDims check_argmax_rows(const TensorView& logits, const std::vector<int64_t>& suppress, const TensorView& out) {
+  MOEKIT_CHECK(logits.dtype == DType::f32 && logits.dim() == 2 && logits.is_contiguous() && logits.shape[1] > 0,
+               "argmax_rows: logits must be a contiguous [R, V] f32 tensor with V > 0, got ", logits.to_string());
+  const int64_t R = logits.shape[0], V = logits.shape[1];
+  MOEKIT_CHECK(out.dtype == DType::i64 && out.is_contiguous() && out.numel() == 2 * R && out.device == logits.device,
+               "argmax_rows: output must be a contiguous i64 tensor of ", 2 * R, " values on ",
+               logits.device.to_string(), ", got ", out.to_string());
+  MOEKIT_CHECK(suppress.size() <= DeviceOps::kMaxSuppress, "argmax_rows: ", suppress.size(),
+               " suppressed ids; at most ", DeviceOps::kMaxSuppress);
+  return {R, V};
+}
+
 int64_t check_decode_attention(const TensorView& qkv, int64_t Hq, int64_t Hkv, const std::vector<DecodeSeq>& seqs,
                                const TensorView& out) {
   const int64_t B = int64_t(seqs.size());
@@ -181,6 +193,48 @@ bool fused_decode() {
   return on != 0;
 }
 void set_fused_decode(bool on) { g_fused_decode.store(on ? 1 : 0); }
+
+namespace {
+std::atomic<int> g_vector_decode_attention{-1};  // -1: not read yet
+}
+bool vector_decode_attention() {
+  int on = g_vector_decode_attention.load(std::memory_order_relaxed);
+  if (on < 0) {
+    const char* v = std::getenv("MOEKIT_VEC_DECODE_ATTENTION");
+    int expected = -1;
+    g_vector_decode_attention.compare_exchange_strong(expected, (v && std::string(v) == "0") ? 0 : 1);
+    on = g_vector_decode_attention.load(std::memory_order_relaxed);
+  }
+  return on == 1;
+}
+void set_vector_decode_attention(bool on) { g_vector_decode_attention.store(on ? 1 : 0); }
+
+namespace {
+constexpr int64_t kGemvMaxRowsDefault = 3, kGemvMaxRowsLimit = 8;
+std::atomic<int64_t> g_gemv_max_rows{-1};  // -1: not read yet
+}
+int64_t gemv_max_rows() {
+  int64_t rows = g_gemv_max_rows.load(std::memory_order_relaxed);
+  if (rows < 0) {
+    int64_t want = kGemvMaxRowsDefault;
+    if (const char* v = std::getenv("MOEKIT_GEMV_MAX_ROWS")) {
+      char* end = nullptr;
+      const long n = std::strtol(v, &end, 10);
+      MOEKIT_CHECK(end != v && *end == '\0' && n >= 0 && n <= kGemvMaxRowsLimit,
+                   "MOEKIT_GEMV_MAX_ROWS must be an integer from 0 to ", kGemvMaxRowsLimit, ", got '", v, "'");
+      want = n;
+    }
+    int64_t expected = -1;
+    g_gemv_max_rows.compare_exchange_strong(expected, want);
+    rows = g_gemv_max_rows.load(std::memory_order_relaxed);
+  }
+  return rows;
+}
+void set_gemv_max_rows(int64_t rows) {
+  MOEKIT_CHECK(rows >= 0 && rows <= kGemvMaxRowsLimit, "gemv max rows must be from 0 to ", kGemvMaxRowsLimit,
+               ", got ", rows);
+  g_gemv_max_rows.store(rows);
+}
 
 RouteDims check_route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
                       const TensorView& index, const TensorView& weights) {

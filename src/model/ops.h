@@ -133,10 +133,38 @@ class DeviceOps {
                                 const TensorView& k_norm, float eps, bool weight_before_cast, const RopeSpec& rope,
                                 const std::vector<DecodeSeq>& seqs, float scale, int64_t window,
                                 const TensorView& sinks, const TensorView& out) const;
+  // Greedy choice per row: out [R, 2] i64 (on the op's device) gets, for row r of logits [R, V] f32 (contiguous),
+  // the first index of the largest value with the ids in `suppress` counted as -inf (ids outside [0, V) ignored;
+  // index 0 when every value is -inf), and 1 when the row holds no NaN or Inf, else 0 (the index is then
+  // unspecified: the caller reports the row). The host sampler's greedy choice for finite rows. At most
+  // kMaxSuppress ids.
+  static constexpr size_t kMaxSuppress = 16;
+  virtual void argmax_rows(const TensorView& logits, const std::vector<int64_t>& suppress,
+                           const TensorView& out) const = 0;
   // Records what `body` enqueues on the current stream into a graph (nothing runs). Throws
   // Error(not_supported) on devices without graphs.
   virtual std::unique_ptr<StepGraph> capture(const std::function<void()>& body) const = 0;
 };
+
+// Host memory that a device's step inputs and outputs cross in: page-locked for a CUDA device (copies to and from
+// it run asynchronously, without a staging copy), plain memory for the CPU. get() grows it (contents not kept).
+class HostStaging {
+ public:
+  HostStaging() = default;
+  ~HostStaging();
+  HostStaging(const HostStaging&) = delete;
+  HostStaging& operator=(const HostStaging&) = delete;
+  void* get(size_t bytes, Device device);
+
+ private:
+  void release() noexcept;
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+  bool pinned_ = false;
+};
+// Enqueues a copy on stream s without waiting for it (the host side must stay valid and unchanged until the stream
+// has run it; stream_synchronize waits). Copies between CPU buffers run at once.
+void copy_async(void* dst, Device dst_dev, const void* src, Device src_dev, size_t bytes, Stream s);
 
 // Shape checks shared by the device implementations (dtypes and devices are theirs to check). Each throws
 // Error(invalid_argument) naming the operands, and returns the sizes the op runs over.
@@ -164,15 +192,31 @@ struct QkvDims {
 // decode_attention's operands; returns D.
 int64_t check_decode_attention(const TensorView& qkv, int64_t Hq, int64_t Hkv, const std::vector<DecodeSeq>& seqs,
                                const TensorView& out);
+struct ArgmaxDims {
+  int64_t R, V;
+};
+// argmax_rows' operands (logits contiguous [R, V] f32, V > 0; out contiguous [R, 2] i64 on its device; at most
+// kMaxSuppress ids).
+ArgmaxDims check_argmax_rows(const TensorView& logits, const std::vector<int64_t>& suppress, const TensorView& out);
 QkvDims check_qk_norm_rope_cache(const TensorView& q, const TensorView& k, const TensorView& v,
                                  const TensorView& q_norm, const TensorView& k_norm, int64_t pos0,
                                  const RopeSpec& rope, const TensorView& k_cache, const TensorView& v_cache);
 // Whether the model's decode step uses the fused forms (one QKV projection, decode_attention; on CUDA also the
-// GEMV for linears of up to 8 rows): on unless
+// GEMV for linears of few rows, gemv_max_rows): on unless
 // the environment sets MOEKIT_FUSED_DECODE=0 (read once), or set_fused_decode says otherwise (tests; a model's
 // recorded decode graph keeps the form it was recorded with).
 bool fused_decode();
 void set_fused_decode(bool on);
+// Whether the CUDA decode_attention reads 16-bit caches with heads of 64, 128 or 256 dims in 16-byte pieces (all of
+// a key tile's loads in flight) rather than one element at a time: on unless MOEKIT_VEC_DECODE_ATTENTION=0 (read
+// once) or set_vector_decode_attention says otherwise (tests; a recorded decode graph keeps its kernel).
+bool vector_decode_attention();
+void set_vector_decode_attention(bool on);
+// The most rows a CUDA linear of 16-bit weights runs as the decode step's GEMV (fused decode); more go to cuBLAS,
+// which streams the weights faster from about 4 rows on. 3 unless MOEKIT_GEMV_MAX_ROWS (0 to 8, read once) or
+// set_gemv_max_rows says otherwise. Linears of f32 weights (the router) keep the GEMV up to 8 rows.
+int64_t gemv_max_rows();
+void set_gemv_max_rows(int64_t rows);
 // The kernel nodes of the last graph the CUDA ops' capture() recorded in this process (0 before any, and
 // without CUDA): what one decode step launches, for tests and measurements.
 int64_t last_capture_kernel_nodes();

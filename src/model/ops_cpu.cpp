@@ -378,6 +378,27 @@ class CpuOps final : public DeviceOps {
     }
   }
 
+  void argmax_rows(const TensorView& logits, const std::vector<int64_t>& suppress,
+                   const TensorView& out) const override {
+    const auto [R, V] = check_argmax_rows(logits, suppress, out);
+    MOEKIT_CHECK(logits.device.is_cpu() && out.device.is_cpu(), "argmax_rows: operands must be on the CPU, got ",
+                 logits.to_string(), " and ", out.to_string());
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    for (int64_t r = 0; r < R; ++r) {
+      const float* p = logits.ptr<float>() + r * V;
+      int64_t best = 0, finite = 1;
+      float bv = kNegInf;
+      for (int64_t i = 0; i < V; ++i) {
+        float x = p[i];
+        if (!std::isfinite(x)) finite = 0;
+        if (std::find(suppress.begin(), suppress.end(), i) != suppress.end()) x = kNegInf;
+        if (x > bv) bv = x, best = i;
+      }
+      out.ptr<int64_t>()[2 * r] = best;
+      out.ptr<int64_t>()[2 * r + 1] = finite;
+    }
+  }
+
   std::unique_ptr<StepGraph> capture(const std::function<void()>&) const override {
     MOEKIT_FAIL(not_supported, "graphs of layer ops need a CUDA device; the CPU runs ops as they come");
   }

@@ -115,8 +115,10 @@ class CudaOps final : public DeviceOps {
     const int dev = x.device.index;
     DeviceGuard g(dev);
     const cudaStream_t s = stream();
-    // The decode step's few rows (fused decode): a GEMV that streams each weight row once.
-    if (M <= kernels::kGemvMaxM && fused_decode() && kernels::gemv_ok(x.data, xt, ldx, w.data, wt, int(M), K)) {
+    // The decode step's few rows (fused decode): a GEMV that streams each weight row once, up to gemv_max_rows()
+    // rows (cuBLAS reads the weights better from there on) and for f32 weights (the router) up to kGemvMaxM.
+    if (M <= kernels::kGemvMaxM && (M <= gemv_max_rows() || wt != xt) && fused_decode() &&
+        kernels::gemv_ok(x.data, xt, ldx, w.data, wt, int(M), K)) {
       MOEKIT_CUDA_CALL(kernels::gemv(x.data, xt, ldx, w.data, wt, bias.data, bias.data ? code(bias, "linear bias") : 0,
                                      y.data, yt, int(M), N, K, cuda::device_info(dev).multiprocessors, s));
       return;
@@ -361,7 +363,8 @@ class CudaOps final : public DeviceOps {
                                   .chunk = chunk,
                                   .part = part,
                                   .seqs = &tab,
-                                  .ldq = ld};
+                                  .ldq = ld,
+                                  .vec = vector_decode_attention()};
       MOEKIT_CUDA_CALL(kernels::attention(args, s));
     }
   }
@@ -475,6 +478,19 @@ class CudaOps final : public DeviceOps {
     DeviceGuard g(kvb.device.index);
     MOEKIT_CUDA_CALL(kernels::mla_expand(kvb.data, k_rot.data, ld_rot, in_t, k.data, v.data, out_t, T, H, nope, rope,
                                          dv, row0.value, row0.device, stream()));
+  }
+
+  void argmax_rows(const TensorView& logits, const std::vector<int64_t>& suppress,
+                   const TensorView& out) const override {
+    const auto [R, V] = check_argmax_rows(logits, suppress, out);
+    MOEKIT_CHECK(logits.device.is_cuda(), "argmax_rows: logits must be on a CUDA device, got ", logits.to_string());
+    static_assert(DeviceOps::kMaxSuppress <= size_t(kernels::kArgmaxMaxSuppress));
+    kernels::Suppress sup{};
+    sup.n = int(suppress.size());
+    for (size_t i = 0; i < suppress.size(); ++i) sup.ids[i] = suppress[i];
+    if (R == 0) return;
+    DeviceGuard g(logits.device.index);
+    MOEKIT_CUDA_CALL(kernels::argmax_rows(logits.ptr<float>(), R, V, sup, out.ptr<int64_t>(), stream()));
   }
 
   std::unique_ptr<StepGraph> capture(const std::function<void()>& body) const override {

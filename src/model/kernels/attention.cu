@@ -1,6 +1,8 @@
 // Attention kernels of the model: rotary embedding in place, and causal attention as an online softmax
 // over tiles of keys, split over blocks for decode (flash-decoding) and merged by a second kernel.
 #include <algorithm>
+#include <cstdint>
+#include <type_traits>
 
 #include "model/kernels/layer_device.cuh"
 
@@ -197,6 +199,147 @@ __global__ void __launch_bounds__(kAttnThreads)
   }
 }
 
+// Eight 16-bit values of a 16-byte piece as f32.
+template <class T>
+__device__ __forceinline__ void unpack8(const uint4& u, float* f) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint16_t lo = uint16_t(w[i] & 0xffffu), hi = uint16_t(w[i] >> 16);
+    if constexpr (std::is_same_v<T, bf16>) {
+      f[2 * i] = __uint_as_float(uint32_t(lo) << 16);
+      f[2 * i + 1] = __uint_as_float(uint32_t(hi) << 16);
+    } else {
+      f[2 * i] = __half2float(__ushort_as_half(lo));
+      f[2 * i + 1] = __half2float(__ushort_as_half(hi));
+    }
+  }
+}
+
+// attention_kernel for the decode step of 16-bit caches whose heads are P pieces of 16 bytes (D = 8 P, Dk = Dv):
+// the same splits, online softmax and outputs, with 16-byte loads. P threads share a key (one piece each, the dot
+// product summed over the P lanes); each thread issues its loads of a tile's keys (and then of its values) before
+// using any, so a tile's 2 x 64 rows are in flight at once. Each thread accumulates its piece's 8 value dims over
+// the keys of its key slot; the slots' sums meet in shared memory at the end, added in slot order.
+template <class T, int P>
+__global__ void __launch_bounds__(kAttnThreads)
+    decode_attention_vec_kernel(const T* __restrict__ q, int64_t ldq, DecodeSeqs seqs, T* __restrict__ out, int Hq,
+                                int Hkv, float scale, int64_t window, const void* sinks, int sink_t, int64_t chunk,
+                                float* __restrict__ part) {
+  constexpr int E = 8;                      // values per piece
+  constexpr int D = P * E;
+  constexpr int KPP = kAttnThreads / P;     // keys per pass (key slots)
+  constexpr int NP = kAttnTile / KPP;       // passes per tile
+  static_assert(32 % P == 0 && kAttnTile % KPP == 0, "a key's lanes sit in one warp");
+  __shared__ float p[kAttnTile];
+  __shared__ float red[KPP * D];
+  const int bh = blockIdx.x, t = bh / Hq, h = bh % Hq, g = h / (Hq / Hkv);
+  const int split = blockIdx.y, splits = gridDim.y;
+  const int tid = threadIdx.x, slot = tid / P, pc = tid % P;
+  const int sq = seqs.n == 1 ? 0 : t;
+  const T* __restrict__ k = static_cast<const T*>(seqs.k_cache[sq]);
+  const T* __restrict__ v = static_cast<const T*>(seqs.v_cache[sq]);
+  const int64_t pos = position(seqs.pos_value[sq], seqs.pos_device[sq]) + (seqs.n == 1 ? t : 0);
+  int64_t lo = window > 0 ? max(int64_t(0), pos - window + 1) : 0;
+  int64_t hi = pos;  // last key, inclusive
+  lo = max(lo, split * chunk);
+  hi = min(hi, (split + 1) * chunk - 1);
+  float qv[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) qv[e] = to_f32(q[int64_t(t) * ldq + int64_t(h) * D + pc * E + e]);
+  float m = -INFINITY, l = 0.0f;
+  if (sinks && !part) {  // the sink's logit: probability mass, no value
+    m = ld(sinks, sink_t, h);
+    l = 1.0f;
+  }
+  float acc[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] = 0.0f;
+  const int64_t row = int64_t(Hkv) * D;  // elements from one key to the next
+  for (int64_t j0 = lo; j0 <= hi; j0 += kAttnTile) {
+    const int n = int(min(int64_t(kAttnTile), hi + 1 - j0));
+    const T* kt = k + j0 * row + int64_t(g) * D + pc * E;
+    const T* vt = v + j0 * row + int64_t(g) * D + pc * E;
+    uint4 kr[NP];
+#pragma unroll
+    for (int i = 0; i < NP; ++i) {
+      const int jj = i * KPP + slot;
+      kr[i] = jj < n ? *reinterpret_cast<const uint4*>(kt + jj * row) : make_uint4(0, 0, 0, 0);
+    }
+    float sc[NP];
+#pragma unroll
+    for (int i = 0; i < NP; ++i) {
+      float f[E];
+      unpack8<T>(kr[i], f);
+      float d = 0.0f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) d += qv[e] * f[e];
+      sc[i] = d;
+    }
+    uint4 vr[NP];  // the values' loads go out before the softmax of the scores
+#pragma unroll
+    for (int i = 0; i < NP; ++i) {
+      const int jj = i * KPP + slot;
+      vr[i] = jj < n ? *reinterpret_cast<const uint4*>(vt + jj * row) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < NP; ++i) {
+#pragma unroll
+      for (int o = P / 2; o > 0; o >>= 1) sc[i] += __shfl_xor_sync(0xffffffffu, sc[i], o);
+      const int jj = i * KPP + slot;
+      if (pc == 0 && jj < n) p[jj] = sc[i] * scale;
+    }
+    __syncthreads();
+    float tmax = -INFINITY;
+    for (int jj = 0; jj < n; ++jj) tmax = fmaxf(tmax, p[jj]);
+    const float mnew = fmaxf(m, tmax);
+    const float corr = m == -INFINITY ? 0.0f : expf(m - mnew);
+    __syncthreads();  // every thread has read the scores
+    if (tid < n) p[tid] = expf(p[tid] - mnew);
+    __syncthreads();
+    float sum = 0.0f;
+    for (int jj = 0; jj < n; ++jj) sum += p[jj];
+    l = l * corr + sum;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] *= corr;
+#pragma unroll
+    for (int i = 0; i < NP; ++i) {
+      const int jj = i * KPP + slot;
+      if (jj < n) {
+        const float w = p[jj];
+        float f[E];
+        unpack8<T>(vr[i], f);
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] += w * f[e];
+      }
+    }
+    m = mnew;
+    __syncthreads();  // before the next tile's scores overwrite p
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) red[slot * D + pc * E + e] = acc[e];
+  __syncthreads();
+  if (part) {
+    float* o = part + (int64_t(bh) * splits + split) * (D + 2);
+    if (tid == 0) {
+      o[0] = m;
+      o[1] = l;
+    }
+    for (int d = tid; d < D; d += kAttnThreads) {
+      float a = 0.0f;
+      for (int s2 = 0; s2 < KPP; ++s2) a += red[s2 * D + d];
+      o[2 + d] = a;
+    }
+    return;
+  }
+  const float inv = 1.0f / l;
+  for (int d = tid; d < D; d += kAttnThreads) {
+    float a = 0.0f;
+    for (int s2 = 0; s2 < KPP; ++s2) a += red[s2 * D + d];
+    out[(int64_t(t) * Hq + h) * D + d] = from_f32<T>(a * inv);
+  }
+}
+
 // Merges the splits of attention_kernel: one block per (query, head).
 template <class T>
 __global__ void attention_combine_kernel(const float* __restrict__ part, int splits, int Hq, int Dv, const void* sinks,
@@ -276,11 +419,31 @@ cudaError_t attention(const AttentionArgs& a, cudaStream_t s) {
   }
   const DecodeSeqs& seqs = a.seqs ? *a.seqs : one;
   const int64_t ldq = a.seqs ? a.ldq : int64_t(a.Hq) * a.Dk;
+  // The decode step's 16-bit caches with heads of 64, 128 or 256 dims and 16-byte aligned buffers: 16-byte loads.
+  bool vec = a.vec && a.seqs && a.t != kF32 && a.Dk == a.Dv && (a.Dk == 64 || a.Dk == 128 || a.Dk == 256);
+  for (int i = 0; vec && i < seqs.n; ++i)
+    vec = reinterpret_cast<uintptr_t>(seqs.k_cache[i]) % 16 == 0 && reinterpret_cast<uintptr_t>(seqs.v_cache[i]) % 16 == 0;
   auto run = [&](auto tag) {
     using E = decltype(tag);
-    attention_kernel<E><<<grid, kAttnThreads, smem, s>>>(static_cast<const E*>(a.q), ldq, seqs, static_cast<E*>(a.out),
-                                                         a.Hq, a.Hkv, a.Dk, a.Dv, a.scale, a.window, a.sinks,
-                                                         a.sink_t, a.chunk, a.part);
+    if constexpr (!std::is_same_v<E, float>) {
+      if (vec) {
+        const E* qe = static_cast<const E*>(a.q);
+        E* oe = static_cast<E*>(a.out);
+        if (a.Dk == 64)
+          decode_attention_vec_kernel<E, 8><<<grid, kAttnThreads, 0, s>>>(qe, ldq, seqs, oe, a.Hq, a.Hkv, a.scale, a.window,
+                                                                         a.sinks, a.sink_t, a.chunk, a.part);
+        else if (a.Dk == 128)
+          decode_attention_vec_kernel<E, 16><<<grid, kAttnThreads, 0, s>>>(qe, ldq, seqs, oe, a.Hq, a.Hkv, a.scale,
+                                                                          a.window, a.sinks, a.sink_t, a.chunk, a.part);
+        else
+          decode_attention_vec_kernel<E, 32><<<grid, kAttnThreads, 0, s>>>(qe, ldq, seqs, oe, a.Hq, a.Hkv, a.scale,
+                                                                          a.window, a.sinks, a.sink_t, a.chunk, a.part);
+      }
+    }
+    if (!vec)
+      attention_kernel<E><<<grid, kAttnThreads, smem, s>>>(static_cast<const E*>(a.q), ldq, seqs,
+                                                           static_cast<E*>(a.out), a.Hq, a.Hkv, a.Dk, a.Dv, a.scale,
+                                                           a.window, a.sinks, a.sink_t, a.chunk, a.part);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess || !a.part) return err;
     attention_combine_kernel<E><<<unsigned(bh), 128, 0, s>>>(a.part, int(a.splits), a.Hq, a.Dv, a.sinks, a.sink_t,

@@ -103,6 +103,9 @@ struct AttentionArgs {
   // (k, v and the positions above unused). Null: one sequence, q [T, Hq, Dk] contiguous.
   const DecodeSeqs* seqs = nullptr;
   int64_t ldq = 0;
+  // With seqs: 16-byte loads (16-bit caches, Dk == Dv of 64, 128 or 256, 16-byte aligned caches), else the
+  // scalar kernel.
+  bool vec = false;
 };
 // Causal attention of the T queries at positions pos .. pos + T - 1 (flash-decoding when splits > 1).
 cudaError_t attention(const AttentionArgs& a, cudaStream_t s);
@@ -134,5 +137,15 @@ constexpr int kRouteMaxGroups = 32;
 constexpr int kRouteSoftmaxTopk = 0, kRouteTopkSoftmax = 1, kRouteGroupedSigmoid = 2;
 cudaError_t route(const float* logits, const float* bias, int64_t T, int E, int K, int kind, bool norm, float scale,
                   int n_group, int topk_group, int32_t* index, float* weights, cudaStream_t s);
+
+// Greedy choice per row (DeviceOps::argmax_rows): out[2r] = the first index of the largest value of row r of
+// logits [R, V] f32 with the ids of `suppress` counted as -inf, out[2r + 1] = 1 when the row is all finite, else 0.
+constexpr int kArgmaxMaxSuppress = 16;
+struct Suppress {
+  int n = 0;
+  int64_t ids[kArgmaxMaxSuppress];
+};
+cudaError_t argmax_rows(const float* logits, int64_t R, int64_t V, const Suppress& suppress, int64_t* out,
+                        cudaStream_t s);
 
 }  // namespace moekit::model::kernels
