@@ -123,7 +123,7 @@ std::vector<std::pair<ProblemConfig, DType>> fp8_sweep() {
   add({.act = DType::bf16, .idt = DType::i32, .T = 520, .E = 7, .K = 2, .H = 1024, .I = 384});
   // Decode sizes (P <= 64): the FP8 GEMV (gemv_quant.cu), one row per expert pass (P <= E) and four (P > E)
   add({.T = 1, .E = 9, .K = 8, .H = 200, .I = 136, .sentinels = true});                // odd E, H % 16 != 0
-  add({.T = 2, .E = 33, .K = 4, .H = 1100, .I = 300, .has_bias = true, .concatenated = false});  // interleaved
+  add({.T = 2, .E = 33, .K = 4, .H = 1100, .I = 300, .has_bias = true});  // biases, H % 128 != 0 (FP8 is [gate | up] only)
   add({.T = 32, .E = 9, .K = 2, .H = 136, .I = 72, .used = 1});      // one expert, 64 rows (repeated per token)
   add({.T = 5, .E = 3, .K = 4, .H = 96, .I = 40, .used = 2, .sentinel_every = 4});     // repeats, sentinels
   add({.act = DType::bf16, .rwt = DType::bf16, .T = 32, .E = 5, .K = 2, .H = 264, .I = 200,
