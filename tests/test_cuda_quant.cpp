@@ -11,6 +11,7 @@
 
 #include "moekit/quant.h"
 #include "test_experts_problem.h"
+#include "test_fp8_problem.h"
 #ifdef MOEKIT_WITH_CUDA
 #include "backends/cuda/kernels/kernels.h"
 #include "backends/cuda/policy.h"
@@ -20,29 +21,8 @@ namespace moekit {
 namespace {
 
 using test::ProblemConfig;
+using test::make_fp8_problem;
 
-test::ExpertsProblem make_fp8_problem(ProblemConfig c, uint64_t seed, DType scale_dtype) {
-  std::mt19937_64 rng(seed);
-  c.wdt = DType::f32;
-  const Experts f = test::make_experts(c, rng);
-  ExpertsWeights w = f.weights();
-  auto [q1, s1] = quantize_fp8(w.first(), scale_dtype, c.has_gate ? 2 : 1);
-  auto [q2, s2] = quantize_fp8(w.down_proj, scale_dtype);
-  (c.has_gate ? w.gate_up_proj : w.up_proj) = q1;
-  (c.has_gate ? w.gate_up_proj_scale_inv : w.up_proj_scale_inv) = s1;
-  w.down_proj = q2;
-  w.down_proj_scale_inv = s2;
-  if (c.has_bias && c.act != DType::f32) {  // biases in the activations' dtype
-    for (Tensor* b : {&w.gate_up_proj_bias, &w.up_proj_bias, &w.down_proj_bias})
-      if (b->defined()) *b = b->to(c.act);
-  }
-  test::ExpertsProblem p;
-  p.config = c;
-  p.experts = Experts(f.spec(), w, "grouped_mm");
-  test::make_inputs(c, rng, p);
-  p.reference = reference_forward(p.experts, p.hidden_states, p.top_k_index, p.top_k_weights);
-  return p;
-}
 
 #ifdef MOEKIT_WITH_CUDA
 TEST(CudaQuant, ActivationQuantisationIsBitwiseTheHosts) {
@@ -140,7 +120,7 @@ TEST(CudaQuant, Fp8GroupedBatchedAndDeepgemmMatchTheReference) {
   uint64_t seed = 500;
   int checked = 0;
   for (const auto& [c, sdt] : fp8_sweep()) {
-    const test::ExpertsProblem p = make_fp8_problem(c, seed++, sdt);
+    const test::ExpertsProblem p = make_fp8_problem(c, seed++, sdt, /*biases_in_act_dtype=*/true);
     const Experts g = p.experts.to(Device::cuda(0));
     for (const char* name : {"grouped_mm", "batched_mm", "deepgemm"}) {
       const Support s = ExpertsInterface::global().get(name)->supports(g, c.act);
@@ -186,7 +166,7 @@ TEST(CudaQuant, Fp8GemvForcedOnAndOffMatchesTheReference) {
   };
   uint64_t seed = 900;
   for (const auto& [c, sdt] : cases) {
-    const test::ExpertsProblem p = make_fp8_problem(c, seed++, sdt);
+    const test::ExpertsProblem p = make_fp8_problem(c, seed++, sdt, /*biases_in_act_dtype=*/true);
     const Experts g = p.experts.to(Device::cuda(0));
     for (const int64_t reach : {int64_t(1) << 40, int64_t(0)}) {
       const Fp8GemvPolicy policy(reach);

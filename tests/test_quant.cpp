@@ -12,11 +12,13 @@
 #include "base/gemm.h"
 #include "moekit/quant.h"
 #include "test_experts_problem.h"
+#include "test_fp8_problem.h"
 
 namespace moekit {
 namespace {
 
 using test::ProblemConfig;
+using test::make_fp8_problem;
 
 TEST(QuantFormats, E4m3EveryCodeRoundTripsAndRoundsToNearestEven) {
   int finite = 0;
@@ -197,25 +199,6 @@ TEST(QuantGemm, Fp8TileEveryIsaMatchesDoubleAndAgreesBitwise) {
   }
 }
 
-// FP8 experts made from random float experts of `c` (weights quantized in 128 x 128 blocks).
-test::ExpertsProblem make_fp8_problem(ProblemConfig c, uint64_t seed, DType scale_dtype) {
-  std::mt19937_64 rng(seed);
-  c.wdt = DType::f32;
-  const Experts f = test::make_experts(c, rng);
-  ExpertsWeights w = f.weights();
-  auto [q1, s1] = quantize_fp8(w.first(), scale_dtype, c.has_gate ? 2 : 1);
-  auto [q2, s2] = quantize_fp8(w.down_proj, scale_dtype);
-  (c.has_gate ? w.gate_up_proj : w.up_proj) = q1;
-  (c.has_gate ? w.gate_up_proj_scale_inv : w.up_proj_scale_inv) = s1;
-  w.down_proj = q2;
-  w.down_proj_scale_inv = s2;
-  test::ExpertsProblem p;
-  p.config = c;
-  p.experts = Experts(f.spec(), w, "grouped_mm");
-  test::make_inputs(c, rng, p);
-  p.reference = reference_forward(p.experts, p.hidden_states, p.top_k_index, p.top_k_weights);
-  return p;
-}
 
 std::vector<std::pair<ProblemConfig, DType>> fp8_sweep() {
   std::vector<std::pair<ProblemConfig, DType>> v;

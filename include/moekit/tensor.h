@@ -95,6 +95,10 @@ int cuda_device_count();
 void* device_malloc(size_t bytes, Device device);
 void device_free(void* p, Device device);
 void memcpy_any(void* dst, Device dst_dev, const void* src, Device src_dev, size_t bytes, Stream s = nullptr);
+// The same copy enqueued on stream s without waiting for it (host buffers must stay valid and unchanged until the
+// stream has run it: stream_synchronize waits; page-locked host memory makes it truly asynchronous). Copies
+// between CPU buffers run at once.
+void memcpy_any_async(void* dst, Device dst_dev, const void* src, Device src_dev, size_t bytes, Stream s);
 void stream_synchronize(Stream s, Device device);
 // A new stream on a CUDA device (nullptr on the CPU), and its release (waits for its work first).
 Stream stream_create(Device device);

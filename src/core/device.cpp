@@ -49,7 +49,7 @@ void device_free(void* p, Device device) {
 #endif
 }
 
-void memcpy_any(void* dst, Device dd, const void* src, Device sd, size_t bytes, Stream s) {
+void memcpy_any_async(void* dst, Device dd, const void* src, Device sd, size_t bytes, Stream s) {
   if (bytes == 0) return;
   if (dd.is_cpu() && sd.is_cpu()) {
     std::memcpy(dst, src, bytes);
@@ -59,14 +59,17 @@ void memcpy_any(void* dst, Device dd, const void* src, Device sd, size_t bytes, 
   const cudaMemcpyKind kind = dd.is_cpu() ? cudaMemcpyDeviceToHost
                               : sd.is_cpu() ? cudaMemcpyHostToDevice
                                             : cudaMemcpyDeviceToDevice;
-  auto stream = static_cast<cudaStream_t>(s);
-  MOEKIT_CUDA_CALL(cudaMemcpyAsync(dst, src, bytes, kind, stream));
-  MOEKIT_CUDA_CALL(cudaStreamSynchronize(stream));
+  MOEKIT_CUDA_CALL(cudaMemcpyAsync(dst, src, bytes, kind, static_cast<cudaStream_t>(s)));
 #else
   (void)s;
   MOEKIT_FAIL(not_supported, "cannot copy between ", sd.to_string(), " and ", dd.to_string(),
               ": moekit was built without CUDA");
 #endif
+}
+
+void memcpy_any(void* dst, Device dd, const void* src, Device sd, size_t bytes, Stream s) {
+  memcpy_any_async(dst, dd, src, sd, bytes, s);
+  if (bytes != 0) stream_synchronize(s, dd.is_cpu() ? sd : dd);
 }
 
 void stream_synchronize(Stream s, Device device) {

@@ -403,7 +403,7 @@ Model::Impl::StepOut Model::Impl::decode_batch_graphed(const std::vector<int64_t
     io[i] = tokens[size_t(i)];
     io[B + i] = slots[size_t(i)]->length;
   }
-  model::copy_async(step_io.data(), dev, io, Device::cpu(), size_t(2 * B) * sizeof(int64_t), s);
+  memcpy_any_async(step_io.data(), dev, io, Device::cpu(), size_t(2 * B) * sizeof(int64_t), s);
   const int64_t* d_io = step_io.ptr<int64_t>();
   std::vector<model::Segment> segs;
   for (int64_t i = 0; i < B; ++i) {
@@ -423,7 +423,7 @@ Model::Impl::StepOut Model::Impl::decode_batch_graphed(const std::vector<int64_t
       const TensorView pick(step_pick.data(), DType::i64, {2 * B}, dev);
       ops().argmax_rows(logits_dev.view(), *greedy_suppress, pick);
       auto* h = static_cast<int64_t*>(step_out.get(size_t(2 * B) * sizeof(int64_t), dev));
-      model::copy_async(h, Device::cpu(), step_pick.data(), dev, size_t(2 * B) * sizeof(int64_t), s);
+      memcpy_any_async(h, Device::cpu(), step_pick.data(), dev, size_t(2 * B) * sizeof(int64_t), s);
       stream_synchronize(s, dev);
       for (int64_t i = 0; i < B; ++i) {
         out.ids.push_back(h[2 * i]);
@@ -434,7 +434,7 @@ Model::Impl::StepOut Model::Impl::decode_batch_graphed(const std::vector<int64_t
       out.ids.clear();
       const size_t bytes = size_t(B * V) * sizeof(float);
       void* h = step_out.get(bytes, dev);
-      model::copy_async(h, Device::cpu(), logits_dev.data(), dev, bytes, s);
+      memcpy_any_async(h, Device::cpu(), logits_dev.data(), dev, bytes, s);
       stream_synchronize(s, dev);
       out.logits = static_cast<const float*>(h);
       out.V = V;

@@ -1,5 +1,5 @@
-// HostStaging and copy_async (ops.h): page-locked host memory and asynchronous copies for the decode step's
-// inputs and outputs. CUDA runtime calls only when built with CUDA.
+// HostStaging (ops.h): page-locked host memory for the decode step's inputs and outputs (copied by
+// memcpy_any_async). CUDA runtime calls only when built with CUDA.
 #include <cstdlib>
 #include <cstring>
 
@@ -52,24 +52,6 @@ void* HostStaging::get(size_t bytes, Device device) {
   MOEKIT_CHECK(ptr_ != nullptr, "host staging: cannot allocate ", n, " bytes");
   bytes_ = n;
   return ptr_;
-}
-
-void copy_async(void* dst, Device dd, const void* src, Device sd, size_t bytes, Stream s) {
-  if (bytes == 0) return;
-  if (dd.is_cpu() && sd.is_cpu()) {
-    std::memcpy(dst, src, bytes);
-    return;
-  }
-#ifdef MOEKIT_WITH_CUDA
-  const cudaMemcpyKind kind = dd.is_cpu() ? cudaMemcpyDeviceToHost
-                              : sd.is_cpu() ? cudaMemcpyHostToDevice
-                                            : cudaMemcpyDeviceToDevice;
-  MOEKIT_CUDA_CALL(cudaMemcpyAsync(dst, src, bytes, kind, static_cast<cudaStream_t>(s)));
-#else
-  (void)s;
-  MOEKIT_FAIL(not_supported, "cannot copy between ", sd.to_string(), " and ", dd.to_string(),
-              ": moekit was built without CUDA");
-#endif
 }
 
 }  // namespace moekit::model

@@ -162,9 +162,6 @@ class HostStaging {
   size_t bytes_ = 0;
   bool pinned_ = false;
 };
-// Enqueues a copy on stream s without waiting for it (the host side must stay valid and unchanged until the stream
-// has run it; stream_synchronize waits). Copies between CPU buffers run at once.
-void copy_async(void* dst, Device dst_dev, const void* src, Device src_dev, size_t bytes, Stream s);
 
 // Shape checks shared by the device implementations (dtypes and devices are theirs to check). Each throws
 // Error(invalid_argument) naming the operands, and returns the sizes the op runs over.

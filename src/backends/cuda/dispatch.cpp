@@ -27,6 +27,22 @@ kernels::Elem to_elem(DType t) {
   }
 }
 
+// What every CUDA kernel path needs of the spec, whatever the weights' dtype: a gate and activation the kernels
+// have, the routing's expert limit, sizes that fit the kernels' 32-bit offsets.
+Support kernel_limits(std::string_view backend, const ExpertsSpec& s) {
+  if (s.gate == GateKind::custom)
+    return no(backend, "a custom gate function runs only on the CPU backends; move the experts to the CPU");
+  if (kernel_activation(s.activation) < 0 && !(s.has_gate && s.gate == GateKind::clamped_swiglu))
+    return no(backend, std::string("activation '") + activation_name(s.activation) +
+                           "' is not in the CUDA kernels; move the experts to the CPU");
+  if (s.num_experts > kernels::kRouteMaxExperts)
+    return no(backend, "at most " + std::to_string(kernels::kRouteMaxExperts) + " experts per module, got " +
+                           std::to_string(s.num_experts));
+  if (s.hidden > (int64_t(1) << 30) || s.intermediate > (int64_t(1) << 30))
+    return no(backend, "hidden and intermediate sizes must be below 2^30");
+  return Support{true, ""};
+}
+
 // The backends with an FP8 path (quantized_fp8.cpp); the others refuse quantized experts.
 bool has_fp8_path(std::string_view backend) {
   return backend == "grouped_mm" || backend == "batched_mm" || backend == "deepgemm";
@@ -46,16 +62,7 @@ Support supports_quantized(std::string_view backend, const Experts& experts, DTy
     if (b->defined() && b->dtype() != act_dtype)
       return no(backend, std::string("the biases of FP8 experts must have the activations' dtype (") +
                              dtype_name(act_dtype) + "), got " + dtype_name(b->dtype()));
-  if (s.gate == GateKind::custom)
-    return no(backend, "a custom gate function runs only on the CPU backends; move the experts to the CPU");
-  if (kernel_activation(s.activation) < 0 && !(s.has_gate && s.gate == GateKind::clamped_swiglu))
-    return no(backend, std::string("activation '") + activation_name(s.activation) +
-                           "' is not in the CUDA kernels; move the experts to the CPU");
-  if (s.num_experts > kernels::kRouteMaxExperts)
-    return no(backend, "at most " + std::to_string(kernels::kRouteMaxExperts) + " experts per module, got " +
-                           std::to_string(s.num_experts));
-  if (s.hidden > (int64_t(1) << 30) || s.intermediate > (int64_t(1) << 30))
-    return no(backend, "hidden and intermediate sizes must be below 2^30");
+  if (const Support k = kernel_limits(backend, s); !k) return k;
   const int device = experts.device().index;
   const int arch = device_info(device).arch();
   {
@@ -136,16 +143,7 @@ Support supports(std::string_view backend, const Experts& experts, DType act_dty
     if (b->defined() && b->dtype() != wt)
       return no(backend, std::string("biases must have the weights' dtype (") + dtype_name(wt) + "), got " +
                              dtype_name(b->dtype()));
-  if (s.gate == GateKind::custom)
-    return no(backend, "a custom gate function runs only on the CPU backends; move the experts to the CPU");
-  if (kernel_activation(s.activation) < 0 && !(s.has_gate && s.gate == GateKind::clamped_swiglu))
-    return no(backend, std::string("activation '") + activation_name(s.activation) +
-                           "' is not in the CUDA kernels; move the experts to the CPU");
-  if (s.num_experts > kernels::kRouteMaxExperts)
-    return no(backend, "at most " + std::to_string(kernels::kRouteMaxExperts) + " experts per module, got " +
-                           std::to_string(s.num_experts));
-  if (s.hidden > (int64_t(1) << 30) || s.intermediate > (int64_t(1) << 30))
-    return no(backend, "hidden and intermediate sizes must be below 2^30");
+  if (const Support k = kernel_limits(backend, s); !k) return k;
   if (extra) {
     const std::string why = extra(experts, act_dtype, device_info(experts.device().index).arch());
     if (!why.empty()) return no(backend, why);
