@@ -179,7 +179,7 @@ double cpu_copy_gbps(int64_t cache_bytes) {
 // One thread's read of `len` bytes at p (64-byte aligned, a multiple of 64 * S): S streams (the region in S equal
 // parts, read in lockstep, 64 bytes each per step, summed into their own accumulators), each line prefetched `dist`
 // bytes ahead (0: none). The vector type is 64 bytes: one AVX-512 load where the CPU has it (read_avx512).
-typedef long long ReadVec __attribute__((vector_size(64)));
+typedef unsigned long long ReadVec __attribute__((vector_size(64)));  // unsigned: sums wrap
 template <int S>
 __attribute__((always_inline)) inline uint64_t read_streams(const char* p, size_t len, size_t dist) {
   const size_t part = len / S;
