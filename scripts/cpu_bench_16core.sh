@@ -13,8 +13,8 @@
 # host so far; batched_mm reads each pair's expert once per pair), TOKENS (default 1,8,64,512,2048), SHAPES (default
 # qwen3-30b-a3b,mixtral-8x7b,deepseek-v3), HF (default 1: time transformers too), FP8 (default 0), HF_RESERVE_S
 # (default 100: seconds of the budget kept for transformers' deepseek-v3 run, whose moekit run is cut short first).
-# AB_SHAPES (default qwen3-30b-a3b; empty: none): shapes also run at T = 512, 2048 with MOEKIT_AMX_OVERLAP=0 (the
-# amx tile's former order: all of k in one pass, no prefetch of the next panel pair), beside the default, as ab-*.
+# AB_SHAPES (default qwen3-30b-a3b; empty: none): shapes also run at T = 512, 2048 with MOEKIT_AMX_OVERLAP=1 (the
+# amx tile's opt-in order: k in chunks, the next panel pair prefetched into L2), beside the default, as ab-*.
 # deepseek-v3 for both engines in a ~4 minute call: SHAPES=deepseek-v3 BUDGET_S=200 (its 22.5 GB of experts take
 # about 10 s to create in each engine).
 set -uo pipefail
@@ -76,7 +76,7 @@ for shape in ${SHAPES//,/ }; do
     grep -m1 '^ceilings' "$DIR/$shape-bf16.txt"
   fi
   case ",${AB_SHAPES-qwen3-30b-a3b}," in
-    *",$shape,"*) MOEKIT_AMX_OVERLAP=0 run "ab-$shape-no-overlap" --shape "$shape" --tokens 512,2048 ;;
+    *",$shape,"*) MOEKIT_AMX_OVERLAP=1 run "ab-$shape-overlap" --shape "$shape" --tokens 512,2048 ;;
   esac
   [ "$FP8" = 1 ] && run "$shape-fp8" --shape "$shape" --tokens 1,8 --quant fp8
   hf "$shape"
@@ -95,7 +95,7 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
         print(f"{f}: unreadable ({e})")
         continue
     is_hf = os.path.basename(f).startswith("hf-")
-    if os.path.basename(f).startswith("ab-"):  # MOEKIT_AMX_OVERLAP=0 runs: their own table below
+    if os.path.basename(f).startswith("ab-"):  # MOEKIT_AMX_OVERLAP=1 runs: their own table below
         ab.extend(d.get("records", []))
         continue
     torch_peak = max(torch_peak, d.get("torch_bf16_gemm_tflops", 0.0))
@@ -134,8 +134,8 @@ for shape, t in sorted({(k[0], k[1]) for k in best} | set(hf), key=lambda x: (x[
     qf = f"{q['median_us'] / floor_us(q):.2f}" if q else "-"
     print(f"| {shape} | {t} | {mk} | {fr} | {fl} | {hs} | {sp} | {qs} | {qf} |")
 if ab:
-    print("\nMOEKIT_AMX_OVERLAP=0 (former tile order) against the default, same call:")
-    print("| shape | T | overlap ms | no overlap ms | no overlap / overlap |")
+    print("\nMOEKIT_AMX_OVERLAP=1 (k chunks, next pair into L2) against the default, same call:")
+    print("| shape | T | default ms | overlap ms | overlap / default |")
     print("|---|---|---|---|---|")
     for r in sorted(ab, key=lambda r: (r["shape"], r["tokens"])):
         b = best.get((r["shape"], r["tokens"], "bf16"))

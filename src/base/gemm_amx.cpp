@@ -462,14 +462,15 @@ void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedB
   float* cb = c + n0;
   int cfg0 = -1, cfg1 = -1;
   const int64_t kp = w.kp;
-  // k in chunks whose rows of A and two panel pairs fit in half of a core's L2 (C accumulates in place over the
+  // With overlap: k in chunks whose rows of A and two panel pairs fit in half of a core's L2 (C accumulates in place over the
   // chunks); per chunk, row blocks of 32 per panel pair: the first reads the pair's B from memory (unless it is in L2
   // already), the others from L2. The row blocks after the first stream the next pair into L2 (spread evenly over
   // their k steps), so that memory reads overlap the arithmetic and the next pair's first row block finds its B in L2.
-  // MOEKIT_AMX_OVERLAP=0: the former order (all of k in one pass, no prefetch of the next pair), for comparisons.
+  // MOEKIT_AMX_OVERLAP=1: k in chunks and the next pair into L2 (below); off by default until a many-core host shows
+  // it faster (on the 2-core VM: 10-15% slower at 1 thread, about even at 2); otherwise one pass over all of k.
   static const bool overlap = [] {
     const char* v = std::getenv("MOEKIT_AMX_OVERLAP");
-    return !(v && v[0] == '0' && v[1] == 0);
+    return v && v[0] == '1' && v[1] == 0;
   }();
   const int64_t row_blocks = (m + 31) / 32;
   const int64_t kc_max = overlap ? std::max<int64_t>(256, (1 << 20) / (2 * m + 128) / 32 * 32) : kp;
