@@ -11,7 +11,12 @@
 # Environment: THREADS (default: the number of cores, at most 16), BUDGET_S (default 170: a shape starts only while
 # the elapsed time is below BUDGET_S - 50), BACKENDS (moekit's, default grouped_mm: the best at every T on that
 # host so far; batched_mm reads each pair's expert once per pair), TOKENS (default 1,8,64,512,2048), SHAPES (default
-# qwen3-30b-a3b,mixtral-8x7b,deepseek-v3), HF (default 1: time transformers too), FP8 (default 0).
+# qwen3-30b-a3b,mixtral-8x7b,deepseek-v3), HF (default 1: time transformers too), FP8 (default 0), HF_RESERVE_S
+# (default 100: seconds of the budget kept for transformers' deepseek-v3 run, whose moekit run is cut short first).
+# AB_SHAPES (default qwen3-30b-a3b; empty: none): shapes also run at T = 512, 2048 with MOEKIT_AMX_OVERLAP=1 (the
+# amx tile's opt-in order: k in chunks, the next panel pair prefetched into L2), beside the default, as ab-*.
+# deepseek-v3 for both engines in a ~4 minute call: SHAPES=deepseek-v3 BUDGET_S=200 (its 22.5 GB of experts take
+# about 10 s to create in each engine).
 set -uo pipefail
 BIN=${1:-build-gpu/bin}
 DIR=${2:-${OUT:-/tmp/cpu_bench}}
@@ -26,6 +31,7 @@ TOKENS=${TOKENS:-1,8,64,512,2048}
 SHAPES=${SHAPES:-qwen3-30b-a3b,mixtral-8x7b,deepseek-v3}
 HF=${HF:-1}
 FP8=${FP8:-0}
+HF_RESERVE_S=${HF_RESERVE_S:-100}
 export OMP_NUM_THREADS=$THREADS OMP_PROC_BIND=close OMP_PLACES=cores
 echo "moekit CPU bench: $THREADS threads on $CORES cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg); $(lscpu | grep -E '^(Thread|Core|Socket)' | tr -s ' ' | tr '\n' ';')"
@@ -38,7 +44,7 @@ COMMON=(bench --device cpu --backends "${BACKENDS:-grouped_mm}" --warmup 1 --ite
 CEIL=()
 run() {  # run NAME ARGS...: one bench call, records in $DIR/NAME.json, its table in $DIR/NAME.txt
   local name=$1; shift
-  local s=$SECONDS left=$((BUDGET_S + 30 - SECONDS))
+  local s=$SECONDS left=$((BUDGET_S + 30 - SECONDS - ${RESERVE:-0}))
   [ $left -lt 45 ] && left=45
   timeout $left "$MOEKIT" "${COMMON[@]}" "${CEIL[@]}" "$@" --json "$DIR/$name.json" > "$DIR/$name.txt" 2>&1
   local rc=$?
@@ -60,6 +66,8 @@ for shape in ${SHAPES//,/ }; do
     echo "$shape: skipped (time budget)"
     continue
   fi
+  RESERVE=0
+  [ "$HF" = 1 ] && [ "$shape" = deepseek-v3 ] && RESERVE=$HF_RESERVE_S
   run "$shape-bf16" --shape "$shape" --tokens "$TOKENS"
   if [ $first = 1 ] && [ -s "$DIR/$shape-bf16.json" ]; then
     # The later runs reuse the ceilings measured by the first (same floor for every row, no time spent on them).
@@ -67,6 +75,9 @@ for shape in ${SHAPES//,/ }; do
     [ -n "${PEAK:-}" ] && CEIL=(--peak-tflops "$PEAK" --bandwidth-gbps "$BW")
     grep -m1 '^ceilings' "$DIR/$shape-bf16.txt"
   fi
+  case ",${AB_SHAPES-qwen3-30b-a3b}," in
+    *",$shape,"*) MOEKIT_AMX_OVERLAP=1 run "ab-$shape-overlap" --shape "$shape" --tokens 512,2048 ;;
+  esac
   [ "$FP8" = 1 ] && run "$shape-fp8" --shape "$shape" --tokens 1,8 --quant fp8
   hf "$shape"
   first=0
@@ -76,7 +87,7 @@ echo "elapsed $SECONDS s"
 python3 - "$DIR" <<'EOF'
 import glob, json, os, sys
 best, hf = {}, {}  # (shape, tokens, kind) -> moekit record; (shape, tokens) -> transformers' best record
-meta, torch_peak = None, 0.0
+meta, torch_peak, ab = None, 0.0, []
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
     try:
         d = json.load(open(f))
@@ -84,6 +95,9 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
         print(f"{f}: unreadable ({e})")
         continue
     is_hf = os.path.basename(f).startswith("hf-")
+    if os.path.basename(f).startswith("ab-"):  # MOEKIT_AMX_OVERLAP=1 runs: their own table below
+        ab.extend(d.get("records", []))
+        continue
     torch_peak = max(torch_peak, d.get("torch_bf16_gemm_tflops", 0.0))
     if not is_hf and "peak_tflops" in d:
         meta = meta or d
@@ -119,4 +133,13 @@ for shape, t in sorted({(k[0], k[1]) for k in best} | set(hf), key=lambda x: (x[
     qs = f"{q['median_us'] / 1000:.3g}" if q else "-"
     qf = f"{q['median_us'] / floor_us(q):.2f}" if q else "-"
     print(f"| {shape} | {t} | {mk} | {fr} | {fl} | {hs} | {sp} | {qs} | {qf} |")
+if ab:
+    print("\nMOEKIT_AMX_OVERLAP=1 (k chunks, next pair into L2) against the default, same call:")
+    print("| shape | T | default ms | overlap ms | overlap / default |")
+    print("|---|---|---|---|---|")
+    for r in sorted(ab, key=lambda r: (r["shape"], r["tokens"])):
+        b = best.get((r["shape"], r["tokens"], "bf16"))
+        on = f"{b['median_us'] / 1000:.3g}" if b else "-"
+        ratio = f"{r['median_us'] / b['median_us']:.2f}" if b else "-"
+        print(f"| {r['shape']} | {r['tokens']} | {on} | {r['median_us'] / 1000:.3g} | {ratio} |")
 EOF

@@ -9,6 +9,7 @@ Each case: one warm-up call, then timed calls until --min-time seconds and --min
 
 Usage: python3 scripts/hf_cpu_bench.py --json hf.json --shapes qwen3-30b-a3b --tokens 1,8,64,512,2048
                                         [--impls eager,batched_mm,grouped_mm] [--budget-s 60] [--peak]
+                                        [--experts E (fewer routed experts of the same size, for a quick check)]
 --peak also times torch's bf16 GEMM (oneDNN, AMX where the CPU has it) on a 4096^3 problem: "torch_bf16_gemm_tflops".
 """
 import argparse, json, os, statistics, sys, time
@@ -38,6 +39,18 @@ def load_class(path):
     raise AttributeError(path)
 
 
+def fill_tiled(t, block, shift=0):
+    """Fills t with copies of block (rotated by `shift` so that tensors differ): one parallel copy."""
+    flat = t.view(-1)
+    n, b = flat.numel(), block.numel()
+    block = torch.roll(block, shift * 4099)
+    full = n // b
+    if full:
+        flat[: full * b].view(full, b).copy_(block.expand(full, b))
+    if n - full * b:
+        flat[full * b:].copy_(block[: n - full * b])
+
+
 def time_us(fn, min_time, min_iters, iters):
     fn()  # warm-up
     ts = []
@@ -61,6 +74,8 @@ def main():
     ap.add_argument("--max-gb", type=float, default=4.0, help="skip batched_mm where its per-pair weight copy exceeds this")
     ap.add_argument("--max-call-s", type=float, default=3.0, help="skip the larger T of an impl once a call took this long")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting cases after this many seconds")
+    ap.add_argument("--experts", type=int, default=0,
+                    help="routed experts instead of the shape's (same expert size; a small run of a large shape)")
     ap.add_argument("--peak", action="store_true", help="also time torch's bf16 GEMM (4096^3, best of 4)")
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -85,17 +100,28 @@ def main():
 
     for shape in a.shapes.split(","):
         mt, cls_path, kw = SHAPES[shape]
+        if a.experts:
+            kw = {k: (a.experts if k in ("num_experts", "num_local_experts", "n_routed_experts") else v)
+                  for k, v in kw.items()}
         cfg = AutoConfig.for_model(mt, **kw)
         cfg._experts_implementation = "eager"
-        try:  # parameters made in bf16 directly (deepseek-v3's experts are 22.5 GB in bf16)
+        t0 = time.perf_counter()
+        # Parameters made uninitialised on the meta device first (no 22.5 GB of initialisation work for deepseek-v3's
+        # experts), then allocated with torch.empty and filled by tiling one small random block: a parallel copy,
+        # seconds where normal_ over the whole module took minutes. The values only need to be ordinary bf16 numbers.
+        try:  # bf16 parameters from the start (to_empty then allocates 22.5 GB for deepseek-v3, not 45 in f32)
             torch.set_default_dtype(torch.bfloat16)
-            ex = load_class(cls_path)(cfg)
+            with torch.device("meta"):
+                ex = load_class(cls_path)(cfg)
         finally:
             torch.set_default_dtype(torch.float32)
-        ex = ex.to(torch.bfloat16)
+        ex = ex.to_empty(device="cpu").to(torch.bfloat16)
         with torch.no_grad():
-            for p in ex.parameters():
-                p.normal_(0, 0.02)
+            block = torch.randn(1 << 20, dtype=torch.float32).mul_(0.02).to(torch.bfloat16)
+            for i, p in enumerate(ex.parameters()):
+                fill_tiled(p.data, block, shift=i)
+        print(f"{shape}: experts module ready in {time.perf_counter() - t0:.1f} s "
+              f"({sum(p.numel() * p.element_size() for p in ex.parameters()) / 1e9:.1f} GB, {next(ex.parameters()).dtype})", flush=True)
         H = cfg.hidden_size
         E = ex.num_experts
         K = cfg.num_experts_per_tok

@@ -67,7 +67,9 @@ struct Dims {
 // m < 8 runs the AVX512-BF16 tile under amx too; 8..: AMX with 16-row tails; k crosses the 32 tile and the passes.
 const Dims kDims[] = {{1, 1, 1},     {1, 37, 33},  {2, 16, 32},   {3, 130, 47},  {5, 33, 130},  {7, 129, 600},
                       {8, 16, 31},   {9, 50, 65},  {16, 32, 64},  {17, 17, 257}, {31, 100, 96}, {33, 45, 513},
-                      {47, 161, 70}, {64, 64, 1030}, {100, 48, 300}, {130, 129, 33}};
+                      {47, 161, 70}, {64, 64, 1030}, {100, 48, 300}, {130, 129, 33},
+                      // k in several chunks on the amx tile (rows of A and two panel pairs over half of L2)
+                      {96, 72, 4200}, {200, 40, 2100}};
 
 }  // namespace
 

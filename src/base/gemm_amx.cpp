@@ -12,7 +12,9 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "base/gemm.h"
 
@@ -39,6 +41,7 @@ void configure(int r0, int r1) {
   set(0, r0), set(1, r0), set(4, r0);  // C block 0 (2 panels), A block 0
   set(2, r1), set(3, r1), set(5, r1);  // C block 1, A block 1
   set(6, 16), set(7, 16);              // B: 16 k-pairs x 64 B
+  asm volatile("" : : "r"(&cfg) : "memory");  // the stores above before ldtilecfg (its operand's type hides them)
   _tile_loadconfig(&cfg);
 }
 
@@ -54,9 +57,19 @@ void from_buffer(const float* buf, int rows, int64_t cols, float* c, int64_t ldc
 
 // One block: MB row blocks (16 rows, the last r rows as configured) x NP panels, k in [k0, k1).
 // cols0 / cols1: valid columns of the panels (16 = full, read and written in place).
+// Prefetch into L2 while the block runs: `lines` cache lines per 32-k step from `pf` on, up to `pf_end` (the weights
+// of the next panel pair, streamed from memory under the arithmetic of this one).
+struct L2Prefetch {
+  const char* pf = nullptr;  // the current range, then `next` (up to next_end)
+  const char* pf_end = nullptr;
+  const char* next = nullptr;
+  const char* next_end = nullptr;
+  int64_t lines = 0;
+};
+
 template <int MB, int NP>
 void block(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b1, int64_t k0, int64_t k1, float* c,
-           int64_t ldc, bool acc, int rows0, int rows1, int64_t cols0, int64_t cols1, int64_t ahead) {
+           int64_t ldc, bool acc, int rows0, int rows1, int64_t cols0, int64_t cols1, int64_t ahead, L2Prefetch l2) {
   alignas(64) float buf[4][256];
   const int64_t sc = ldc * 4, sa = lda * 2;
   float* c0 = c;
@@ -94,6 +107,13 @@ void block(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b
         const char* p1 = reinterpret_cast<const char*>(b1 + (k + ahead * 32) * 16);
         for (int l = 0; l < 1024; l += 64) _mm_prefetch(p1 + l, _MM_HINT_T0);
       }
+    }
+    for (int64_t l = 0; l < l2.lines; ++l, l2.pf += 64) {
+      if (l2.pf >= l2.pf_end) {
+        if (l2.next >= l2.next_end) break;
+        l2.pf = l2.next, l2.pf_end = l2.next_end, l2.next = l2.next_end;
+      }
+      _mm_prefetch(l2.pf, _MM_HINT_T1);
     }
     _tile_loadd(6, b0 + k * 16, 64);
     if (NP == 2) _tile_loadd(7, b1 + k * 16, 64);
@@ -442,25 +462,73 @@ void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedB
   float* cb = c + n0;
   int cfg0 = -1, cfg1 = -1;
   const int64_t kp = w.kp;
-  for (int64_t p = 0; p < panels; p += 2) {
-    const bool two = p + 1 < panels;
-    const int64_t cols0 = p + 1 == panels ? n1 - n0 - p * 16 : 16;
-    const int64_t cols1 = two ? (p + 2 == panels ? n1 - n0 - (p + 1) * 16 : 16) : 0;
-    const uint16_t* b0 = b + p * panel_stride;
-    const uint16_t* b1 = b0 + panel_stride;
-    for (int64_t i = 0; i < m; i += 32) {
-      const int64_t left = m - i;
-      const int r0 = left >= 16 ? 16 : int(left), r1 = left >= 32 ? 16 : (left > 16 ? int(left - 16) : 0);
-      if (r0 != cfg0 || r1 != cfg1) configure(r0, r1), cfg0 = r0, cfg1 = r1;
-      const uint16_t* ai = a + i * lda;
-      float* ci = cb + i * ldc + p * 16;
-      const int64_t ahead = i == 0 ? kAheadMem : kAhead;
-      if (r1 > 0) {
-        if (two) block<2, 2>(ai, lda, b0, b1, 0, kp, ci, ldc, false, r0, r1, cols0, cols1, ahead);
-        else block<2, 1>(ai, lda, b0, b1, 0, kp, ci, ldc, false, r0, r1, cols0, cols1, ahead);
-      } else {
-        if (two) block<1, 2>(ai, lda, b0, b1, 0, kp, ci, ldc, false, r0, r1, cols0, cols1, ahead);
-        else block<1, 1>(ai, lda, b0, b1, 0, kp, ci, ldc, false, r0, r1, cols0, cols1, ahead);
+  // With overlap: k in chunks whose rows of A and two panel pairs fit in half of a core's L2 (C accumulates in place over the
+  // chunks); per chunk, row blocks of 32 per panel pair: the first reads the pair's B from memory (unless it is in L2
+  // already), the others from L2. The row blocks after the first stream the next pair into L2 (spread evenly over
+  // their k steps), so that memory reads overlap the arithmetic and the next pair's first row block finds its B in L2.
+  // MOEKIT_AMX_OVERLAP=1: k in chunks and the next pair into L2 (below); off by default until a many-core host shows
+  // it faster (on the 2-core VM: 10-15% slower at 1 thread, about even at 2); otherwise one pass over all of k.
+  static const bool overlap = [] {
+    const char* v = std::getenv("MOEKIT_AMX_OVERLAP");
+    return v && v[0] == '1' && v[1] == 0;
+  }();
+  const int64_t row_blocks = (m + 31) / 32;
+  const int64_t kc_max = overlap ? std::max<int64_t>(256, (1 << 20) / (2 * m + 128) / 32 * 32) : kp;
+  const int64_t chunks = (kp + kc_max - 1) / kc_max, kc = ((kp + chunks - 1) / chunks + 31) / 32 * 32;
+  struct Unit {  // the B of one panel pair over one k chunk: two byte ranges (none past the last)
+    const char *a0 = nullptr, *a1 = nullptr, *b0 = nullptr, *b1 = nullptr;
+    int64_t lines() const { return ((a1 - a0) + (b1 - b0)) / 64; }
+  };
+  auto unit = [&](int64_t p, int64_t k0) {
+    Unit u;
+    if (p >= panels) {
+      p = 0, k0 += kc;
+      if (k0 >= kp) return u;
+    }
+    const int64_t k1 = std::min(kp, k0 + kc);
+    const auto* base = reinterpret_cast<const char*>(b + p * panel_stride);
+    u.a0 = base + k0 * 32, u.a1 = base + k1 * 32;
+    if (p + 1 < panels) u.b0 = u.a0 + panel_stride * 2, u.b1 = u.a1 + panel_stride * 2;
+    return u;
+  };
+  for (int64_t k0 = 0; k0 < kp; k0 += kc) {
+    const int64_t k1 = std::min(kp, k0 + kc), steps = (k1 - k0) / 32;
+    for (int64_t p = 0; p < panels; p += 2) {
+      const bool two = p + 1 < panels;
+      const int64_t cols0 = p + 1 == panels ? n1 - n0 - p * 16 : 16;
+      const int64_t cols1 = two ? (p + 2 == panels ? n1 - n0 - (p + 1) * 16 : 16) : 0;
+      const uint16_t* b0 = b + p * panel_stride;
+      const uint16_t* b1 = b0 + panel_stride;
+      const Unit next = row_blocks > 1 ? unit(p + 2, k0) : Unit{};
+      const int64_t next_lines = overlap ? next.lines() : 0;
+      const int64_t per_block = row_blocks > 1 ? (next_lines + row_blocks - 2) / (row_blocks - 1) : 0;
+      for (int64_t i = 0; i < m; i += 32) {
+        const int64_t left = m - i;
+        const int r0 = left >= 16 ? 16 : int(left), r1 = left >= 32 ? 16 : (left > 16 ? int(left - 16) : 0);
+        if (r0 != cfg0 || r1 != cfg1) configure(r0, r1), cfg0 = r0, cfg1 = r1;
+        const uint16_t* ai = a + i * lda;
+        float* ci = cb + i * ldc + p * 16;
+        const int64_t ahead = i == 0 ? kAheadMem : kAhead;
+        L2Prefetch l2;
+        if (i > 0 && next_lines > 0) {  // lines [first, first + per_block) of the next unit
+          const int64_t first = (i / 32 - 1) * per_block, last = std::min(next_lines, first + per_block);
+          const int64_t na = (next.a1 - next.a0) / 64;
+          auto at = [&](int64_t l) { return l < na ? next.a0 + l * 64 : next.b0 + (l - na) * 64; };
+          if (first < last) {
+            l2.pf = at(first);
+            l2.pf_end = first < na ? at(std::min(last, na) - 1) + 64 : at(last - 1) + 64;
+            if (first < na && last > na) l2.next = next.b0, l2.next_end = at(last - 1) + 64;
+            l2.lines = (per_block + steps - 1) / steps;
+          }
+        }
+        const bool acc = k0 > 0;
+        if (r1 > 0) {
+          if (two) block<2, 2>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, ahead, l2);
+          else block<2, 1>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, ahead, l2);
+        } else {
+          if (two) block<1, 2>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, ahead, l2);
+          else block<1, 1>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, ahead, l2);
+        }
       }
     }
   }

@@ -4,7 +4,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+#include <utility>
 #include <fstream>
 #include <memory>
 #include <vector>
@@ -173,43 +176,117 @@ double cpu_copy_gbps(int64_t cache_bytes) {
   return best;
 }
 
-// Read bandwidth: every thread sums its share of a buffer well beyond the cache, as the experts' weight reads do at
-// decode sizes. (A copy undercounts the memory system: its stores also read each destination line first.)
-double cpu_read_gbps(int64_t cache_bytes) {
-  const size_t n = size_t(std::max<int64_t>(512ll << 20, 4 * cache_bytes)) / sizeof(uint64_t);
-  std::unique_ptr<uint64_t[]> buf(new uint64_t[n]);
-  const int threads = omp_get_max_threads();
-  const size_t chunk = (n + size_t(threads) - 1) / size_t(threads);
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int t = 0; t < threads; ++t)  // each thread first touches (places) the pages it reads
-    for (size_t i = size_t(t) * chunk; i < std::min(n, size_t(t + 1) * chunk); ++i) buf[i] = i * 0x9E3779B97F4A7C15ull;
-  volatile uint64_t sink = 0;
-  auto read = [&] {
-    uint64_t total = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : total)
-    for (int t = 0; t < threads; ++t) {
-      // Four sums of 8-byte words, each cache line fetched 1 KiB ahead (as the experts' kernels fetch their weights:
-      // without it some virtual machines' prefetchers leave a single stream at a fraction of the memory's rate).
-      const size_t begin = std::min(n, size_t(t) * chunk), end = std::min(n, begin + chunk);
-      const uint64_t* p = buf.get() + begin;
-      const size_t len = end - begin;
-      uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-      size_t i = 0;
-      for (; i + 8 <= len; i += 8) {
-        if (i + 128 < len) __builtin_prefetch(p + i + 128, 0, 3);
-        a0 += p[i] + p[i + 4], a1 += p[i + 1] + p[i + 5], a2 += p[i + 2] + p[i + 6], a3 += p[i + 3] + p[i + 7];
-      }
-      for (; i < len; ++i) a0 += p[i];
-      total += a0 + a1 + a2 + a3;
+// One thread's read of `len` bytes at p (64-byte aligned, a multiple of 64 * S): S streams (the region in S equal
+// parts, read in lockstep, 64 bytes each per step, summed into their own accumulators), each line prefetched `dist`
+// bytes ahead (0: none). The vector type is 64 bytes: one AVX-512 load where the CPU has it (read_avx512).
+typedef unsigned long long ReadVec __attribute__((vector_size(64)));  // unsigned: sums wrap
+template <int S>
+__attribute__((always_inline)) inline uint64_t read_streams(const char* p, size_t len, size_t dist) {
+  const size_t part = len / S;
+  ReadVec acc[S] = {};
+  for (size_t off = 0; off < part; off += 64) {
+#pragma GCC unroll 8
+    for (int s = 0; s < S; ++s) {
+      const char* q = p + size_t(s) * part + off;
+      if (dist && off + dist < part) __builtin_prefetch(q + dist, 0, 3);
+      acc[s] += *reinterpret_cast<const ReadVec*>(q);
     }
-    sink = sink + total;
+  }
+  uint64_t total = 0;
+  for (int s = 0; s < S; ++s)
+    for (int l = 0; l < 8; ++l) total += uint64_t(acc[s][l]);
+  return total;
+}
+template <int S>
+__attribute__((target("avx512f"))) uint64_t read_avx512(const char* p, size_t len, size_t dist) {
+  return read_streams<S>(p, len, dist);
+}
+template <int S>
+uint64_t read_generic(const char* p, size_t len, size_t dist) {
+  return read_streams<S>(p, len, dist);
+}
+
+// Read bandwidth: the best of several ways to read a buffer well beyond the cache with every thread (each on its own
+// region, whose pages it placed): 1 to 8 streams per thread, prefetch 0 to 4 KiB ahead, 64-byte (AVX-512) loads;
+// and the experts' own decode-sized pattern (one activation row times packed bf16 weight panels, base/gemm.h's bf16
+// tile, the thread's share of the panels), so that no kernel reads faster than the ceiling. Each the best of 2
+// passes. `detail` receives the best variant.
+double cpu_read_gbps(int64_t cache_bytes, std::string& detail) {
+  constexpr int64_t kK = 4096;                      // the decode pattern's k: one panel = 16 columns x 4096 = 128 KiB
+  constexpr size_t kPanel = size_t(kK) * 16 * sizeof(uint16_t);
+  const int threads = omp_get_max_threads();
+  const size_t want = size_t(std::max<int64_t>(512ll << 20, 4 * cache_bytes));
+  const size_t panels = std::max<size_t>(size_t(threads), (want + kPanel - 1) / kPanel), bytes = panels * kPanel;
+  struct Free {
+    void operator()(void* q) const { std::free(q); }
   };
-  read();
+  std::unique_ptr<char, Free> buf(static_cast<char*>(std::aligned_alloc(4096, bytes)));
+  MOEKIT_CHECK(buf, "bench: cannot allocate ", bytes, " bytes for the read test");
+  auto share = [&](int t, size_t& begin, size_t& len) {  // thread t's panels, as bytes
+    const size_t p0 = panels * size_t(t) / size_t(threads), p1 = panels * size_t(t + 1) / size_t(threads);
+    begin = p0 * kPanel, len = (p1 - p0) * kPanel;
+  };
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+  for (int t = 0; t < threads; ++t) {  // each thread first touches (places) the pages it reads: small bf16 values
+    size_t begin, len;
+    share(t, begin, len);
+    auto* w = reinterpret_cast<uint16_t*>(buf.get() + begin);
+    for (size_t i = 0; i < len / 2; ++i) w[i] = uint16_t(0x3c00 + (i * 0x9E37u >> 7 & 0x3ff));
+  }
+  const bool avx512 = __builtin_cpu_supports("avx512f");
+  volatile uint64_t sink = 0;
+  auto timed = [&](auto&& body) {  // best GB/s of 2 passes (the pages are in place since the fill)
+    double best = 0;
+    for (int rep = 0; rep < 2; ++rep) {
+      const auto t0 = Clock::now();
+      body();
+      best = std::max(best, double(bytes) / seconds_since(t0) / 1e9);
+    }
+    return best;
+  };
   double best = 0;
-  for (int rep = 0; rep < 5; ++rep) {
-    const auto t0 = Clock::now();
-    read();
-    best = std::max(best, double(n * sizeof(uint64_t)) / seconds_since(t0) / 1e9);
+  auto keep = [&](double gbps, const std::string& what) {
+    if (gbps > best) best = gbps, detail = what;
+  };
+  const std::pair<int, size_t> variants[] = {{1, 0}, {2, 1024}, {4, 0}, {4, 2048}, {8, 0}, {8, 4096}};
+  for (const auto& variant : variants) {
+    const int streams = variant.first;
+    const size_t dist = variant.second;
+    {
+      const double gbps = timed([&] {
+        uint64_t total = 0;
+#pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(+ : total)
+        for (int t = 0; t < threads; ++t) {
+          size_t begin, len;
+          share(t, begin, len);
+          const char* p = buf.get() + begin;
+          switch (streams) {
+            case 1: total += avx512 ? read_avx512<1>(p, len, dist) : read_generic<1>(p, len, dist); break;
+            case 2: total += avx512 ? read_avx512<2>(p, len, dist) : read_generic<2>(p, len, dist); break;
+            case 4: total += avx512 ? read_avx512<4>(p, len, dist) : read_generic<4>(p, len, dist); break;
+            default: total += avx512 ? read_avx512<8>(p, len, dist) : read_generic<8>(p, len, dist); break;
+          }
+        }
+        sink = sink + total;
+      });
+      keep(gbps, fmt::format("{} stream{} per thread, prefetch {} B ahead", streams, streams > 1 ? "s" : "", dist));
+    }
+  }
+  // The decode pattern: y[1, n] = x[1, 4096] W^T over packed panels, each thread its own panels.
+  const cpu::GemmKernels& kern = cpu::gemm_kernels();
+  if (kern.gemm_bf16_tile) {
+    const std::vector<uint16_t> x(size_t(kK) + 32, uint16_t(0x3c00));
+    std::vector<float> y(panels * 16);
+    const cpu::PackedBf16 w{reinterpret_cast<const uint16_t*>(buf.get()), int64_t(panels * 16), kK, kK};
+    const double gbps = timed([&] {
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+      for (int t = 0; t < threads; ++t) {
+        const int64_t c0 = int64_t(panels * size_t(t) / size_t(threads)) * 16;
+        const int64_t c1 = int64_t(panels * size_t(t + 1) / size_t(threads)) * 16;
+        if (c0 < c1) kern.gemm_bf16_tile(x.data(), kK, 1, w, c0, c1, y.data(), int64_t(y.size()));
+      }
+    });
+    keep(gbps, fmt::format("the experts' decode pattern ({} bf16 tile, one row)", cpu::isa_name(kern.isa)));
   }
   return best;
 }
@@ -260,15 +337,16 @@ Ceilings measure_ceilings(Device device) {
     const double blocked = cpu_blocked_gemm_gflops();
     const double grouped = cpu_grouped_mm_gflops();
     c.peak_tflops = std::max({bf16, blocked, grouped}) / 1e3;
-    const double copy = cpu_copy_gbps(c.cache_bytes), read = cpu_read_gbps(c.cache_bytes);
+    std::string read_how;
+    const double copy = cpu_copy_gbps(c.cache_bytes), read = cpu_read_gbps(c.cache_bytes, read_how);
     c.bandwidth_gbps = std::max(copy, read);
     c.method = fmt::format("peak: best of the bf16 GEMM on packed weights ({}: {:.1f} GFLOP/s), a blocked f32 GEMM "
                            "({:.1f} GFLOP/s) and grouped_mm on one dense expert ({:.1f} GFLOP/s); bandwidth: "
-                           "the better of a multi-threaded read ({:.1f} GB/s) and memcpy, read + write ({:.1f} GB/s)",
+                           "the better of a multi-threaded read ({:.1f} GB/s, best variant: {}) and memcpy, read + write ({:.1f} GB/s)",
                            cpu::isa_supported(cpu::Isa::amx)          ? "amx"
                            : cpu::isa_supported(cpu::Isa::avx512bf16) ? "avx512bf16"
                                                                       : "none here",
-                           bf16, blocked, grouped, read, copy);
+                           bf16, blocked, grouped, read, read_how, copy);
     return c;
   }
 #ifdef MOEKIT_WITH_CUDA
