@@ -3,6 +3,8 @@
 #pragma once
 
 #include <random>
+#include <utility>
+#include <vector>
 
 #include "moekit/quant.h"
 #include "test_experts_problem.h"
@@ -32,6 +34,22 @@ inline ExpertsProblem make_fp8_problem(ProblemConfig c, uint64_t seed, DType sca
   make_inputs(c, rng, p);
   p.reference = reference_forward(p.experts, p.hidden_states, p.top_k_index, p.top_k_weights);
   return p;
+}
+
+// The FP8 cases both devices' sweeps start from (each scale dtype given beside its problem).
+inline std::vector<std::pair<ProblemConfig, DType>> fp8_common_cases() {
+  std::vector<std::pair<ProblemConfig, DType>> v;
+  auto add = [&](ProblemConfig c, DType s = DType::f32) { v.push_back({c, s}); };
+  add({.T = 5, .E = 3, .K = 2, .H = 32, .I = 24});                                    // K < 128, I % 16 != 0
+  add({.T = 9, .E = 5, .K = 3, .H = 200, .I = 136, .sentinels = true});               // partial blocks, odd E
+  add({.T = 1, .E = 4, .K = 2, .H = 256, .I = 128});                                  // exact blocks, decode
+  add({.T = 33, .E = 7, .K = 2, .H = 130, .I = 72, .empty_experts = true});           // many rows per expert
+  add({.T = 6, .E = 3, .K = 2, .H = 96, .I = 40, .has_bias = true});                  // biases
+  add({.T = 7, .E = 5, .K = 2, .H = 160, .I = 200, .has_gate = false, .activation = Activation::relu2});
+  add({.T = 8, .E = 4, .K = 2, .H = 144, .I = 64, .sentinel_every = 3}, DType::ue8m0);  // UE8M0 scales
+  add({.act = DType::bf16, .rwt = DType::bf16, .idt = DType::i32, .T = 11, .E = 5, .K = 2, .H = 200, .I = 96});
+  add({.act = DType::f16, .T = 4, .E = 3, .K = 2, .H = 64, .I = 48});
+  return v;
 }
 
 }  // namespace moekit::test
