@@ -10,6 +10,9 @@
 #include <limits>
 
 #include "model/ops.h"
+#ifdef MOEKIT_WITH_CUDA
+#include "base/cuda_pdl.cuh"
+#endif
 #include "moekit/model.h"
 #include "moekit/safetensors.h"
 #include "test_argmax_case.h"
@@ -664,6 +667,47 @@ TEST(CudaModel, FusedDecodeStepMatchesTheUnfusedOne) {
     if (name != "deepseek_v3") EXPECT_LT(kernels[1], kernels[0]);  // MLA has no fused form
   }
   model::set_fused_decode(was);
+}
+
+// The decode step's kernels with Programmatic Dependent Launch (each starts while the one before finishes; the
+// GEMVs prefetch their weights into L2 first, here forced on for every size) against plain launches, in graphs:
+// transformers' greedy tokens on every fixture model either way, and the same tokens for two sequences decoded
+// together.
+TEST(CudaModel, DecodeStepWithProgrammaticDependentLaunchMatchesPlainLaunches) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+#ifdef MOEKIT_WITH_CUDA
+  const bool pdl_was = cuda::pdl_enabled();
+  const int64_t prefetch_was = cuda::pdl_prefetch_bytes();
+  for (const std::string& name : test::fixture_models()) {
+    SCOPED_TRACE(name);
+    const std::string dir = test::models_dir() + "/" + name;
+    const auto ref = SafetensorsFile::open(dir + "/reference.safetensors");
+    const Tensor ids = ref.get("input_ids"), gen = ref.get("generated_ids");
+    const int64_t L = ids.size(1), n_new = gen.size(1) - L;
+    const std::vector<int64_t> expect(gen.ptr<int64_t>() + L, gen.ptr<int64_t>() + gen.size(1));
+    std::vector<std::vector<GenerationResult>> batched;
+    for (bool pdl : {false, true}) {
+      SCOPED_TRACE(pdl ? "pdl" : "plain");
+      cuda::set_pdl_enabled(pdl);
+      cuda::set_pdl_prefetch_bytes(pdl ? int64_t(1) << 40 : 0);
+      Model model = Model::from_pretrained(dir, ModelOptions{.device = kDev, .dtype = DType::f32, .cuda_graph = true});
+      model.set_experts_implementation("batched_mm");
+      GenerationConfig gc;
+      gc.max_new_tokens = n_new;
+      gc.min_new_tokens = n_new;
+      const GenerationResult res = model.generate(test::row_ids(ids, 0), gc);
+      EXPECT_EQ(res.tokens, expect);
+      EXPECT_GT(res.graph_replays, 0);
+      const std::vector<int64_t> p0 = test::row_ids(ids, 0);
+      const std::vector<int64_t> p1(p0.begin(), p0.begin() + std::max<int64_t>(1, L - 2));
+      batched.push_back(model.generate_batch({p0, p1}, gc));
+      ASSERT_EQ(batched.back().size(), 2u);
+    }
+    for (size_t i = 0; i < 2; ++i) EXPECT_EQ(batched[1][i].tokens, batched[0][i].tokens) << "sequence " << i;
+  }
+  cuda::set_pdl_enabled(pdl_was);
+  cuda::set_pdl_prefetch_bytes(prefetch_was);
+#endif
 }
 
 TEST(CudaModel, LowPrecisionModelsStayCloseToTheCpu) {

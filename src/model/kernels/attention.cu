@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "base/cuda_pdl.cuh"
 #include "model/kernels/layer_device.cuh"
 
 namespace moekit::model::kernels {
@@ -45,6 +46,8 @@ __global__ void qk_norm_rope_cache_kernel(void* q, void* k, const void* v, int t
                                           DecodeSeqs seqs, RopeArgs a) {
   extern __shared__ float x[];  // [D]
   __shared__ float red[32];
+  cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
+  cuda::pdl_trigger();
   const int64_t NH = Hq + Hkv;
   const int64_t row = blockIdx.x / NH, head = blockIdx.x % NH;
   const bool is_q = head < Hq;
@@ -120,6 +123,8 @@ __global__ void __launch_bounds__(kAttnThreads)
                      int Dk, int Dv, float scale, int64_t window, const void* sinks, int sink_t, int64_t chunk,
                      float* __restrict__ part) {
   extern __shared__ float sm[];
+  cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
+  cuda::pdl_trigger();
   float* qs = sm;        // [Dk]
   float* p = sm + Dk;    // [kAttnTile]
   const int bh = blockIdx.x, t = bh / Hq, h = bh % Hq, g = h / (Hq / Hkv);
@@ -233,6 +238,8 @@ __global__ void __launch_bounds__(kAttnThreads)
   static_assert(32 % P == 0 && kAttnTile % KPP == 0, "a key's lanes sit in one warp");
   __shared__ float p[kAttnTile];
   __shared__ float red[KPP * D];
+  cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
+  cuda::pdl_trigger();
   const int bh = blockIdx.x, t = bh / Hq, h = bh % Hq, g = h / (Hq / Hkv);
   const int split = blockIdx.y, splits = gridDim.y;
   const int tid = threadIdx.x, slot = tid / P, pc = tid % P;
@@ -344,6 +351,8 @@ __global__ void __launch_bounds__(kAttnThreads)
 template <class T>
 __global__ void attention_combine_kernel(const float* __restrict__ part, int splits, int Hq, int Dv, const void* sinks,
                                          int sink_t, T* __restrict__ out) {
+  cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
+  cuda::pdl_trigger();
   const int bh = blockIdx.x;
   const float* pp = part + int64_t(bh) * splits * (Dv + 2);
   float M = sinks ? ld(sinks, sink_t, bh % Hq) : -INFINITY;
@@ -382,9 +391,9 @@ cudaError_t qk_norm_rope_cache_seqs(void* q, void* k, const void* v, int t, int6
   // Enough threads that each owns at most kMaxRopeHalf / 32 rotated pairs, about one element each otherwise.
   const int64_t want = std::max<int64_t>(D, 32);
   const int threads = int(std::min<int64_t>((want + 31) / 32 * 32, 256));
-  qk_norm_rope_cache_kernel<<<unsigned(T * (Hq + Hkv)), threads, size_t(D) * sizeof(float), s>>>(
-      q, k, v, t, Hq, Hkv, D, ldq, ldk, ldv, q_norm, qwt, k_norm, kwt, eps, weight_before_cast ? 1 : 0, seqs, a);
-  return cudaGetLastError();
+  return cuda::launch_pdl(cuda::pdl_enabled(), qk_norm_rope_cache_kernel, dim3(unsigned(T * (Hq + Hkv))),
+                          dim3(threads), size_t(D) * sizeof(float), s, q, k, v, t, Hq, Hkv, D, ldq, ldk, ldv, q_norm,
+                          qwt, k_norm, kwt, eps, weight_before_cast ? 1 : 0, seqs, a);
 }
 
 cudaError_t qk_norm_rope_cache(void* q, void* k, const void* v, int t, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
@@ -423,32 +432,28 @@ cudaError_t attention(const AttentionArgs& a, cudaStream_t s) {
   bool vec = a.vec && a.seqs && a.t != kF32 && a.Dk == a.Dv && (a.Dk == 64 || a.Dk == 128 || a.Dk == 256);
   for (int i = 0; vec && i < seqs.n; ++i)
     vec = reinterpret_cast<uintptr_t>(seqs.k_cache[i]) % 16 == 0 && reinterpret_cast<uintptr_t>(seqs.v_cache[i]) % 16 == 0;
+  const bool pdl = cuda::pdl_enabled();
   auto run = [&](auto tag) {
     using E = decltype(tag);
+    cudaError_t err = cudaSuccess;
     if constexpr (!std::is_same_v<E, float>) {
       if (vec) {
         const E* qe = static_cast<const E*>(a.q);
         E* oe = static_cast<E*>(a.out);
-        if (a.Dk == 64)
-          decode_attention_vec_kernel<E, 8><<<grid, kAttnThreads, 0, s>>>(qe, ldq, seqs, oe, a.Hq, a.Hkv, a.scale, a.window,
-                                                                         a.sinks, a.sink_t, a.chunk, a.part);
-        else if (a.Dk == 128)
-          decode_attention_vec_kernel<E, 16><<<grid, kAttnThreads, 0, s>>>(qe, ldq, seqs, oe, a.Hq, a.Hkv, a.scale,
-                                                                          a.window, a.sinks, a.sink_t, a.chunk, a.part);
-        else
-          decode_attention_vec_kernel<E, 32><<<grid, kAttnThreads, 0, s>>>(qe, ldq, seqs, oe, a.Hq, a.Hkv, a.scale,
-                                                                          a.window, a.sinks, a.sink_t, a.chunk, a.part);
+        auto kernel = a.Dk == 64 ? decode_attention_vec_kernel<E, 8>
+                                 : a.Dk == 128 ? decode_attention_vec_kernel<E, 16> : decode_attention_vec_kernel<E, 32>;
+        err = cuda::launch_pdl(pdl, kernel, grid, dim3(kAttnThreads), 0, s, qe, ldq, seqs, oe, a.Hq, a.Hkv, a.scale,
+                               a.window, a.sinks, a.sink_t, a.chunk, a.part);
       }
     }
     if (!vec)
-      attention_kernel<E><<<grid, kAttnThreads, smem, s>>>(static_cast<const E*>(a.q), ldq, seqs,
-                                                           static_cast<E*>(a.out), a.Hq, a.Hkv, a.Dk, a.Dv, a.scale,
-                                                           a.window, a.sinks, a.sink_t, a.chunk, a.part);
-    cudaError_t err = cudaGetLastError();
+      err = cuda::launch_pdl(pdl, attention_kernel<E>, grid, dim3(kAttnThreads), smem, s, static_cast<const E*>(a.q),
+                             ldq, seqs, static_cast<E*>(a.out), a.Hq, a.Hkv, a.Dk, a.Dv, a.scale, a.window, a.sinks,
+                             a.sink_t, a.chunk, a.part);
     if (err != cudaSuccess || !a.part) return err;
-    attention_combine_kernel<E><<<unsigned(bh), 128, 0, s>>>(a.part, int(a.splits), a.Hq, a.Dv, a.sinks, a.sink_t,
-                                                             static_cast<E*>(a.out));
-    return cudaGetLastError();
+    return cuda::launch_pdl(pdl, attention_combine_kernel<E>, dim3(unsigned(bh)), dim3(128), 0, s,
+                            static_cast<const float*>(a.part), int(a.splits), a.Hq, a.Dv, a.sinks, a.sink_t,
+                            static_cast<E*>(a.out));
   };
   if (a.t == kF32) return run(float());
   if (a.t == kBF16) return run(bf16());

@@ -3,6 +3,7 @@
 // with 16-byte loads, every lane keeping several pieces of each row in flight before the first multiply;
 // when the columns are few (router, o_proj) the block's warps split K, and their partial sums meet in shared
 // memory, added in warp order (deterministic).
+#include "base/cuda_pdl.cuh"
 #include "model/kernels/layer_device.cuh"
 
 namespace moekit::model::kernels {
@@ -83,7 +84,7 @@ __device__ __forceinline__ void gemv_round(const WT* (&rows)[kGemvRows], const X
 template <class XT, class WT, int MR>
 __global__ void __launch_bounds__(kThreads)
     gemv_kernel(const XT* x, int64_t ldx, const WT* w, const void* bias, int bt, void* y, int yt, int M, int64_t N,
-                int64_t K, int ksplit, int64_t slice) {
+                int64_t K, int ksplit, int64_t slice, int prefetch) {
   constexpr int VEC = 16 / sizeof(WT);
   constexpr int U = MR <= 2 ? 4 : 2;  // pieces of each row in flight per lane
   constexpr int64_t kStep = 32 * VEC;
@@ -105,6 +106,15 @@ __global__ void __launch_bounds__(kThreads)
     for (int r = 0; r < kGemvRows; ++r) acc[m][r] = 0.0f;
 
   const int64_t k_end = min(K, (ks + 1) * slice);
+  // PDL (base/cuda_pdl.cuh): the weights are constant, so this warp's slice of its rows can go to L2 while the
+  // kernel before (which writes x) still runs; then wait for it.
+  if (prefetch && ks * slice < k_end) {
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r)
+      if (col0 + r < N) cuda::prefetch_l2(rows[r] + ks * slice, (k_end - ks * slice) * int64_t(sizeof(WT)), lane, 32);
+  }
+  cuda::pdl_wait();
+  cuda::pdl_trigger();
   int64_t base = ks * slice + int64_t(lane) * VEC;
   for (; base + (U - 1) * kStep < k_end; base += kStep * U)  // full rounds: unguarded loads, all issued at once
     gemv_round<XT, WT, MR, U, false>(rows, xr, base, k_end, acc);
@@ -148,9 +158,12 @@ cudaError_t launch(const void* x, int64_t ldx, const void* w, const void* bias, 
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
   const XT* xp = static_cast<const XT*>(x);
   const WT* wp = static_cast<const WT*>(w);
-#define MOEKIT_GEMV_CASE(MR)                                                                                         \
-  gemv_kernel<XT, WT, MR><<<unsigned(blocks), kThreads, 0, s>>>(xp, ldx, wp, bias, bt, y, yt, M, N, K, ksplit, slice); \
-  break;
+  // With PDL, the weights go to L2 before the wait when they fit the prefetch budget (lm_head does not).
+  const bool pdl = cuda::pdl_enabled();
+  const int prefetch = cuda::pdl_prefetch(N * K * int64_t(sizeof(WT))) ? 1 : 0;
+#define MOEKIT_GEMV_CASE(MR)                                                                                     \
+  return cuda::launch_pdl(pdl, gemv_kernel<XT, WT, MR>, dim3(unsigned(blocks)), dim3(kThreads), 0, s, xp, ldx, wp, \
+                          bias, bt, y, yt, M, N, K, ksplit, slice, prefetch);
   switch (M <= 1 ? 1 : M <= 2 ? 2 : M <= 4 ? 4 : 8) {
     case 1: MOEKIT_GEMV_CASE(1)
     case 2: MOEKIT_GEMV_CASE(2)
@@ -158,7 +171,6 @@ cudaError_t launch(const void* x, int64_t ldx, const void* w, const void* bias, 
     default: MOEKIT_GEMV_CASE(8)
   }
 #undef MOEKIT_GEMV_CASE
-  return cudaGetLastError();
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
 // RMSNorm kernels of the model (one block per row) and the few-row projection for operands of mixed types.
+#include "base/cuda_pdl.cuh"
 #include "model/kernels/layer_device.cuh"
 
 namespace moekit::model::kernels {
@@ -18,6 +19,8 @@ __device__ __forceinline__ void store_normed(const void* x, int xt, int64_t x0, 
 __global__ void rmsnorm_kernel(const void* x, int xt, int64_t ldx, const void* w, int wt, void* y, int yt, int64_t ldy,
                                int64_t D, float eps, int weight_before_cast) {
   __shared__ float red[32];
+  cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
+  cuda::pdl_trigger();
   const int64_t r = blockIdx.x;
   float ss = 0;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
@@ -32,6 +35,10 @@ __global__ void rmsnorm_kernel(const void* x, int xt, int64_t ldx, const void* w
 __global__ void add_rmsnorm_kernel(void* h, int ht, const void* a, int at, const void* w, int wt, void* y, int yt,
                                    int64_t D, float eps, int weight_before_cast) {
   __shared__ float red[32];
+  cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
+  cuda::pdl_trigger();
+  cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
+  cuda::pdl_trigger();
   const int64_t r = blockIdx.x;
   float ss = 0;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
@@ -75,16 +82,14 @@ int norm_threads(int64_t D) {
 
 cudaError_t rmsnorm(const void* x, int xt, int64_t ldx, const void* w, int wt, void* y, int yt, int64_t ldy, int64_t M,
                     int64_t D, float eps, bool weight_before_cast, cudaStream_t s) {
-  rmsnorm_kernel<<<unsigned(M), norm_threads(D), 0, s>>>(x, xt, ldx, w, wt, y, yt, ldy, D, eps,
-                                                         weight_before_cast ? 1 : 0);
-  return cudaGetLastError();
+  return cuda::launch_pdl(cuda::pdl_enabled(), rmsnorm_kernel, dim3(unsigned(M)), dim3(norm_threads(D)), 0, s, x, xt,
+                          ldx, w, wt, y, yt, ldy, D, eps, weight_before_cast ? 1 : 0);
 }
 
 cudaError_t add_rmsnorm(void* h, int ht, const void* a, int at, const void* w, int wt, void* y, int yt, int64_t M,
                         int64_t D, float eps, bool weight_before_cast, cudaStream_t s) {
-  add_rmsnorm_kernel<<<unsigned(M), norm_threads(D), 0, s>>>(h, ht, a, at, w, wt, y, yt, D, eps,
-                                                             weight_before_cast ? 1 : 0);
-  return cudaGetLastError();
+  return cuda::launch_pdl(cuda::pdl_enabled(), add_rmsnorm_kernel, dim3(unsigned(M)), dim3(norm_threads(D)), 0, s, h,
+                          ht, a, at, w, wt, y, yt, D, eps, weight_before_cast ? 1 : 0);
 }
 
 cudaError_t small_m_linear(const void* x, int xt, int64_t ldx, const void* w, int wt, const void* bias, int bt, void* y,

@@ -3,6 +3,7 @@
 #include <climits>
 
 #include "base/activation.h"
+#include "base/cuda_pdl.cuh"
 #include "model/kernels/layer_device.cuh"
 
 namespace moekit::model::kernels {
@@ -35,6 +36,8 @@ __device__ __forceinline__ Best lane_best(const float* vals, int per_lane, int E
 
 __global__ void route_kernel(const float* logits, const float* bias, int64_t T, int E, int K, int kind, int norm,
                              float scale, int G, int topk_group, int32_t* index, float* weights) {
+  cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
+  cuda::pdl_trigger();
   const int lane = threadIdx.x % 32;
   const int64_t token = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   if (token >= T) return;
@@ -118,9 +121,9 @@ __global__ void route_kernel(const float* logits, const float* bias, int64_t T, 
 cudaError_t route(const float* logits, const float* bias, int64_t T, int E, int K, int kind, bool norm, float scale,
                   int n_group, int topk_group, int32_t* index, float* weights, cudaStream_t s) {
   constexpr int kWarps = 4;
-  route_kernel<<<unsigned((T + kWarps - 1) / kWarps), 32 * kWarps, 0, s>>>(logits, bias, T, E, K, kind, norm ? 1 : 0,
-                                                                          scale, n_group, topk_group, index, weights);
-  return cudaGetLastError();
+  return cuda::launch_pdl(cuda::pdl_enabled(), route_kernel, dim3(unsigned((T + kWarps - 1) / kWarps)),
+                          dim3(32 * kWarps), 0, s, logits, bias, T, E, K, kind, norm ? 1 : 0, scale, n_group,
+                          topk_group, index, weights);
 }
 
 }  // namespace moekit::model::kernels

@@ -11,8 +11,10 @@
 // Both read the expert ids straight from top_k_index (ids outside [0, E] are recorded in the sticky error
 // word, as route_validate does, and contribute nothing; E is the dropped-pair sentinel).
 #include <climits>
+#include <cstdlib>
 
 #include "backends/cuda/kernels/device_math.cuh"
+#include "base/cuda_pdl.cuh"
 
 namespace moekit::cuda::kernels {
 namespace {
@@ -117,10 +119,14 @@ __device__ __forceinline__ void warp_sum(float (&acc)[ROWS]) {
 
 // ---- first projection: one block per (pair, kGemvWarps * columns-per-warp columns) ----
 
-template <class T, int VEC, int EPI>
-__global__ void __launch_bounds__(kGemvThreads) pair_gemv_kernel(PairGemvArgs args) {
+template <class T, int VEC, int EPI, int MINB>
+__global__ void __launch_bounds__(kGemvThreads, MINB) pair_gemv_kernel(PairGemvArgs args) {
   extern __shared__ __align__(16) unsigned char gemv_smem[];
   T* a_s = reinterpret_cast<T*>(gemv_smem);  // [k]
+  // Everything here reads what the kernels before wrote (the ids, the activations): wait first, then let the
+  // second projection start (it reads top_k_index before its own wait: done by the time any block gets here).
+  pdl_wait();
+  pdl_trigger();
   const int64_t p = blockIdx.x;
   const int e = pair_expert_of(args.index, args.index_type, p, args.top_k, args.experts, args.error);
   if (e >= args.experts) return;  // sentinel or bad id: the row is never read
@@ -187,19 +193,41 @@ __global__ void __launch_bounds__(kGemvThreads) pair_gemv_kernel(PairGemvArgs ar
   }
 }
 
-template <class T, int VEC>
-cudaError_t launch_gemv(const PairGemvArgs& a, cudaStream_t stream) {
+// Blocks per multiprocessor the kernels are compiled for: 0 (no bound) lets the compiler take the registers it
+// wants (72-76 for the 16-byte kernels: three blocks of 256 threads per multiprocessor), 4 caps them at 64 (24-60
+// bytes of spills) so that four blocks fit: qwen3-30b-a3b's second projection at T = 1 (512 blocks) in one wave on 132
+// multiprocessors. MOEKIT_PAIR_GEMV_BLOCKS=4 in the environment (read once) picks the second.
+int pair_gemv_min_blocks() {
+  static const int v = [] {
+    const char* e = std::getenv("MOEKIT_PAIR_GEMV_BLOCKS");
+    return e && e[0] == '4' ? 4 : 0;
+  }();
+  return v;
+}
+
+template <class T, int VEC, int MINB>
+cudaError_t launch_gemv_mb(const PairGemvArgs& a, cudaStream_t stream) {
   const int cols_per_warp = a.epilogue == kEpiGated ? kRowsPerWarp / 2 : kRowsPerWarp;
   const int64_t cols_per_block = int64_t(kGemvWarps) * cols_per_warp;
   const dim3 grid(unsigned(a.pairs), unsigned((a.n + cols_per_block - 1) / cols_per_block));
   const size_t smem = size_t(a.k) * sizeof(T);
+  const bool pdl = pdl_enabled();
   switch (a.epilogue) {
-    case kEpiGated: pair_gemv_kernel<T, VEC, kEpiGated><<<grid, kGemvThreads, smem, stream>>>(a); break;
-    case kEpiActOnly: pair_gemv_kernel<T, VEC, kEpiActOnly><<<grid, kGemvThreads, smem, stream>>>(a); break;
-    case kEpiF32: pair_gemv_kernel<T, VEC, kEpiF32><<<grid, kGemvThreads, smem, stream>>>(a); break;
+    case kEpiGated:
+      return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiGated, MINB>, grid, kGemvThreads, smem, stream, a);
+    case kEpiActOnly:
+      return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiActOnly, MINB>, grid, kGemvThreads, smem, stream, a);
+    case kEpiF32: return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiF32, MINB>, grid, kGemvThreads, smem, stream, a);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
+}
+
+template <class T, int VEC>
+cudaError_t launch_gemv(const PairGemvArgs& a, cudaStream_t stream) {
+  if constexpr (VEC > 1) {
+    if (pair_gemv_min_blocks() == 4) return launch_gemv_mb<T, VEC, 4>(a, stream);
+  }
+  return launch_gemv_mb<T, VEC, 0>(a, stream);
 }
 
 // ---- second projection with the combine: one block per (token, group of columns) ----
@@ -210,14 +238,17 @@ cudaError_t launch_gemv(const PairGemvArgs& a, cudaStream_t stream) {
 // column sums w_k * (part + b2) over k in slot order and rounds once.
 constexpr int kCombineMaxSlots = 64;
 
-template <class T, class W, int VEC>
-__global__ void __launch_bounds__(kGemvThreads) pair_gemv_combine_kernel(PairGemvArgs args, int64_t cols_per_block) {
+template <class T, class W, int VEC, int MINB>
+__global__ void __launch_bounds__(kGemvThreads, MINB)
+    pair_gemv_combine_kernel(PairGemvArgs args, int64_t cols_per_block, int prefetch) {
   extern __shared__ __align__(16) unsigned char gemv_smem[];
   float* part = reinterpret_cast<float*>(gemv_smem);                   // [K, cols_per_block]
   int* slot_e = reinterpret_cast<int*>(part + args.top_k * cols_per_block);  // [K]
   const int64_t t = blockIdx.x;
   const int K = args.top_k;
   const int64_t col_base = int64_t(blockIdx.y) * cols_per_block;
+  // Before the wait (PDL, base/cuda_pdl.cuh): top_k_index (written before the first projection, which has
+  // passed its own wait by the time this block runs) and the weights only.
   for (int s = threadIdx.x; s < K; s += kGemvThreads)
     slot_e[s] = pair_expert_of(args.index, args.index_type, t * K + s, K, args.experts, args.error);
   __syncthreads();
@@ -225,6 +256,18 @@ __global__ void __launch_bounds__(kGemvThreads) pair_gemv_combine_kernel(PairGem
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t k = args.k;
   const int64_t groups = cols_per_block / kRowsPerWarp;
+  if (prefetch) {  // this block's weight rows into L2 while the first projection still runs
+    for (int64_t unit = warp; unit < K * groups; unit += kGemvWarps) {
+      const int s = int(unit / groups);
+      const int64_t c0 = col_base + (unit % groups) * kRowsPerWarp;
+      const int e = slot_e[s];
+      if (e >= args.experts || c0 >= args.n) continue;
+      const T* w_expert = static_cast<const T*>(args.b) + int64_t(e) * args.b_expert_stride;
+      prefetch_l2(w_expert + c0 * k, min(int64_t(kRowsPerWarp), args.n - c0) * k * int64_t(sizeof(T)), lane, 32);
+    }
+  }
+  pdl_wait();
+  pdl_trigger();
   for (int64_t unit = warp; unit < K * groups; unit += kGemvWarps) {
     const int s = int(unit / groups);
     const int64_t c0 = col_base + (unit % groups) * kRowsPerWarp;
@@ -300,15 +343,22 @@ cudaError_t pair_gemv_combine(const PairGemvArgs& a, int64_t tokens, cudaStream_
   const dim3 grid{unsigned(tokens), unsigned(blocks_y)};
   const size_t smem = size_t(a.top_k) * size_t(cols_per_block) * sizeof(float) + size_t(a.top_k) * sizeof(int);
   const bool aligned = aligned16(a);
+  // With PDL the blocks that start while the first projection runs prefetch their weight rows, when all the
+  // launch's rows fit the prefetch budget (they would be evicted before use otherwise).
+  const bool pdl = pdl_enabled();
+  const int prefetch = pdl_prefetch(int64_t(tokens) * a.top_k * a.n * a.k * int64_t(elem_bytes(a.type))) ? 1 : 0;
   return with_elem(a.type, [&](auto tag) {
     using T = decltype(tag);
     return with_elem(a.routing_weight_type, [&](auto wtag) {
       using W = decltype(wtag);
+      if (aligned && pair_gemv_min_blocks() == 4)
+        return launch_pdl(pdl, pair_gemv_combine_kernel<T, W, 16 / sizeof(T), 4>, grid, kGemvThreads, smem, stream,
+                          a, cols_per_block, prefetch);
       if (aligned)
-        pair_gemv_combine_kernel<T, W, 16 / sizeof(T)><<<grid, kGemvThreads, smem, stream>>>(a, cols_per_block);
-      else
-        pair_gemv_combine_kernel<T, W, 1><<<grid, kGemvThreads, smem, stream>>>(a, cols_per_block);
-      return cudaGetLastError();
+        return launch_pdl(pdl, pair_gemv_combine_kernel<T, W, 16 / sizeof(T), 0>, grid, kGemvThreads, smem, stream,
+                          a, cols_per_block, prefetch);
+      return launch_pdl(pdl, pair_gemv_combine_kernel<T, W, 1, 0>, grid, kGemvThreads, smem, stream, a,
+                        cols_per_block, prefetch);
     });
   });
 }
