@@ -138,8 +138,9 @@ TEST_F(CudaModelOps, ArgmaxRowsIsTheGreedySamplersChoice) {
 }
 
 TEST_F(CudaModelOps, RmsnormMatchesCpuInPlaceAndStrided) {
+  // D up to 8 per thread keeps the row in registers (the decode step's norms); 9000 takes the two-pass kernels.
   for (DType t : {DType::f32, DType::bf16}) {
-    for (int64_t D : {8, 96, 1100}) {
+    for (int64_t D : {8, 96, 1100, 2048, 9000}) {
       for (bool before_cast : {false, true}) {
         SCOPED_TRACE(::testing::Message() << dtype_name(t) << " D=" << D << " weight_before_cast " << before_cast);
         const int64_t M = 7;
@@ -397,6 +398,7 @@ TEST_F(CudaModelOps, RouterPicksTheCpuExpertsAndWeights) {
       {RouterKind::softmax_topk, 8, 1, 1, 1, false},  {RouterKind::topk_softmax, 8, 2, 1, 1, false},
       {RouterKind::topk_softmax, 32, 4, 1, 1, false}, {RouterKind::grouped_sigmoid, 256, 8, 8, 4, true},
       {RouterKind::grouped_sigmoid, 64, 6, 4, 2, false}, {RouterKind::grouped_sigmoid, 1000, 8, 1, 1, true},
+      {RouterKind::softmax_topk, 300, 32, 1, 1, true},   {RouterKind::topk_softmax, 33, 32, 1, 1, false},
   };
   for (const Case& c : cases) {
     for (int64_t T : {1, 5, 33}) {
@@ -708,6 +710,57 @@ TEST(CudaModel, DecodeStepWithProgrammaticDependentLaunchMatchesPlainLaunches) {
   cuda::set_pdl_enabled(pdl_was);
   cuda::set_pdl_prefetch_bytes(prefetch_was);
 #endif
+}
+
+// Greedy decode steps run ahead (step n + 1 queued, its token fed on the device, before step n's token is read)
+// against one step at a time, graphs on: the same tokens (transformers' on every fixture model), the same stop
+// on an EOS met mid-way, and EOS suppressed until min_new_tokens the same way.
+TEST(CudaModel, DecodeAheadMatchesOneStepAtATime) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  const bool was = model::decode_ahead();
+  for (const std::string& name : test::fixture_models()) {
+    SCOPED_TRACE(name);
+    const std::string dir = test::models_dir() + "/" + name;
+    const auto ref = SafetensorsFile::open(dir + "/reference.safetensors");
+    const Tensor ids = ref.get("input_ids"), gen = ref.get("generated_ids");
+    const int64_t L = ids.size(1), n_new = gen.size(1) - L;
+    const std::vector<int64_t> expect(gen.ptr<int64_t>() + L, gen.ptr<int64_t>() + gen.size(1));
+    ASSERT_GE(n_new, 4);
+    std::vector<std::vector<GenerationResult>> runs;
+    for (bool ahead : {false, true}) {
+      SCOPED_TRACE(ahead ? "ahead" : "step by step");
+      model::set_decode_ahead(ahead);
+      Model model = Model::from_pretrained(dir, ModelOptions{.device = kDev, .dtype = DType::f32, .cuda_graph = true});
+      model.set_experts_implementation("batched_mm");
+      std::vector<GenerationResult> r;
+      GenerationConfig gc;
+      gc.max_new_tokens = n_new;
+      gc.min_new_tokens = n_new;
+      r.push_back(model.generate(test::row_ids(ids, 0), gc));
+      EXPECT_EQ(r.back().tokens, expect);
+      EXPECT_GT(r.back().graph_replays, 0);
+      GenerationConfig stop;  // stops on the fourth token
+      stop.max_new_tokens = n_new + 8;
+      stop.eos_token_ids = std::vector<int64_t>{expect[3]};
+      r.push_back(model.generate(test::row_ids(ids, 0), stop));
+      GenerationConfig late = stop;  // that EOS suppressed for the first six tokens; a longer run
+      late.min_new_tokens = 6;
+      late.max_new_tokens = n_new + 20;
+      r.push_back(model.generate(test::row_ids(ids, 0), late));
+      r.push_back(model.generate(test::row_ids(ids, 0), gc));  // once more on the same model
+      runs.push_back(r);
+    }
+    ASSERT_EQ(runs.size(), 2u);
+    for (size_t i = 0; i < runs[0].size(); ++i) {
+      SCOPED_TRACE(::testing::Message() << "run " << i);
+      EXPECT_EQ(runs[1][i].tokens, runs[0][i].tokens);
+      EXPECT_EQ(runs[1][i].stopped_on_eos, runs[0][i].stopped_on_eos);
+      EXPECT_EQ(runs[1][i].decode_steps, runs[0][i].decode_steps);
+    }
+    EXPECT_TRUE(runs[1][1].stopped_on_eos);
+    EXPECT_LE(runs[1][1].tokens.size(), 4u);
+  }
+  model::set_decode_ahead(was);
 }
 
 TEST(CudaModel, LowPrecisionModelsStayCloseToTheCpu) {

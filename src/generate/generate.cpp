@@ -148,6 +148,73 @@ GenerationResult Model::generate(const std::vector<int64_t>& prompt, const Gener
   const int64_t replays0 = impl_->graph_replays;
   const bool on_device = graphs && device_greedy(gc, eos.size());
   const std::vector<int64_t> no_ids;
+  if (on_device && model::decode_ahead()) {
+    // Steps run ahead: step n + 1 is queued (its token and position fed on the device) before step n's token is
+    // read, so the host's part of a step overlaps the device's. A step that cannot (no recorded graph yet, the
+    // cache full) and a pick that is not finite go through decode_step_graphed with nothing in flight.
+    struct Drain {
+      Model::Impl* impl;
+      bool armed = false;
+      ~Drain() {
+        if (armed) try {
+            impl->drain_ahead();  // the cache below must outlive the steps that write it
+          } catch (...) {
+          }
+      }
+    } drain{impl_.get()};
+    int64_t pending = -1;  // the ticket of the queued step whose token is not read yet
+    while (true) {
+      const int64_t have = int64_t(res.tokens.size());
+      const std::vector<int64_t>& sup_now = have < gc.min_new_tokens ? eos : no_ids;
+      if (pending < 0) pending = impl_->enqueue_ahead(tok, cache, cache.length(), sup_now);
+      if (pending < 0) {
+        if (drain.armed) impl_->drain_ahead();
+        drain.armed = false;
+        const auto out = impl_->decode_step_graphed(tok, cache, &sup_now);
+        ++res.decode_steps;
+        if (!out.ids.empty()) {
+          tok = out.ids[0];
+          res.tokens.push_back(tok);
+          if (gc.on_token) gc.on_token(tok);
+        } else {
+          tok = pick(row(out.logits, out.V, 0, cache.length() - 1));
+        }
+        if (done(tok)) break;
+        continue;
+      }
+      drain.armed = true;
+      // The step after it, unless its token is the last one asked for.
+      int64_t next = -1;
+      if (have + 1 < gc.max_new_tokens)
+        next = impl_->enqueue_ahead(-1, cache, cache.length() + 1, have + 1 < gc.min_new_tokens ? eos : no_ids);
+      const auto [t, finite] = impl_->wait_ahead(pending, cache);
+      pending = next;
+      if (!finite) {  // the step again, the host's way: its logits come back and the sampler reports them
+        impl_->drain_ahead();
+        drain.armed = false;
+        pending = -1;
+        const auto out = impl_->decode_step_graphed(tok, cache, &sup_now);
+        ++res.decode_steps;
+        tok = out.ids.empty() ? pick(row(out.logits, out.V, 0, cache.length() - 1)) : out.ids[0];
+        if (!out.ids.empty()) {
+          res.tokens.push_back(tok);
+          if (gc.on_token) gc.on_token(tok);
+        }
+        if (done(tok)) break;
+        continue;
+      }
+      ++res.decode_steps;
+      tok = t;
+      res.tokens.push_back(tok);
+      if (gc.on_token) gc.on_token(tok);
+      if (done(tok)) break;
+    }
+    if (drain.armed) impl_->drain_ahead();
+    drain.armed = false;
+    res.decode_ms = ms_since(t0);
+    res.graph_replays = impl_->graph_replays - replays0;
+    return res;
+  }
   while (true) {
     if (graphs) {
       // Greedy: the device picks the token (EOS suppressed as the sampler would); else the logits come back.

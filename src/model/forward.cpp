@@ -1,6 +1,7 @@
 // The decoder forward: embeddings, per layer (norm, attention, residual, norm, MLP or MoE, residual),
 // final norm, lm_head. Written with the ops of ops.h; the routed experts run through Experts::forward.
 #include <algorithm>
+#include <atomic>
 
 #include "core/checked.h"
 #include "model/model_impl.h"
@@ -359,6 +360,56 @@ bool DecodeGraph::matches(const std::vector<KvCache::State*>& slots, const void*
     if (slots[i]->k.empty() || slots[i]->capacity != capacity[i]) return false;
   return cache == key(slots, io);
 }
+
+int64_t Model::Impl::enqueue_ahead(int64_t token, KvCache& cache, int64_t position,
+                                   const std::vector<int64_t>& suppress) {
+  const Device dev = options.device;
+  KvCache::State* st = &cache.state();
+  DecodeGraph& g = decode_graph;
+  if (!dev.is_cuda() || !g.graph || !step_io.defined() || step_io.numel() < 2 || st->k.empty() ||
+      position < 0 || position >= st->capacity || suppress.size() > model::DeviceOps::kMaxSuppress)
+    return -1;
+  const int64_t* d_io = step_io.ptr<int64_t>();
+  if (!g.matches({st}, static_cast<const void*>(d_io + 1), scratch.epoch(), experts_map)) return -1;
+  if (!step_pick.defined() || step_pick.numel() < 2) return -1;  // made by the graphed steps that came first
+  const Stream s = decode_graph_stream();
+  model::StreamScope scope(s);
+  auto* host = static_cast<int64_t*>(ahead_out.get(6 * sizeof(int64_t), dev));
+  if (ahead_seq == 0) host[2] = host[5] = 0;  // no ticket yet (tickets start at 1)
+  if (token >= 0) {
+    // Uploaded from page-locked memory without a wait: nothing is in flight when the host hands a token.
+    auto* io = static_cast<int64_t*>(step_in.get(2 * sizeof(int64_t), dev));
+    io[0] = token;
+    io[1] = position;
+    memcpy_any_async(step_io.data(), dev, io, Device::cpu(), 2 * sizeof(int64_t), s);
+  }
+  g.graph->replay();
+  ++graph_replays;
+  const TensorView pick(step_pick.data(), DType::i64, {2}, dev);
+  ops().argmax_rows(g.logits.view(), suppress, pick);
+  const int64_t ticket = ++ahead_seq;
+  ops().greedy_feed(pick, TensorView(step_io.data(), DType::i64, {2}, dev), host + 3 * (ticket % 2), ticket);
+  return ticket;
+}
+
+std::pair<int64_t, bool> Model::Impl::wait_ahead(int64_t ticket, KvCache& cache) {
+  MOEKIT_CHECK(ticket > 0 && ticket <= ahead_seq && ahead_seq - ticket <= 1, "wait_ahead: ticket ", ticket,
+               " is not one of the last two (", ahead_seq, ")");
+  volatile int64_t* slot = static_cast<int64_t*>(ahead_out.get(6 * sizeof(int64_t), options.device)) + 3 * (ticket % 2);
+  for (int64_t spins = 0; slot[2] != ticket; ++spins) {
+    if (spins == (int64_t(1) << 22)) {  // long enough for any step: a failed launch leaves the word unwritten
+      drain_ahead();                      // throws the device's error, if any
+      MOEKIT_CHECK(slot[2] == ticket, "decode step ", ticket, " ran but its greedy pick never reached the host");
+    }
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const int64_t token = slot[0];
+  const bool finite = slot[1] == 1;
+  if (finite) cache.state().length += 1;
+  return {token, finite};
+}
+
+void Model::Impl::drain_ahead() { stream_synchronize(decode_graph_stream(), options.device); }
 
 Model::Impl::StepOut Model::Impl::decode_step_graphed(int64_t token, KvCache& cache,
                                                      const std::vector<int64_t>* greedy_suppress) {

@@ -157,6 +157,8 @@ struct Model::Impl {
   model::HostStaging step_in, step_out;  // page-locked: step_io's source; the picks or the logits coming back
   DecodeGraph decode_graph;
   int64_t graph_replays = 0;
+  model::HostStaging ahead_out;  // page-locked [token, finite, seq] x 2, written by the device (greedy_feed)
+  int64_t ahead_seq = 0;         // the last ticket given out
 
   const model::DeviceOps& ops() const { return model::ops_for(options.device); }
   Stream model_stream() const { return stream ? stream->get() : nullptr; }
@@ -184,6 +186,17 @@ struct Model::Impl {
   // are not all finite, the logits come back instead (the caller reports them).
   StepOut decode_batch_graphed(const std::vector<int64_t>& tokens, const std::vector<KvCache*>& caches,
                                const std::vector<bool>& advance, const std::vector<int64_t>* greedy_suppress = nullptr);
+  // Greedy decode steps run ahead (one sequence, CUDA graphs; model::decode_ahead()). enqueue_ahead queues one
+  // step on the decode stream through the recorded graph, its token and position uploaded from the host when
+  // token >= 0, else those the step before left on the device (greedy_feed), then the greedy pick with
+  // `suppress` and its feed; nothing waits. It returns the step's ticket, or -1 (nothing queued) when no recorded
+  // one-sequence graph fits the cache as it is or row `position` is past its capacity: the caller then drains
+  // and takes decode_step_graphed. wait_ahead spins until the step of `ticket` (at most two in flight) has sent
+  // its pick, then returns (token, finite) and grows the cache's length by one when finite. drain_ahead waits for
+  // everything queued (errors included).
+  int64_t enqueue_ahead(int64_t token, KvCache& cache, int64_t position, const std::vector<int64_t>& suppress);
+  std::pair<int64_t, bool> wait_ahead(int64_t ticket, KvCache& cache);
+  void drain_ahead();
   void reserve(KvCache& cache, int64_t tokens) const;
   // Throws Error(not_supported) when the decoder's backend in `map` cannot be recorded in a CUDA graph.
   void require_capturable_experts(const ExpertsMap& map) const;

@@ -210,6 +210,26 @@ bool vector_decode_attention() {
 void set_vector_decode_attention(bool on) { g_vector_decode_attention.store(on ? 1 : 0); }
 
 namespace {
+constexpr int kDecodeAheadDefault = 0;
+std::atomic<int> g_decode_ahead{-1};  // -1: not read yet
+}  // namespace
+bool decode_ahead() {
+  int on = g_decode_ahead.load(std::memory_order_relaxed);
+  if (on < 0) {
+    const char* v = std::getenv("MOEKIT_DECODE_AHEAD");
+    int expected = -1;
+    g_decode_ahead.compare_exchange_strong(expected, v && *v ? (std::string(v) == "0" ? 0 : 1) : kDecodeAheadDefault);
+    on = g_decode_ahead.load(std::memory_order_relaxed);
+  }
+  return on == 1;
+}
+void set_decode_ahead(bool on) { g_decode_ahead.store(on ? 1 : 0); }
+
+void DeviceOps::greedy_feed(const TensorView&, const TensorView& io, int64_t*, int64_t) const {
+  MOEKIT_FAIL(not_supported, "greedy_feed: decode steps run ahead only on CUDA devices, got ", io.device.to_string());
+}
+
+namespace {
 constexpr int64_t kGemvMaxRowsDefault = 3, kGemvMaxRowsLimit = 8;
 std::atomic<int64_t> g_gemv_max_rows{-1};  // -1: not read yet
 }

@@ -141,6 +141,11 @@ class DeviceOps {
   static constexpr size_t kMaxSuppress = 16;
   virtual void argmax_rows(const TensorView& logits, const std::vector<int64_t>& suppress,
                            const TensorView& out) const = 0;
+  // The greedy pick of a one-sequence decode step handed to the next step and to the host without a wait:
+  // io ({token, position}: [2] i64 on the device, a graphed step's input) becomes {pick[0], io[1] + 1}, and
+  // host[0], host[1] (page-locked host memory) get pick[0], pick[1], then host[2] gets seq, written last, so
+  // that the host may poll host[2] for seq and then read the pick. The default: Error(not_supported).
+  virtual void greedy_feed(const TensorView& pick, const TensorView& io, int64_t* host, int64_t seq) const;
   // Records what `body` enqueues on the current stream into a graph (nothing runs). Throws
   // Error(not_supported) on devices without graphs.
   virtual std::unique_ptr<StepGraph> capture(const std::function<void()>& body) const = 0;
@@ -214,6 +219,12 @@ void set_vector_decode_attention(bool on);
 // set_gemv_max_rows says otherwise. Linears of f32 weights (the router) keep the GEMV up to 8 rows.
 int64_t gemv_max_rows();
 void set_gemv_max_rows(int64_t rows);
+// Whether greedy generation of one sequence with CUDA graphs runs its decode steps ahead: step n + 1 is queued
+// (its token and position fed on the device by greedy_feed) before step n's token is read back, so that the
+// host's part of each step overlaps the device's. MOEKIT_DECODE_AHEAD=0/1 in the environment (read once) or
+// set_decode_ahead; see ops.cpp for the default.
+bool decode_ahead();
+void set_decode_ahead(bool on);
 // The kernel nodes of the last graph the CUDA ops' capture() recorded in this process (0 before any, and
 // without CUDA): what one decode step launches, for tests and measurements.
 int64_t last_capture_kernel_nodes();

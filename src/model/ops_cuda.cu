@@ -493,6 +493,16 @@ class CudaOps final : public DeviceOps {
     MOEKIT_CUDA_CALL(kernels::argmax_rows(logits.ptr<float>(), R, V, sup, out.ptr<int64_t>(), stream()));
   }
 
+  void greedy_feed(const TensorView& pick, const TensorView& io, int64_t* host, int64_t seq) const override {
+    MOEKIT_CHECK(pick.dtype == DType::i64 && pick.numel() >= 2 && pick.is_contiguous() && pick.device.is_cuda() &&
+                     io.dtype == DType::i64 && io.numel() == 2 && io.is_contiguous() && io.device == pick.device &&
+                     host != nullptr,
+                 "greedy_feed: pick ", pick.to_string(), " and io ", io.to_string(),
+                 " must be contiguous i64 on one CUDA device ([>= 2] and [2]), with a host buffer");
+    DeviceGuard g(io.device.index);
+    MOEKIT_CUDA_CALL(kernels::greedy_feed(pick.ptr<int64_t>(), io.ptr<int64_t>(), host, seq, stream()));
+  }
+
   std::unique_ptr<StepGraph> capture(const std::function<void()>& body) const override {
     const cudaStream_t s = stream();
     MOEKIT_CHECK_CODE(s != nullptr, invalid_argument,

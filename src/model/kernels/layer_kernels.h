@@ -147,5 +147,8 @@ struct Suppress {
 };
 cudaError_t argmax_rows(const float* logits, int64_t R, int64_t V, const Suppress& suppress, int64_t* out,
                         cudaStream_t s);
+// DeviceOps::greedy_feed: io[0] = pick[0], io[1] += 1; host[0], host[1] = pick[0], pick[1], then (after a system
+// fence) host[2] = seq. host: page-locked memory mapped for the device.
+cudaError_t greedy_feed(const int64_t* pick, int64_t* io, int64_t* host, int64_t seq, cudaStream_t s);
 
 }  // namespace moekit::model::kernels

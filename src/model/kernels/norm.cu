@@ -50,6 +50,76 @@ __global__ void add_rmsnorm_kernel(void* h, int ht, const void* a, int at, const
   store_normed(h, ht, r * D, w, wt, y, yt, r * D, D, inv, weight_before_cast);
 }
 
+// The decode step's norms with the row in registers: thread i holds elements i, i + blockDim.x, ... (at most
+// kNormPer of them, so D <= kNormPer * blockDim.x), all of a row's loads issued at once; the weights are read
+// before the PDL wait (they are constant), the residual sum stays in registers for the second pass. Same
+// arithmetic and summation order as the kernels above (the per-thread partial sums, then block_sum).
+constexpr int kNormPer = 8;
+
+__global__ void rmsnorm_reg_kernel(const void* x, int xt, int64_t ldx, const void* w, int wt, void* y, int yt,
+                                   int64_t ldy, int64_t D, float eps, int weight_before_cast) {
+  __shared__ float red[32];
+  const int64_t r = blockIdx.x;
+  float wv[kNormPer], v[kNormPer];
+#pragma unroll
+  for (int j = 0; j < kNormPer; ++j) {
+    const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+    wv[j] = i < D ? ld(w, wt, i) : 0.0f;
+  }
+  cuda::pdl_wait();  // PDL: x is written by the kernels before
+  cuda::pdl_trigger();
+  float ss = 0;
+#pragma unroll
+  for (int j = 0; j < kNormPer; ++j) {
+    const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+    v[j] = i < D ? ld(x, xt, r * ldx + i) : 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < kNormPer; ++j) ss += v[j] * v[j];
+  const float inv = rsqrtf(block_sum(ss, red) / float(D) + eps);
+#pragma unroll
+  for (int j = 0; j < kNormPer; ++j) {
+    const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+    const float h = v[j] * inv;
+    if (i < D) st(y, yt, r * ldy + i, weight_before_cast ? wv[j] * h : wv[j] * round_as(xt, h));
+  }
+}
+
+__global__ void add_rmsnorm_reg_kernel(void* h, int ht, const void* a, int at, const void* w, int wt, void* y, int yt,
+                                       int64_t D, float eps, int weight_before_cast) {
+  __shared__ float red[32];
+  const int64_t r = blockIdx.x;
+  float wv[kNormPer], v[kNormPer], av[kNormPer];
+#pragma unroll
+  for (int j = 0; j < kNormPer; ++j) {
+    const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+    wv[j] = i < D ? ld(w, wt, i) : 0.0f;
+  }
+  cuda::pdl_wait();  // PDL: h and a are written by the kernels before
+  cuda::pdl_trigger();
+#pragma unroll
+  for (int j = 0; j < kNormPer; ++j) {
+    const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+    v[j] = i < D ? ld(h, ht, r * D + i) : 0.0f;
+    av[j] = i < D ? ld(a, at, r * D + i) : 0.0f;
+  }
+  float ss = 0;
+#pragma unroll
+  for (int j = 0; j < kNormPer; ++j) {
+    const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+    v[j] = round_as(ht, v[j] + av[j]);
+    if (i < D) st(h, ht, r * D + i, v[j]);
+    ss += i < D ? v[j] * v[j] : 0.0f;
+  }
+  const float inv = rsqrtf(block_sum(ss, red) / float(D) + eps);
+#pragma unroll
+  for (int j = 0; j < kNormPer; ++j) {
+    const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+    const float hn = v[j] * inv;
+    if (i < D) st(y, yt, r * D + i, weight_before_cast ? wv[j] * hn : wv[j] * round_as(ht, hn));
+  }
+}
+
 // y [M, N] = x [M, K] w [N, K]^T + bias for a few rows (M <= kSmallM) of operands of different dtypes (the
 // f32 router under bf16 activations): one block per output column, the block's threads split K so that
 // all of the column's loads are in flight at once; no conversion pass.
@@ -82,14 +152,19 @@ int norm_threads(int64_t D) {
 
 cudaError_t rmsnorm(const void* x, int xt, int64_t ldx, const void* w, int wt, void* y, int yt, int64_t ldy, int64_t M,
                     int64_t D, float eps, bool weight_before_cast, cudaStream_t s) {
-  return cuda::launch_pdl(cuda::pdl_enabled(), rmsnorm_kernel, dim3(unsigned(M)), dim3(norm_threads(D)), 0, s, x, xt,
-                          ldx, w, wt, y, yt, ldy, D, eps, weight_before_cast ? 1 : 0);
+  const int threads = norm_threads(D);
+  return cuda::launch_pdl(cuda::pdl_enabled(), D <= int64_t(kNormPer) * threads ? rmsnorm_reg_kernel : rmsnorm_kernel,
+                          dim3(unsigned(M)), dim3(threads), 0, s, x, xt, ldx, w, wt, y, yt, ldy, D, eps,
+                          weight_before_cast ? 1 : 0);
 }
 
 cudaError_t add_rmsnorm(void* h, int ht, const void* a, int at, const void* w, int wt, void* y, int yt, int64_t M,
                         int64_t D, float eps, bool weight_before_cast, cudaStream_t s) {
-  return cuda::launch_pdl(cuda::pdl_enabled(), add_rmsnorm_kernel, dim3(unsigned(M)), dim3(norm_threads(D)), 0, s, h,
-                          ht, a, at, w, wt, y, yt, D, eps, weight_before_cast ? 1 : 0);
+  const int threads = norm_threads(D);
+  return cuda::launch_pdl(cuda::pdl_enabled(),
+                          D <= int64_t(kNormPer) * threads ? add_rmsnorm_reg_kernel : add_rmsnorm_kernel,
+                          dim3(unsigned(M)), dim3(threads), 0, s, h, ht, a, at, w, wt, y, yt, D, eps,
+                          weight_before_cast ? 1 : 0);
 }
 
 cudaError_t small_m_linear(const void* x, int xt, int64_t ldx, const void* w, int wt, const void* bias, int bt, void* y,

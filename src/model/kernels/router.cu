@@ -22,18 +22,22 @@ __device__ __forceinline__ Best warp_best(Best b) {
   }
   return b;
 }
-// The best of this lane's values whose expert passes `keep` (experts e = lane + 32 * s).
-template <class Keep>
-__device__ __forceinline__ Best lane_best(const float* vals, int per_lane, int E, Keep keep) {
+// The best of this lane's values whose expert passes `keep` (experts e = lane + 32 * s, s < PER: unrolled, so
+// that the values stay in registers).
+template <int PER, class Keep>
+__device__ __forceinline__ Best lane_best(const float (&vals)[PER], int E, Keep keep) {
   const int lane = threadIdx.x % 32;
   Best b{-INFINITY, INT_MAX};
-  for (int s = 0; s < per_lane; ++s) {
+#pragma unroll
+  for (int s = 0; s < PER; ++s) {
     const int e = lane + 32 * s;
     if (e < E && keep(e)) b = better(b, Best{vals[s], e});
   }
   return b;
 }
 
+// One warp per token; PER >= E / 32 values per lane. Lane j ends with slot j's expert and weight (K <= 32).
+template <int PER>
 __global__ void route_kernel(const float* logits, const float* bias, int64_t T, int E, int K, int kind, int norm,
                              float scale, int G, int topk_group, int32_t* index, float* weights) {
   cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
@@ -42,10 +46,10 @@ __global__ void route_kernel(const float* logits, const float* bias, int64_t T, 
   const int64_t token = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   if (token >= T) return;
   const float* l = logits + token * E;
-  const int per_lane = (E + 31) / 32;
-  float sel[kRouteMaxPerLane], prob[kRouteMaxPerLane];
+  float sel[PER], prob[PER];
   float mx = -INFINITY;
-  for (int s = 0; s < per_lane; ++s) {
+#pragma unroll
+  for (int s = 0; s < PER; ++s) {
     const int e = lane + 32 * s;
     const float x = e < E ? l[e] : -INFINITY;
     prob[s] = x;
@@ -54,16 +58,20 @@ __global__ void route_kernel(const float* logits, const float* bias, int64_t T, 
   if (kind == kRouteSoftmaxTopk) {
     mx = warp_max(mx);
     float sum = 0.0f;
-    for (int s = 0; s < per_lane; ++s) {
+#pragma unroll
+    for (int s = 0; s < PER; ++s) {
       prob[s] = lane + 32 * s < E ? expf(prob[s] - mx) : 0.0f;
       sum += prob[s];
     }
     sum = warp_sum(sum);
-    for (int s = 0; s < per_lane; ++s) sel[s] = prob[s] = prob[s] / sum;
+#pragma unroll
+    for (int s = 0; s < PER; ++s) sel[s] = prob[s] = prob[s] / sum;
   } else if (kind == kRouteTopkSoftmax) {
-    for (int s = 0; s < per_lane; ++s) sel[s] = prob[s];
+#pragma unroll
+    for (int s = 0; s < PER; ++s) sel[s] = prob[s];
   } else {
-    for (int s = 0; s < per_lane; ++s) {
+#pragma unroll
+    for (int s = 0; s < PER; ++s) {
       const int e = lane + 32 * s;
       prob[s] = act::sigmoid(prob[s]);
       sel[s] = e < E ? prob[s] + (bias ? bias[e] : 0.0f) : -INFINITY;
@@ -72,9 +80,9 @@ __global__ void route_kernel(const float* logits, const float* bias, int64_t T, 
     const int per = E / G;
     float gscore = -INFINITY;
     for (int g = 0; g < G; ++g) {
-      const Best b1 = warp_best(lane_best(sel, per_lane, E, [&](int e) { return e / per == g; }));
+      const Best b1 = warp_best(lane_best<PER>(sel, E, [&](int e) { return e / per == g; }));
       float s = b1.v;
-      if (per >= 2) s += warp_best(lane_best(sel, per_lane, E, [&](int e) { return e / per == g && e != b1.i; })).v;
+      if (per >= 2) s += warp_best(lane_best<PER>(sel, E, [&](int e) { return e / per == g && e != b1.i; })).v;
       if (lane == g) gscore = s;
     }
     unsigned keep = 0;
@@ -83,36 +91,44 @@ __global__ void route_kernel(const float* logits, const float* bias, int64_t T, 
       keep |= 1u << b.i;
       if (lane == b.i) gscore = -INFINITY;
     }
-    for (int s = 0; s < per_lane; ++s) {
+#pragma unroll
+    for (int s = 0; s < PER; ++s) {
       const int e = lane + 32 * s;
       if (e < E && !((keep >> (e / per)) & 1u)) sel[s] = -INFINITY;
     }
   }
-  int chosen[kRouteMaxK];
-  float w[kRouteMaxK];
+  int my_e = 0;
+  float my_w = 0.0f;
   for (int j = 0; j < K; ++j) {
-    const Best b = warp_best(lane_best(sel, per_lane, E, [](int) { return true; }));
+    const Best b = warp_best(lane_best<PER>(sel, E, [](int) { return true; }));
     const int e = b.i < E ? b.i : E - 1;  // NaN scores select nothing; stay in bounds
-    chosen[j] = e;
-    // prob of the chosen expert, from its owner lane (every lane reads the same slot).
-    w[j] = __shfl_sync(0xffffffffu, prob[e / 32], e % 32);
-    if (lane == e % 32) sel[e / 32] = -INFINITY;
+    // prob of the chosen expert, from its owner lane (every lane picks the same slot).
+    float pe = 0.0f;
+#pragma unroll
+    for (int s = 0; s < PER; ++s)
+      if (s == e / 32) pe = prob[s];
+    const float wj = __shfl_sync(0xffffffffu, pe, e % 32);
+    if (lane == j) my_e = e, my_w = wj;
+#pragma unroll
+    for (int s = 0; s < PER; ++s)
+      if (lane == e % 32 && s == e / 32) sel[s] = -INFINITY;
   }
-  if (lane != 0) return;
+  // The slot sums in slot order (as one thread adding them one by one).
   if (kind == kRouteTopkSoftmax) {
-    const float top = w[0];
+    const float top = __shfl_sync(0xffffffffu, my_w, 0);
+    const float ex = expf(my_w - top);
     float sum = 0.0f;
-    for (int j = 0; j < K; ++j) sum += (w[j] = expf(w[j] - top));
-    for (int j = 0; j < K; ++j) w[j] /= sum;
+    for (int j = 0; j < K; ++j) sum += __shfl_sync(0xffffffffu, ex, j);
+    my_w = ex / sum;
   } else if (norm) {
     float sum = 0.0f;
-    for (int j = 0; j < K; ++j) sum += w[j];
+    for (int j = 0; j < K; ++j) sum += __shfl_sync(0xffffffffu, my_w, j);
     if (kind == kRouteGroupedSigmoid) sum += 1e-20f;
-    for (int j = 0; j < K; ++j) w[j] /= sum;
+    my_w /= sum;
   }
-  for (int j = 0; j < K; ++j) {
-    index[token * K + j] = chosen[j];
-    weights[token * K + j] = kind == kRouteGroupedSigmoid ? w[j] * scale : w[j];
+  if (lane < K) {
+    index[token * K + lane] = my_e;
+    weights[token * K + lane] = kind == kRouteGroupedSigmoid ? my_w * scale : my_w;
   }
 }
 
@@ -121,9 +137,19 @@ __global__ void route_kernel(const float* logits, const float* bias, int64_t T, 
 cudaError_t route(const float* logits, const float* bias, int64_t T, int E, int K, int kind, bool norm, float scale,
                   int n_group, int topk_group, int32_t* index, float* weights, cudaStream_t s) {
   constexpr int kWarps = 4;
-  return cuda::launch_pdl(cuda::pdl_enabled(), route_kernel, dim3(unsigned((T + kWarps - 1) / kWarps)),
-                          dim3(32 * kWarps), 0, s, logits, bias, T, E, K, kind, norm ? 1 : 0, scale, n_group,
-                          topk_group, index, weights);
+  const dim3 grid(unsigned((T + kWarps - 1) / kWarps)), block(32 * kWarps);
+  const bool pdl = cuda::pdl_enabled();
+  auto go = [&](auto kernel) {
+    return cuda::launch_pdl(pdl, kernel, grid, block, 0, s, logits, bias, T, E, K, kind, norm ? 1 : 0, scale, n_group,
+                            topk_group, index, weights);
+  };
+  if (E <= 32) return go(route_kernel<1>);
+  if (E <= 64) return go(route_kernel<2>);
+  if (E <= 128) return go(route_kernel<4>);
+  if (E <= 256) return go(route_kernel<8>);
+  if (E <= 512) return go(route_kernel<16>);
+  if (E <= 32 * kRouteMaxPerLane) return go(route_kernel<kRouteMaxPerLane>);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace moekit::model::kernels

@@ -195,13 +195,20 @@ __global__ void __launch_bounds__(kGemvThreads, MINB) pair_gemv_kernel(PairGemvA
 
 // Blocks per multiprocessor the kernels are compiled for: 0 (no bound) lets the compiler take the registers it
 // wants (72-76 for the 16-byte kernels: three blocks of 256 threads per multiprocessor), 4 caps them at 64 (24-60
-// bytes of spills) so that four blocks fit: qwen3-30b-a3b's second projection at T = 1 (512 blocks) in one wave on 132
-// multiprocessors. MOEKIT_PAIR_GEMV_BLOCKS=4 in the environment (read once) picks the second.
+// bytes of spills) so that four blocks fit (qwen3-30b-a3b's second projection at T = 1, 512 blocks, in one wave
+// on 132 multiprocessors). MOEKIT_PAIR_GEMV_BLOCKS=4 / MOEKIT_PAIR_COMBINE_BLOCKS=4 in the environment (read
+// once) pick 4 for the first / second projection. Off by default: on the H200 both at 4 ran qwen3-30b-a3b at
+// T = 1 / 8 in 31.5 / 152.3 us against 29.3 / 140.5.
+int min_blocks_from_env(const char* name) {
+  const char* e = std::getenv(name);
+  return e && e[0] == '4' ? 4 : 0;
+}
 int pair_gemv_min_blocks() {
-  static const int v = [] {
-    const char* e = std::getenv("MOEKIT_PAIR_GEMV_BLOCKS");
-    return e && e[0] == '4' ? 4 : 0;
-  }();
+  static const int v = min_blocks_from_env("MOEKIT_PAIR_GEMV_BLOCKS");
+  return v;
+}
+int pair_combine_min_blocks() {
+  static const int v = min_blocks_from_env("MOEKIT_PAIR_COMBINE_BLOCKS");
   return v;
 }
 
@@ -351,7 +358,7 @@ cudaError_t pair_gemv_combine(const PairGemvArgs& a, int64_t tokens, cudaStream_
     using T = decltype(tag);
     return with_elem(a.routing_weight_type, [&](auto wtag) {
       using W = decltype(wtag);
-      if (aligned && pair_gemv_min_blocks() == 4)
+      if (aligned && pair_combine_min_blocks() == 4)
         return launch_pdl(pdl, pair_gemv_combine_kernel<T, W, 16 / sizeof(T), 4>, grid, kGemvThreads, smem, stream,
                           a, cols_per_block, prefetch);
       if (aligned)
