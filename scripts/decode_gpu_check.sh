@@ -2,7 +2,8 @@
 # The decode step's fused forms on a GPU, in about a minute: test_cuda_model (every layer op against the CPU,
 # the fused kernel against the unfused ops, the fixture models against transformers with the decode step fused
 # and unfused), then the decode step of a 4-layer Qwen3-30B-A3B-shaped bf16 checkpoint (scripts/model_bench.py's
-# make_checkpoint) timed with `moekit run --cuda-graph`, fused (default) and unfused (MOEKIT_FUSED_DECODE=0).
+# make_checkpoint) timed with `moekit run --cuda-graph`: fused (default), fused one step at a time
+# (MOEKIT_DECODE_AHEAD=0), fused with plain launches (MOEKIT_PDL=0) and unfused (MOEKIT_FUSED_DECODE=0).
 # The test log's "decode step kernels" lines count the kernel nodes of one recorded decode step per fixture model.
 #
 #   scripts/decode_gpu_check.sh BUILD_DIR      (needs BUILD_DIR/bin/test_cuda_model and BUILD_DIR/bin/moekit;
@@ -57,20 +58,22 @@ EOF
 fi
 VOCAB=$(python3 -c "import json, sys; c = json.load(open(sys.argv[1])); print(c.get('text_config', c)['vocab_size'])" "$CKPT/config.json" 2>/dev/null || echo 32000)
 IDS=$(python3 -c "import random, sys; r = random.Random(1); print(','.join(str(r.randrange(int(sys.argv[1]))) for _ in range(128)))" "$VOCAB")
-for fused in 1 0; do
+# label and environment of each run
+for run in "1 MOEKIT_FUSED_DECODE=1" "1_step MOEKIT_DECODE_AHEAD=0" "1_plain MOEKIT_PDL=0" "0 MOEKIT_FUSED_DECODE=0"; do
+  fused=${run%% *}
   s=$SECONDS
-  MOEKIT_FUSED_DECODE=$fused timeout 60 "$B/moekit" run --model "$CKPT" --device "$DEVICE" --dtype bf16 \
+  env ${run#* } timeout 60 "$B/moekit" run --model "$CKPT" --device "$DEVICE" --dtype bf16 \
     --experts grouped_mm --prompt-ids "$IDS" --max-new-tokens 64 --min-new-tokens 64 --json --quiet --warmup 2 \
     $GRAPH > "$LOG/run_fused$fused.json" 2> "$LOG/run_fused$fused.err"
   rc=$?
   [ $rc -eq 0 ] || { status=1; tail -5 "$LOG/run_fused$fused.err"; }
-  echo "moekit run MOEKIT_FUSED_DECODE=$fused rc=$rc $((SECONDS - s))s"
+  echo "moekit run ${run#* } rc=$rc $((SECONDS - s))s"
 done
 python3 - "$LOG" <<'EOF'
 import json, sys
 log = sys.argv[1]
 runs = {}
-for f in ("1", "0"):
+for f in ("1", "1_step", "1_plain", "0"):
     try:
         runs[f] = json.loads(open(f"{log}/run_fused{f}.json").read().strip().splitlines()[-1])
     except Exception as e:
@@ -80,7 +83,11 @@ for f, j in runs.items():
     n = len(j["generated_ids"])
     print(f"decode fused={f}: {t['tokens_per_s']:.1f} tok/s, {t['decode_ms'] / max(1, n - 1) * 1e3:.0f} us per step, "
           f"prefill {t['prefill_ms']:.1f} ms, graph replays {j.get('cuda_graph', {}).get('replays')}")
-if len(runs) == 2:
+for other in ("1_step", "1_plain"):
+    if "1" in runs and other in runs:
+        same = runs["1"]["generated_ids"] == runs[other]["generated_ids"]
+        print(f"greedy tokens fused={other} {'==' if same else '!='} fused=1")
+if "1" in runs and "0" in runs:
     a, b = runs["1"]["generated_ids"], runs["0"]["generated_ids"]
     n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     print(f"greedy tokens fused vs unfused: first {n}/{len(a)} equal (bf16: a late parting can be rounding)")

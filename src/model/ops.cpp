@@ -210,7 +210,8 @@ bool vector_decode_attention() {
 void set_vector_decode_attention(bool on) { g_vector_decode_attention.store(on ? 1 : 0); }
 
 namespace {
-constexpr int kDecodeAheadDefault = 0;
+// On: the H200's decode step of the 4-layer Qwen3-30B-A3B-shaped model, 340 -> 331 us, the same tokens.
+constexpr int kDecodeAheadDefault = 1;
 std::atomic<int> g_decode_ahead{-1};  // -1: not read yet
 }  // namespace
 bool decode_ahead() {

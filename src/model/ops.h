@@ -221,8 +221,8 @@ int64_t gemv_max_rows();
 void set_gemv_max_rows(int64_t rows);
 // Whether greedy generation of one sequence with CUDA graphs runs its decode steps ahead: step n + 1 is queued
 // (its token and position fed on the device by greedy_feed) before step n's token is read back, so that the
-// host's part of each step overlaps the device's. MOEKIT_DECODE_AHEAD=0/1 in the environment (read once) or
-// set_decode_ahead; see ops.cpp for the default.
+// host's part of each step overlaps the device's. On unless MOEKIT_DECODE_AHEAD=0 in the environment (read once)
+// or set_decode_ahead says otherwise.
 bool decode_ahead();
 void set_decode_ahead(bool on);
 // The kernel nodes of the last graph the CUDA ops' capture() recorded in this process (0 before any, and
