@@ -9,7 +9,9 @@
 //                      launch; each block's partial dot products meet in shared memory and one thread per
 //                      column sums them in slot order (deterministic, no atomics on the values).
 // Both read the expert ids straight from top_k_index (ids outside [0, E] are recorded in the sticky error
-// word, as route_validate does, and contribute nothing; E is the dropped-pair sentinel).
+// word, as route_validate does, and contribute nothing; E is the dropped-pair sentinel). Both launch with
+// Programmatic Dependent Launch (base/cuda_pdl.cuh): the second projection's blocks are placed while the first
+// runs, read their slots' ids (and optionally prefetch their weight rows) and then wait for it.
 #include <climits>
 #include <cstdlib>
 
