@@ -148,6 +148,16 @@ GenerationResult Model::generate(const std::vector<int64_t>& prompt, const Gener
   const int64_t replays0 = impl_->graph_replays;
   const bool on_device = graphs && device_greedy(gc, eos.size());
   const std::vector<int64_t> no_ids;
+  // One graphed decode step: the token the device picked (EOS suppressed by `sup`), or the host's pick from the
+  // logits that came back.
+  auto graphed_step = [&](const std::vector<int64_t>* sup) {
+    const auto out = impl_->decode_step_graphed(tok, cache, sup);
+    ++res.decode_steps;
+    if (out.ids.empty()) return pick(row(out.logits, out.V, 0, cache.length() - 1));
+    res.tokens.push_back(out.ids[0]);
+    if (gc.on_token) gc.on_token(out.ids[0]);
+    return out.ids[0];
+  };
   if (on_device && model::decode_ahead()) {
     // Steps run ahead: step n + 1 is queued (its token and position fed on the device) before step n's token is
     // read, so the host's part of a step overlaps the device's. A step that cannot (no recorded graph yet, the
@@ -170,15 +180,7 @@ GenerationResult Model::generate(const std::vector<int64_t>& prompt, const Gener
       if (pending < 0) {
         if (drain.armed) impl_->drain_ahead();
         drain.armed = false;
-        const auto out = impl_->decode_step_graphed(tok, cache, &sup_now);
-        ++res.decode_steps;
-        if (!out.ids.empty()) {
-          tok = out.ids[0];
-          res.tokens.push_back(tok);
-          if (gc.on_token) gc.on_token(tok);
-        } else {
-          tok = pick(row(out.logits, out.V, 0, cache.length() - 1));
-        }
+        tok = graphed_step(&sup_now);
         if (done(tok)) break;
         continue;
       }
@@ -193,13 +195,7 @@ GenerationResult Model::generate(const std::vector<int64_t>& prompt, const Gener
         impl_->drain_ahead();
         drain.armed = false;
         pending = -1;
-        const auto out = impl_->decode_step_graphed(tok, cache, &sup_now);
-        ++res.decode_steps;
-        tok = out.ids.empty() ? pick(row(out.logits, out.V, 0, cache.length() - 1)) : out.ids[0];
-        if (!out.ids.empty()) {
-          res.tokens.push_back(tok);
-          if (gc.on_token) gc.on_token(tok);
-        }
+        tok = graphed_step(&sup_now);
         if (done(tok)) break;
         continue;
       }
@@ -219,15 +215,7 @@ GenerationResult Model::generate(const std::vector<int64_t>& prompt, const Gener
     if (graphs) {
       // Greedy: the device picks the token (EOS suppressed as the sampler would); else the logits come back.
       const bool too_early = int64_t(res.tokens.size()) < gc.min_new_tokens;
-      const auto out = impl_->decode_step_graphed(tok, cache, on_device ? (too_early ? &eos : &no_ids) : nullptr);
-      ++res.decode_steps;
-      if (!out.ids.empty()) {
-        tok = out.ids[0];
-        res.tokens.push_back(tok);
-        if (gc.on_token) gc.on_token(tok);
-      } else {
-        tok = pick(row(out.logits, out.V, 0, cache.length() - 1));
-      }
+      tok = graphed_step(on_device ? (too_early ? &eos : &no_ids) : nullptr);
     } else {
       logits = impl_->forward({tok}, cache, false);
       ++res.decode_steps;
