@@ -34,10 +34,11 @@ void skew(ExpertsProblem& p, std::mt19937_64& rng) {
   p.reference = reference_forward(p.experts, p.hidden_states, p.top_k_index, p.top_k_weights);
 }
 
-// Every backend on cuda:0 (the TMA engine in the form its route tile picks: ping-pong up to ~128 rows per
-// expert, else cooperative), the three engine backends once more with ping-pong switched off (cooperative
-// throughout) and the epilogues' other staging schedule, and grouped_mm once more with the TMA kernel
-// switched off.
+// Every backend on cuda:0 (the TMA engine in the form its sizes pick: here ping-pong, in pairs of blocks
+// multicasting the weight boxes by default), grouped_mm once more with the TMA kernel switched off, and the
+// three engine backends once more in each other form: unpaired (ping-pong over route tiles of 64),
+// cooperative throughout with the epilogues' other staging schedule, and paired cooperative (route tiles
+// of 256).
 void check_problem(const ExpertsProblem& p) {
   Outcome outcome;
   check_backends_on(p, Device::cuda(0), outcome);
@@ -45,14 +46,26 @@ void check_problem(const ExpertsProblem& p) {
   const bool saved = cuda::set_grouped_tma_enabled(false);
   check_backend(p, p.experts.to(Device::cuda(0)), "grouped_mm", "grouped_mm (no TMA)", outcome);
   cuda::set_grouped_tma_enabled(saved);
-  const bool pp = cuda::kernels::set_grouped_gemm_tma_pingpong(false);
-  const bool split = cuda::kernels::set_grouped_gemm_tma_split_out(false);
   const Experts on_gpu = p.experts.to(Device::cuda(0));
-  for (const char* name : {"grouped_mm", "deepgemm", "sonicmoe"})
-    if (ExpertsInterface::global().get(name)->supports(on_gpu, p.config.act))
-      check_backend(p, on_gpu, name, std::string(name) + " (cooperative)", outcome);
-  cuda::kernels::set_grouped_gemm_tma_pingpong(pp);
-  cuda::kernels::set_grouped_gemm_tma_split_out(split);
+  auto engine_backends = [&](const char* form) {
+    for (const char* name : {"grouped_mm", "deepgemm", "sonicmoe"})
+      if (ExpertsInterface::global().get(name)->supports(on_gpu, p.config.act))
+        check_backend(p, on_gpu, name, std::string(name) + " (" + form + ")", outcome);
+  };
+  namespace kk = cuda::kernels;
+  // unpaired blocks (the ping-pong form over route tiles of 64 where the sizes pick it)
+  const int cluster = kk::set_grouped_gemm_tma_cluster(0);
+  engine_backends("unpaired");
+  // cooperative throughout, the epilogues' other staging schedule
+  const bool pp = kk::set_grouped_gemm_tma_pingpong(false);
+  const bool split = kk::set_grouped_gemm_tma_split_out(false);
+  engine_backends("cooperative");
+  kk::set_grouped_gemm_tma_split_out(split);
+  // paired cooperative (route tiles of 256) at these sizes
+  kk::set_grouped_gemm_tma_cluster(2, 0);
+  engine_backends("paired cooperative");
+  kk::set_grouped_gemm_tma_cluster(cluster);
+  kk::set_grouped_gemm_tma_pingpong(pp);
 #endif
   EXPECT_GT(outcome.ran["grouped_mm"], 0);
   EXPECT_EQ(outcome.fail, 0);
