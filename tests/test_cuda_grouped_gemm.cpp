@@ -34,11 +34,11 @@ void skew(ExpertsProblem& p, std::mt19937_64& rng) {
   p.reference = reference_forward(p.experts, p.hidden_states, p.top_k_index, p.top_k_weights);
 }
 
-// Every backend on cuda:0 (the TMA engine in the form its sizes pick: here ping-pong, in pairs of blocks
-// multicasting the weight boxes by default), grouped_mm once more with the TMA kernel switched off, and the
-// three engine backends once more in each other form: unpaired (ping-pong over route tiles of 64),
-// cooperative throughout with the epilogues' other staging schedule, and paired cooperative (route tiles
-// of 256).
+// Every backend on cuda:0 (the TMA engine in the form its sizes pick: here ping-pong over route tiles of
+// 64), grouped_mm once more with the TMA kernel switched off, and the three engine backends once more in
+// each other form: pairs of blocks multicasting the weight boxes (ping-pong over route tiles of 128) with
+// the producer's L2 prefetch, cooperative throughout with the epilogues' other staging schedule, and
+// paired cooperative (route tiles of 256).
 void check_problem(const ExpertsProblem& p) {
   Outcome outcome;
   check_backends_on(p, Device::cuda(0), outcome);
@@ -53,9 +53,12 @@ void check_problem(const ExpertsProblem& p) {
         check_backend(p, on_gpu, name, std::string(name) + " (" + form + ")", outcome);
   };
   namespace kk = cuda::kernels;
-  // unpaired blocks (the ping-pong form over route tiles of 64 where the sizes pick it)
-  const int cluster = kk::set_grouped_gemm_tma_cluster(0);
-  engine_backends("unpaired");
+  // pairs of blocks (the ping-pong form over route tiles of 128 where the sizes pick ping-pong), with the
+  // producer's L2 prefetch
+  const int cluster = kk::set_grouped_gemm_tma_cluster(1);
+  const int prefetch = kk::set_grouped_gemm_tma_prefetch(8);
+  engine_backends("paired, prefetch");
+  kk::set_grouped_gemm_tma_prefetch(prefetch);
   // cooperative throughout, the epilogues' other staging schedule
   const bool pp = kk::set_grouped_gemm_tma_pingpong(false);
   const bool split = kk::set_grouped_gemm_tma_split_out(false);

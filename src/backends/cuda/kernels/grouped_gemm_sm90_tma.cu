@@ -114,13 +114,15 @@ static_assert(kGatherThreads == 128 && kBM == 128 && kBK == 64, "gathered A: 16 
       "l"(map), "r"(bar), "h"(mask), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
-// Arrival on the barrier at the same shared-memory offset in block `rank` of the cluster.
+// Arrival on the barrier at the same shared-memory offset in block `rank` of the cluster (release at CTA
+// scope, as CUTLASS's cluster barrier arrives: what it orders, the wgmma reads of the stage, completed at
+// wait_group).
 [[maybe_unused]] __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
   asm volatile(
       "{\n"
       ".reg .b32 remote;\n"
       "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
       "}\n" ::"r"(bar),
       "r"(rank)
       : "memory");
@@ -373,12 +375,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the stage also holds.
   auto release = [&](int st_idx) {
     if (lane != 0) return;
-    if (paired) {
-      mbar_arrive_cluster(empty(st_idx), 0);
-      mbar_arrive_cluster(empty(st_idx), 1);
-    } else {
-      mbar_arrive(empty(st_idx));
-    }
+    mbar_arrive(empty(st_idx));
+    if (paired) mbar_arrive_cluster(empty(st_idx), rank ^ 1);
   };
   for (int w = first; w < total; w += step) {
     Work t;
@@ -777,7 +775,7 @@ bool split_out_on() {
 
 // L2 prefetch distance of the producer in k blocks (see PrefetchCursor): kDefaultPrefetch unless
 // set_grouped_gemm_tma_prefetch or MOEKIT_TMA_PREFETCH=N (0: off) in the environment.
-constexpr int kDefaultPrefetch = 8;
+constexpr int kDefaultPrefetch = 0;
 std::atomic<int> g_prefetch{-1};
 int prefetch_setting() {
   int v = g_prefetch.load();
@@ -796,7 +794,7 @@ int prefetch_setting() {
 // where the form would have been ping-pong over route tiles of 64), bit 1 the cooperative form (route
 // tiles of 256 rows, 128 per block) from 1024 routed rows per busy expert on. Default
 // kDefaultCluster; set_grouped_gemm_tma_cluster or MOEKIT_TMA_CLUSTER=N in the environment.
-constexpr int kDefaultCluster = 3;
+constexpr int kDefaultCluster = 0;
 std::atomic<int> g_cluster{-1};
 std::atomic<int64_t> g_cluster_coop_rows{1024};
 int cluster_setting() {

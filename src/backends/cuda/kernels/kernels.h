@@ -157,7 +157,7 @@ int grouped_tma_tile_m(int64_t pairs, int experts, bool gathered_a);
 // The staging schedule of its f32 and weighted epilogues: one 8 KB box per round alternating between two
 // halves of the staging buffer (on), or two boxes per round (off). Returns the previous setting.
 bool set_grouped_gemm_tma_split_out(bool on);
-// The producer's L2 prefetch distance in k blocks (0: off; default 8, MOEKIT_TMA_PREFETCH=N in the
+// The producer's L2 prefetch distance in k blocks (default 0: off; MOEKIT_TMA_PREFETCH=N in the
 // environment). Returns the previous setting.
 int set_grouped_gemm_tma_prefetch(int k_blocks);
 bool set_grouped_gemm_tma_pingpong(bool on);  // returns the previous setting
@@ -166,7 +166,8 @@ bool set_grouped_gemm_tma_pingpong(bool on);  // returns the previous setting
 // by multicast into both (half the weight traffic from L2 per block): tile_m 128 runs the ping-pong form
 // over 64-row halves (where grouped_tma_tile_m gives 64), tile_m 256 the cooperative form over 128-row
 // halves (where it gives 128 and the experts hold 1024 rows or more on average). Which of the two are on:
-// set_grouped_gemm_tma_cluster(mode) (bit 0, bit 1; returns the previous mode) or MOEKIT_TMA_CLUSTER.
+// set_grouped_gemm_tma_cluster(mode) (bit 0, bit 1; returns the previous mode) or MOEKIT_TMA_CLUSTER
+// (default 0: neither).
 struct TmaForm {
   int tile_m = 128;
   int cluster = 1;
