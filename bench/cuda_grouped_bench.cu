@@ -5,8 +5,7 @@
 //
 //   cuda_grouped_bench [check] [time] [--reps N]
 //   cuda_grouped_bench profile [--tokens T]   (one launch of each TMA projection per form: for ncu)
-//   cuda_grouped_bench time --quick [--reps N] [--runs T:tile:cluster,...] [--no-prefetch]
-//                                              (the TMA forms x L2 prefetch 0 / 8, projections only)
+//   cuda_grouped_bench time --quick [--reps N] [--runs T:tile,...]  (the TMA projections only)
 //
 // Build (sm_90a): see bench/README.md. Timing: CUDA events around each launch, median of N after
 // warm-up; inputs are random (never zero); the weights of every shape timed exceed L2 by far.
@@ -107,15 +106,10 @@ std::vector<int32_t> make_routing(int64_t T, int K, int E, bool skewed, int empt
   return idx;
 }
 
-int g_tile = 128;    // route tile of the TMA kernel (128, or 64 for its ping-pong form; 128 / 256 paired)
-int g_cluster = 1;   // 2: pairs of blocks multicasting the weight boxes (GroupedGemmArgs::cluster)
+int g_tile = 128;      // route tile of the TMA kernel (128, or 64 for its ping-pong form)
 bool g_quick = false;  // time: the TMA projections only
-std::string g_runs;    // time --quick: the forms to time (T:tile:cluster,...)
-bool g_prefetch_runs = true;
-const char* form_name() {
-  if (g_cluster == 2) return g_tile == 128 ? "paired-pp" : "paired-coop";
-  return g_tile == 64 ? "ping-pong" : "cooperative";
-}
+std::string g_runs;    // time --quick / profile: the cases (T:tile,...)
+const char* form_name() { return g_tile == 64 ? "ping-pong" : "cooperative"; }
 
 struct Routed {
   int64_t P;
@@ -202,7 +196,6 @@ void check_case(int64_t T, int K, int E, int64_t H, int64_t I, k::Elem type, boo
   g.offsets = r.off.as<int32_t>();
   g.tile_offsets = r.toff.as<int32_t>();
   g.tile_m = g_tile;
-  g.cluster = g_cluster;
   g.experts = E;
   g.max_rows = P;
   g.n = I;
@@ -259,8 +252,7 @@ void check_case(int64_t T, int K, int E, int64_t H, int64_t I, k::Elem type, boo
   if (!pass) ++g_fail;
   std::printf("%s %s tile %d T=%ld K=%d E=%d H=%ld I=%ld %s %s%s%s%s rows=%d: first %.2e (nan %g)  second %.2e "
               "(nan %g)\n",
-              pass ? "ok  " : "FAIL", form_name(), g_tile, long(T), K, E, long(H),
-              long(I), bf ? "bf16" : "f16",
+              pass ? "ok  " : "FAIL", form_name(), g_tile, long(T), K, E, long(H), long(I), bf ? "bf16" : "f16",
               gated ? (concat ? "gated-concat" : "gated-interleaved") : "act-only", bias ? " bias" : "",
               skewed ? " skewed" : "", empty_every ? " empty-experts" : "", valid, e1, nan1, e2, nan2);
 }
@@ -312,7 +304,6 @@ void time_shape(const char* name, int64_t T, int K, int E, int64_t H, int64_t I,
   g.offsets = r.off.as<int32_t>();
   g.tile_offsets = r.toff.as<int32_t>();
   g.tile_m = g_tile;
-  g.cluster = g_cluster;
   g.experts = E;
   g.max_rows = P;
   g.n = I;
@@ -359,30 +350,24 @@ void time_shape(const char* name, int64_t T, int K, int E, int64_t H, int64_t I,
     const k::GroupedGemmArgs* calls[3] = {&tg, &t1, &t2};
     for (int i = 0; i < 3; ++i) {
       if (!k::grouped_gemm_tma_ok(*calls[i], 90)) continue;
-      std::printf("profile %s tile %d %s T=%ld: %s\n", form_name(), g_tile, name,
-                  long(T), what[i]);
+      std::printf("profile %s tile %d %s T=%ld: %s\n", form_name(), g_tile, name, long(T), what[i]);
       std::fflush(stdout);
       CK(k::grouped_gemm_tma(*calls[i], nullptr));
       CK(cudaDeviceSynchronize());
     }
     return;
   }
-  // correctness of this shape against the cp.async wgmma kernel first (its tiles go up to 128 rows: route
-  // tiles of 256 are checked by `check` only)
-  const bool cmp = g_tile <= 128;
+  // correctness of this shape against the cp.async wgmma kernel first
   CK(cudaMemset(act.p, 0xff, P * I * 2));
   CK(cudaMemset(y.p, 0xff, P * H * 4));
   CK(k::gather_rows(type, x.p, H, r.sp.as<int32_t>(), K, r.off.as<int32_t>() + E, P, xs.p, nullptr));
   CK(k::grouped_gemm_tma(t1, nullptr));
-  if (cmp) CK(k::grouped_gemm_wgmma(g, g_tile, false, nullptr));
+  CK(k::grouped_gemm_wgmma(g, g_tile, false, nullptr));
   CK(k::grouped_gemm_tma(t2, nullptr));
-  if (cmp) CK(k::grouped_gemm_wgmma(g2, g_tile, false, nullptr));
+  CK(k::grouped_gemm_wgmma(g2, g_tile, false, nullptr));
   CK(cudaDeviceSynchronize());
-  double n1 = 0, n2 = 0, e1 = 0, e2 = 0;
-  if (cmp) {
-    e1 = rel_err(type, act.p, act2.p, P, I, I, &n1);
-    e2 = rel_err(k::Elem::f32, y.p, y2.p, P, H, H, &n2);
-  }
+  double n1, n2;
+  const double e1 = rel_err(type, act.p, act2.p, P, I, I, &n1), e2 = rel_err(k::Elem::f32, y.p, y2.p, P, H, H, &n2);
   const bool pass = e1 < 1e-2 && e2 < 1e-3 && n1 == 0 && n2 == 0;
   if (!pass) ++g_fail;
 
@@ -461,16 +446,16 @@ void time_shape(const char* name, int64_t T, int K, int E, int64_t H, int64_t I,
   std::fflush(stdout);
 }
 
-// --runs T:tile:cluster,... (time --quick and profile)
+// --runs T:tile,... (time --quick and profile)
 struct Run {
   int64_t T;
-  int tile, cluster;
+  int tile;
 };
 std::vector<Run> parse_runs(const std::string& text) {
   std::vector<Run> runs;
   for (const char* p = text.c_str(); *p;) {
     Run r{};
-    if (std::sscanf(p, "%ld:%d:%d", &r.T, &r.tile, &r.cluster) != 3) break;
+    if (std::sscanf(p, "%ld:%d", &r.T, &r.tile) != 2) break;
     runs.push_back(r);
     p = std::strchr(p, ',');
     if (!p) break;
@@ -498,8 +483,6 @@ int main(int argc, char** argv) {
       g_quick = true;
     else if (!std::strcmp(argv[i], "--runs") && i + 1 < argc)
       g_runs = argv[++i];
-    else if (!std::strcmp(argv[i], "--no-prefetch"))
-      g_prefetch_runs = false;
   }
   if (!check && !timing && !profile) check = timing = true;
   int n = 0;
@@ -510,10 +493,9 @@ int main(int argc, char** argv) {
   // the engine's forms: ping-pong (route tiles of 64) and cooperative (128)
   if (check) {
     for (int split : {1, 0})
-    for (int form = 0; form < 4; ++form) {
+    for (int tile : {64, 128}) {
     k::set_grouped_gemm_tma_split_out(split != 0);
-    g_tile = form == 0 ? 64 : form == 3 ? 256 : 128;
-    g_cluster = form >= 2 ? 2 : 1;
+    g_tile = tile;
     std::printf("-- %s, route tile %d, %s epilogue staging\n", form_name(), g_tile, split ? "split" : "paired");
     uint64_t seed = 1;
     for (k::Elem t : {k::Elem::bf16, k::Elem::f16}) {
@@ -530,31 +512,23 @@ int main(int argc, char** argv) {
     }
   }
   if (profile) {
-    std::vector<Run> runs = {{profile_tokens, 64, 1}, {profile_tokens, 128, 1}};
+    std::vector<Run> runs = {{profile_tokens, 64}, {profile_tokens, 128}};
     if (!g_runs.empty()) runs = parse_runs(g_runs);
     for (const Run& r : runs) {
       g_tile = r.tile;
-      g_cluster = r.cluster;
       time_shape("qwen3-30b-a3b", r.T, 8, 128, 2048, 768, false, 1, nullptr, true);
       time_shape("mixtral-8x7b", r.T, 2, 8, 4096, 14336, false, 1, nullptr, true);
     }
   }
   if (timing && g_quick) {
-    // the TMA forms x the L2 prefetch distance, the sizes where each form is a candidate
-    std::vector<Run> runs = {{512, 64, 1},   {512, 128, 2},   {4096, 64, 1},    {4096, 128, 1},
-                             {4096, 128, 2}, {4096, 256, 2},  {16384, 128, 1}, {16384, 256, 2}};
+    // the engine's forms where each is a candidate
+    std::vector<Run> runs = {{512, 64}, {4096, 64}, {4096, 128}, {16384, 128}};
     if (!g_runs.empty()) runs = parse_runs(g_runs);
-    for (const Run& r : runs)
-      for (int pf : {0, 8}) {
-        if (pf && !g_prefetch_runs) continue;
-        k::set_grouped_gemm_tma_prefetch(pf);
-        g_tile = r.tile;
-        g_cluster = r.cluster;
-        std::printf("prefetch %2d ", pf);
-        time_shape("qwen3-30b-a3b", r.T, 8, 128, 2048, 768, false, reps, nullptr);
-        std::printf("prefetch %2d ", pf);
-        time_shape("mixtral-8x7b", r.T, 2, 8, 4096, 14336, false, reps, nullptr);
-      }
+    for (const Run& r : runs) {
+      g_tile = r.tile;
+      time_shape("qwen3-30b-a3b", r.T, 8, 128, 2048, 768, false, reps, nullptr);
+      time_shape("mixtral-8x7b", r.T, 2, 8, 4096, 14336, false, reps, nullptr);
+    }
   } else if (timing) {
     cublasHandle_t blas;
     if (cublasCreate(&blas) != CUBLAS_STATUS_SUCCESS) return 1;

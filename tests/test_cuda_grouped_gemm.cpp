@@ -34,11 +34,10 @@ void skew(ExpertsProblem& p, std::mt19937_64& rng) {
   p.reference = reference_forward(p.experts, p.hidden_states, p.top_k_index, p.top_k_weights);
 }
 
-// Every backend on cuda:0 (the TMA engine in the form its sizes pick: here ping-pong over route tiles of
-// 64), grouped_mm once more with the TMA kernel switched off, and the three engine backends once more in
-// each other form: pairs of blocks multicasting the weight boxes (ping-pong over route tiles of 128) with
-// the producer's L2 prefetch, cooperative throughout with the epilogues' other staging schedule, and
-// paired cooperative (route tiles of 256).
+// Every backend on cuda:0 (the TMA engine in the form its route tile picks: ping-pong up to ~128 rows per
+// expert, else cooperative), the three engine backends once more with ping-pong switched off (cooperative
+// throughout) and the epilogues' other staging schedule, and grouped_mm once more with the TMA kernel
+// switched off.
 void check_problem(const ExpertsProblem& p) {
   Outcome outcome;
   check_backends_on(p, Device::cuda(0), outcome);
@@ -46,29 +45,14 @@ void check_problem(const ExpertsProblem& p) {
   const bool saved = cuda::set_grouped_tma_enabled(false);
   check_backend(p, p.experts.to(Device::cuda(0)), "grouped_mm", "grouped_mm (no TMA)", outcome);
   cuda::set_grouped_tma_enabled(saved);
+  const bool pp = cuda::kernels::set_grouped_gemm_tma_pingpong(false);
+  const bool split = cuda::kernels::set_grouped_gemm_tma_split_out(false);
   const Experts on_gpu = p.experts.to(Device::cuda(0));
-  auto engine_backends = [&](const char* form) {
-    for (const char* name : {"grouped_mm", "deepgemm", "sonicmoe"})
-      if (ExpertsInterface::global().get(name)->supports(on_gpu, p.config.act))
-        check_backend(p, on_gpu, name, std::string(name) + " (" + form + ")", outcome);
-  };
-  namespace kk = cuda::kernels;
-  // pairs of blocks (the ping-pong form over route tiles of 128 where the sizes pick ping-pong), with the
-  // producer's L2 prefetch
-  const int cluster = kk::set_grouped_gemm_tma_cluster(1);
-  const int prefetch = kk::set_grouped_gemm_tma_prefetch(8);
-  engine_backends("paired, prefetch");
-  kk::set_grouped_gemm_tma_prefetch(prefetch);
-  // cooperative throughout, the epilogues' other staging schedule
-  const bool pp = kk::set_grouped_gemm_tma_pingpong(false);
-  const bool split = kk::set_grouped_gemm_tma_split_out(false);
-  engine_backends("cooperative");
-  kk::set_grouped_gemm_tma_split_out(split);
-  // paired cooperative (route tiles of 256) at these sizes
-  kk::set_grouped_gemm_tma_cluster(2, 0);
-  engine_backends("paired cooperative");
-  kk::set_grouped_gemm_tma_cluster(cluster);
-  kk::set_grouped_gemm_tma_pingpong(pp);
+  for (const char* name : {"grouped_mm", "deepgemm", "sonicmoe"})
+    if (ExpertsInterface::global().get(name)->supports(on_gpu, p.config.act))
+      check_backend(p, on_gpu, name, std::string(name) + " (cooperative)", outcome);
+  cuda::kernels::set_grouped_gemm_tma_pingpong(pp);
+  cuda::kernels::set_grouped_gemm_tma_split_out(split);
 #endif
   EXPECT_GT(outcome.ran["grouped_mm"], 0);
   EXPECT_EQ(outcome.fail, 0);

@@ -48,8 +48,7 @@ void run_deepgemm(const CallContext& c) {
   // Experts' blocks padded to the engine's row tile: 64 (its ping-pong form) where the experts hold few
   // rows, else 128.
   const int64_t P = c.pairs, E = c.experts_count;
-  const k::TmaForm form = k::grouped_tma_form(P, int(E), /*gathered_a=*/false);
-  const int kTile = form.tile_m;
+  const int kTile = k::grouped_tma_tile_m(P, int(E), /*gathered_a=*/false);
   const int64_t rows = k::grouped_max_tiles(P, int(E), kTile) * kTile;  // padded rows, upper bound
   const int64_t row_bytes = k::elem_bytes(c.type);
 
@@ -76,7 +75,6 @@ void run_deepgemm(const CallContext& c) {
   // Every expert's block ends where the next one starts: whole tiles, so row_base serves as the offsets.
   Projections pr = grouped_projections(c, xl, nullptr, 1, row_base, r.tile_offsets, rows, act, y);
   pr.first.tile_m = pr.second.tile_m = kTile;
-  pr.first.cluster = pr.second.cluster = form.cluster;
   const k::GroupedGemmArgs &g1 = pr.first, &g2 = pr.second;
   MOEKIT_CHECK_CODE(k::grouped_gemm_tma_ok(g1, c.device->arch()) && k::grouped_gemm_tma_ok(g2, c.device->arch()),
                     not_supported, "deepgemm: this build has no sm_90a code for the TMA grouped kernel");

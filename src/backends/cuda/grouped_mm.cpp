@@ -87,8 +87,7 @@ void run_grouped_mm(const CallContext& c) {
                        c.hidden % 8 == 0 && c.inter % 8 == 0 && c.w1_n % 8 == 0 && c.w2_n % 8 == 0 &&
                        c.w1_expert % 8 == 0 && c.w2_expert % 8 == 0 &&
                        (c.type == k::Elem::bf16 || c.type == k::Elem::f16);
-  const k::TmaForm form = use_tma ? k::grouped_tma_form(P, int(E), /*gathered_a=*/false) : k::TmaForm{tile_cp, 1};
-  const int tile_m = form.tile_m;
+  const int tile_m = use_tma ? k::grouped_tma_tile_m(P, int(E), /*gathered_a=*/false) : tile_cp;
 
   void* xs = nullptr;  // [P, H] gathered rows (TMA path)
   k::RoutingBuffers r;
@@ -109,7 +108,6 @@ void run_grouped_mm(const CallContext& c) {
   Projections pr = grouped_projections(c, c.call.hidden_states.data, r.sorted_pair, int(c.top_k), r.offsets,
                                        r.tile_offsets, P, act, y);
   pr.first.tile_m = pr.second.tile_m = tile_m;
-  pr.first.cluster = pr.second.cluster = form.cluster;
   const k::GroupedGemmArgs &g1 = pr.first, &g2 = pr.second;
 
   k::GroupedGemmArgs t1 = g1;  // the first projection over the gathered rows
@@ -123,14 +121,8 @@ void run_grouped_mm(const CallContext& c) {
     check_launch(k::grouped_gemm_tma(t1, c.stream), "grouped_gemm_tma (first projection)");
     check_launch(k::grouped_gemm_tma(g2, c.stream), "grouped_gemm_tma (second projection)");
   } else {
-    // the cp.async kernels' tiles go up to 128 rows: route again where the TMA form's tile was larger
-    const int tile = std::min(tile_m, 128);
-    if (tile != tile_m)
-      check_launch(k::route_sort(c.call.top_k_index.data, c.index_type, c.tokens, int(c.top_k), int(E), tile, r,
-                                 c.stream),
-                   "route_sort");
-    check_launch(k::grouped_gemm(g1, tile, arch, wide, c.stream), "grouped_gemm (first projection)");
-    check_launch(k::grouped_gemm(g2, tile, arch, wide, c.stream), "grouped_gemm (second projection)");
+    check_launch(k::grouped_gemm(g1, tile_m, arch, wide, c.stream), "grouped_gemm (first projection)");
+    check_launch(k::grouped_gemm(g2, tile_m, arch, wide, c.stream), "grouped_gemm (second projection)");
   }
 
   check_launch(k::combine(c.type, c.weight_type, y, r.pair_row, r.pair_expert, c.call.top_k_weights.data, c.b2,

@@ -46,8 +46,7 @@ void run_sonicmoe(const CallContext& c) {
                     why.empty() ? "weights must be in [out, in] layout" : why);
   // The engine's row tile: 64 (its ping-pong form) where the experts hold few rows, else 128.
   const int64_t P = c.pairs, E = c.experts_count;
-  const k::TmaForm form = k::grouped_tma_form(P, int(E), /*gathered_a=*/true);
-  const int kTile = form.tile_m;
+  const int kTile = k::grouped_tma_tile_m(P, int(E), /*gathered_a=*/true);
   const int64_t row_bytes = k::elem_bytes(c.type);
 
   k::RoutingBuffers r;
@@ -66,7 +65,6 @@ void run_sonicmoe(const CallContext& c) {
                                        r.tile_offsets, P, act, nullptr);
   k::GroupedGemmArgs &g1 = pr.first, &g2 = pr.second;
   g1.tile_m = g2.tile_m = kTile;
-  g1.cluster = g2.cluster = form.cluster;
   g2.epilogue = k::kEpiWeighted;
   g2.bias = c.b2;
   g2.bias_expert_stride = c.hidden;

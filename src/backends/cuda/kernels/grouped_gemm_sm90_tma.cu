@@ -40,7 +40,6 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
@@ -96,46 +95,6 @@ static_assert(kGatherThreads == 128 && kBM == 128 && kBK == 64, "gathered A: 16 
       : "memory");
 }
 
-[[maybe_unused]] __device__ __forceinline__ void tma_prefetch_2d(const CUtensorMap* map, int c0, int c1) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(map), "r"(c0), "r"(c1)
-               : "memory");
-}
-[[maybe_unused]] __device__ __forceinline__ void tma_prefetch_3d(const CUtensorMap* map, int c0, int c1, int c2) {
-  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(map), "r"(c0), "r"(c1),
-               "r"(c2)
-               : "memory");
-}
-
-[[maybe_unused]] __device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtensorMap* map, uint32_t bar,
-                                                                       int c0, int c1, int c2, uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%4, "
-      "%5, %6}], [%2], %3;\n" ::"r"(dst),
-      "l"(map), "r"(bar), "h"(mask), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-// Arrival on the barrier at the same shared-memory offset in block `rank` of the cluster (release at CTA
-// scope, as CUTLASS's cluster barrier arrives: what it orders, the wgmma reads of the stage, completed at
-// wait_group).
-[[maybe_unused]] __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
-  asm volatile(
-      "{\n"
-      ".reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
-      "}\n" ::"r"(bar),
-      "r"(rank)
-      : "memory");
-}
-[[maybe_unused]] __device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-[[maybe_unused]] __device__ __forceinline__ void cluster_sync_all() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-
 // Work item w: its expert, column tile and first row (items of `rows` rows: route tiles of tile_m rows
 // split into tile_m / rows blocks, `sub` of them; m fastest within an expert). Empty (m0 >= m_end) for
 // the blocks past the end of an expert's last route tile: producer and consumers skip those alike.
@@ -153,36 +112,6 @@ struct Work {
   t.n_tile = local / m_blocks;
   t.m0 = __ldg(args.offsets + e) + int64_t(local % m_blocks) * rows;
   t.m_end = __ldg(args.offsets + e + 1);
-}
-
-// The producer's L2 prefetch cursor: `prefetch` k blocks ahead of the loads into the ring, over this block's
-// sequence of non-empty work items, it asks the copy engine to bring the weight boxes (and contiguous A
-// boxes) of that k block into L2 (cp.async.bulk.prefetch.tensor: no shared memory, no completion), so
-// that the ring's loads find them there instead of waiting for device memory.
-struct PrefetchCursor {
-  int w, kt, step;  // step: the block's stride over work items
-  bool ok, keep_empty;  // keep_empty: pairs of blocks take empty items too (see the kernel)
-  Work t;
-};
-[[maybe_unused]] __device__ __forceinline__ void cursor_find(const GroupedGemmArgs& args, PrefetchCursor& c, int total,
-                                                             int n_tiles, int rows, int sub) {
-  for (; c.w < total; c.w += c.step) {
-    work_item(args, c.w, n_tiles, rows, sub, c.t);
-    if (c.keep_empty || c.t.m0 < c.t.m_end) {
-      c.ok = true;
-      return;
-    }
-  }
-  c.ok = false;
-}
-[[maybe_unused]] __device__ __forceinline__ void cursor_step(const GroupedGemmArgs& args, PrefetchCursor& c, int total,
-                                                             int n_tiles, int rows, int sub, int ktiles) {
-  if (!c.ok) return;
-  if (++c.kt == ktiles) {
-    c.kt = 0;
-    c.w += c.step;
-    cursor_find(args, c, total, n_tiles, rows, sub);
-  }
 }
 
 [[maybe_unused]] __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
@@ -204,8 +133,7 @@ template <class T, int EPI>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                             const __grid_constant__ CUtensorMap map_out, const bool use_tma_store,
-                            const bool pingpong, const bool split_out, const int prefetch, const int cluster,
-                            const GroupedGemmArgs args) {
+                            const bool pingpong, const bool split_out, const GroupedGemmArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char tma_smem[];
   const uint32_t base = (smem_u32(tma_smem) + 1023) & ~1023u;          // swizzled tiles: 1024-byte aligned
@@ -215,26 +143,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto turn = [&](int c) { return bars + 8 * (2 * kStages + c); };  // ping-pong: consumer c may start its main loop
   const int tid = threadIdx.x, wg = tid / 128;
   const bool gather = args.a_rows != nullptr;
-  // Pairs of blocks (cluster == 2): the blocks of a cluster take the two halves of each route tile (items
-  // 2u and 2u + 1: the same expert and column tile), empty halves included, so that each loads one of the
-  // two weight boxes of every stage and multicasts it into both blocks' stages; each stage is released by
-  // the consumers of both blocks. Otherwise each block walks its own items, skipping empty ones.
-  const bool paired = cluster == 2;
-  const uint32_t rank = paired ? cluster_rank() : 0;
-  // (Clusters of 2 along x: rank = blockIdx.x % 2, so the blocks' items blockIdx.x + i gridDim.x pair up.)
-  const int first = int(blockIdx.x), step = int(gridDim.x);
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full(s), gather ? 1 + kGatherThreads : 1);
-      mbar_init(empty(s), (pingpong ? 4 : 8) * cluster);  // one arrival per warp of the consumer(s) reading it
+      mbar_init(empty(s), pingpong ? 4 : 8);  // one arrival per warp of the consumer(s) reading the stage
     }
     mbar_init(turn(0), 1);
     mbar_init(turn(1), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  if (paired) cluster_sync_all();  // both blocks' barriers initialised before any multicast or remote arrival
-  else __syncthreads();
+  __syncthreads();
 
   const int n_tiles = n_tiles_of<EPI>(args);
   const int rows = pingpong ? 64 : kBM, sub = args.tile_m / rows;  // rows per work item, items per route tile
@@ -245,44 +164,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    // L2 prefetch (thread 0): `prefetch` k blocks ahead of the ring's loads
-    PrefetchCursor pc{first, 0, step, false, paired, {}};
-    if (prefetch > 0 && tid == 0) {
-      cursor_find(args, pc, total, n_tiles, rows, sub);
-      for (int i = 0; i < prefetch; ++i) cursor_step(args, pc, total, n_tiles, rows, sub, ktiles);
-    }
-    auto issue_prefetch = [&]() {
-      if (prefetch <= 0 || !pc.ok) return;
-      const int p0 = concat_gate ? pc.t.n_tile * (kBN / 2) : pc.t.n_tile * kBN;
-      const int p1 = concat_gate ? int(args.inter) + p0 : p0 + 128;
-      if (!paired || rank == 0) tma_prefetch_3d(&map_b, pc.kt * kBK, p0, pc.t.expert);
-      if (!paired || rank == 1) tma_prefetch_3d(&map_b, pc.kt * kBK, p1, pc.t.expert);
-      if (!gather) tma_prefetch_2d(&map_a, pc.kt * kBK, int(pc.t.m0));
-      cursor_step(args, pc, total, n_tiles, rows, sub, ktiles);
-    };
-    // The two weight boxes of a stage: both by this block, or (paired) box `rank` by each block of the
-    // cluster, multicast into both (each block's "full" barrier expects both boxes' bytes).
-    auto load_b = [&](uint32_t st, int s, int kt, int row0, int row1, int expert) {
-      if (paired) {
-        tma_load_3d_multicast(st + kABytes + rank * kBBoxBytes, &map_b, full(s), kt * kBK, rank ? row1 : row0, expert,
-                              uint16_t(3));
-      } else {
-        tma_load_3d(st + kABytes, &map_b, full(s), kt * kBK, row0, expert);
-        tma_load_3d(st + kABytes + kBBoxBytes, &map_b, full(s), kt * kBK, row1, expert);
-      }
-    };
-    // Paired: the block stays until the other block's consumers have released every stage (their arrivals
-    // land on this block's barriers), i.e. the waits the next kStages loads would make.
-    auto drain = [&](int s, uint32_t phase) {
-      if (!paired) return;
-      for (int i = 0; i < kStages; ++i) {
-        mbar_wait(empty(s), phase ^ 1);
-        if (++s == kStages) {
-          s = 0;
-          phase ^= 1;
-        }
-      }
-    };
     if (gather) {
       // Thread tid loads 16-byte chunk tid % 8 of rows tid / 8 + 16 i (i < 8) of every A tile (cp.async: a
       // warp reads four whole 128-byte rows per instruction), thread 0 the B boxes too (TMA). The rows'
@@ -292,10 +173,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const T* a = static_cast<const T*>(args.a);
       int s = 0;
       uint32_t phase = 0;
-      for (int w = first; w < total; w += step) {
+      for (int w = blockIdx.x; w < total; w += gridDim.x) {
         Work t;
         work_item(args, w, n_tiles, rows, sub, t);
-        if (!paired && t.m0 >= t.m_end) continue;
+        if (t.m0 >= t.m_end) continue;
         const int row0 = concat_gate ? t.n_tile * (kBN / 2) : t.n_tile * kBN;
         const int row1 = concat_gate ? int(args.inter) + row0 : row0 + 128;
         int src_row[kBM / 16];  // A row of each of this thread's eight tile rows; -1 past the expert's end
@@ -309,8 +190,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t st = base + s * kStageBytes;
           if (tid == 0) {
             mbar_expect_tx(full(s), 2 * kBBoxBytes);
-            load_b(st, s, kt, row0, row1, t.expert);
-            issue_prefetch();
+            tma_load_3d(st + kABytes, &map_b, full(s), kt * kBK, row0, t.expert);
+            tma_load_3d(st + kABytes + kBBoxBytes, &map_b, full(s), kt * kBK, row1, t.expert);
           }
           const int64_t col = int64_t(kt) * kBK + chunk * 8;
 #pragma unroll
@@ -328,7 +209,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       asm volatile("cp.async.wait_all;\n" ::: "memory");
-      if (tid == 0) drain(s, phase);
       return;
     }
     if (tid != 0) return;
@@ -336,10 +216,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_b) : "memory");
     int s = 0;
     uint32_t phase = 0;
-    for (int w = first; w < total; w += step) {
+    for (int w = blockIdx.x; w < total; w += gridDim.x) {
       Work t;
       work_item(args, w, n_tiles, rows, sub, t);
-      if (!paired && t.m0 >= t.m_end) continue;
+      if (t.m0 >= t.m_end) continue;
       const int row0 = concat_gate ? t.n_tile * (kBN / 2) : t.n_tile * kBN;
       const int row1 = concat_gate ? int(args.inter) + row0 : row0 + 128;
       for (int kt = 0; kt < ktiles; ++kt) {
@@ -347,15 +227,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t st = base + s * kStageBytes;
         mbar_expect_tx(full(s), a_bytes + 2 * kBBoxBytes);
         tma_load_2d(st, &map_a, full(s), kt * kBK, int(t.m0));
-        load_b(st, s, kt, row0, row1, t.expert);
-        issue_prefetch();
+        tma_load_3d(st + kABytes, &map_b, full(s), kt * kBK, row0, t.expert);
+        tma_load_3d(st + kABytes + kBBoxBytes, &map_b, full(s), kt * kBK, row1, t.expert);
         if (++s == kStages) {
           s = 0;
           phase ^= 1;
         }
       }
     }
-    drain(s, phase);
     return;
   }
 
@@ -371,17 +250,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // finished waiting for the stages of item seq - 1 (it arrives on turn(c) after its main loop). Then
   // every earlier fill of the ring has been observed complete, so the parity this warpgroup waits for is
   // never two phases ahead of a stage's barrier (a consumer skipping the other's k blocks could be).
-  // Release of a stage: to this block's producer, and (paired) to the other block's, whose multicast box
-  // the stage also holds.
-  auto release = [&](int st_idx) {
-    if (lane != 0) return;
-    mbar_arrive(empty(st_idx));
-    if (paired) mbar_arrive_cluster(empty(st_idx), rank ^ 1);
-  };
-  for (int w = first; w < total; w += step) {
+  for (int w = blockIdx.x; w < total; w += gridDim.x) {
     Work t;
     work_item(args, w, n_tiles, rows, sub, t);
-    if (!paired && t.m0 >= t.m_end) continue;
+    if (t.m0 >= t.m_end) continue;
     ++seq;
     if (pingpong && (seq & 1) != c) continue;
     const int64_t r0 = pingpong ? t.m0 : t.m0 + c * 64;  // first row of this warpgroup's 64
@@ -420,7 +292,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // the previous stage's MMAs retired
       fence_operands(acc);
-      if (prev >= 0) release(prev);
+      if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
       prev = s;
       if (++s == kStages) {
         s = 0;
@@ -430,7 +302,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (pingpong && tid % 128 == 0) mbar_arrive(turn(1 - c));  // the other warpgroup's item may start
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     fence_operands(acc);
-    if (prev >= 0) release(prev);
+    if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
     if (!has_rows) continue;
 
     // Accumulator 4j + q: row 16 warp + lane / 4 (+8 for q >= 2), virtual column 8j + 2 (lane % 4) (+1 for odd q).
@@ -773,76 +645,12 @@ bool split_out_on() {
   return v == 1;
 }
 
-// L2 prefetch distance of the producer in k blocks (see PrefetchCursor): kDefaultPrefetch unless
-// set_grouped_gemm_tma_prefetch or MOEKIT_TMA_PREFETCH=N (0: off) in the environment.
-constexpr int kDefaultPrefetch = 0;
-std::atomic<int> g_prefetch{-1};
-int prefetch_setting() {
-  int v = g_prefetch.load();
-  if (v < 0) {
-    const char* e = std::getenv("MOEKIT_TMA_PREFETCH");
-    const long n = e ? std::strtol(e, nullptr, 10) : kDefaultPrefetch;
-    v = int(std::clamp<long>(n, 0, 64));
-    int expected = -1;
-    if (!g_prefetch.compare_exchange_strong(expected, v)) v = expected;
-  }
-  return v;
-}
-
-// Pairs of blocks sharing weight boxes by multicast (GroupedGemmArgs::cluster = 2), chosen by
-// grouped_tma_form: bit 0 of the setting pairs the ping-pong form (route tiles of 128 rows, 64 per block,
-// where the form would have been ping-pong over route tiles of 64), bit 1 the cooperative form (route
-// tiles of 256 rows, 128 per block) from 1024 routed rows per busy expert on. Default
-// kDefaultCluster; set_grouped_gemm_tma_cluster or MOEKIT_TMA_CLUSTER=N in the environment.
-constexpr int kDefaultCluster = 0;
-std::atomic<int> g_cluster{-1};
-std::atomic<int64_t> g_cluster_coop_rows{1024};
-int cluster_setting() {
-  int v = g_cluster.load();
-  if (v < 0) {
-    const char* e = std::getenv("MOEKIT_TMA_CLUSTER");
-    v = e ? int(std::strtol(e, nullptr, 10) & 3) : kDefaultCluster;
-    int expected = -1;
-    if (!g_cluster.compare_exchange_strong(expected, v)) v = expected;
-  }
-  return v;
-}
-
-// Blocks of 2-block clusters of this kernel that can be resident at once (cached per kernel and device).
-template <class K>
-int max_pair_blocks(K kernel) {
-  static std::atomic<int> known[64];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
-  int v = known[device].load();
-  if (v == 0) {
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.gridDim = dim3(unsigned(2 * sm_count()));
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = kSmemBytes;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess || clusters <= 0) clusters = 0;
-    (void)cudaGetLastError();
-    v = clusters > 0 ? 2 * clusters : -1;
-    known[device].store(v);
-  }
-  return v > 0 ? v : 0;
-}
-
 template <class T, int EPI>
 cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
   const auto encode = encode_fn();
   if (!encode) return cudaErrorNotSupported;
-  const bool paired = a.cluster == 2;
-  const int rows = paired ? a.tile_m / 2 : (a.tile_m == 64 ? 64 : kBM);  // rows per block's work item
-  const bool pp = rows == 64;
+  const bool pp = a.tile_m == 64;
+  const int rows = pp ? 64 : kBM;
   const CUtensorMapDataType dt =
       std::is_same_v<T, bf16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   CUtensorMap map_a{}, map_b{}, map_out{};
@@ -886,34 +694,10 @@ cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
   if (err != cudaSuccess) return err;
   const int64_t cols = EPI == kEpiGated ? kBN / 2 : kBN;
-  const int prefetch = prefetch_setting();
-  // (no 2-block clusters resident: the same items, unpaired)
-  const int max_blocks = paired ? max_pair_blocks(kernel) : 0;
-  if (!paired || max_blocks < 2) {
-    const int64_t work = grouped_max_tiles(a.max_rows, a.experts, rows) * ((a.n + cols - 1) / cols);
-    const int grid = int(std::min<int64_t>(work, sm_count()));
-    kernel<<<grid, kThreads, kSmemBytes, stream>>>(map_a, map_b, map_out, tma_store, pp, split_out_on(), prefetch, 1,
-                                                   a);
-    return cudaGetLastError();
-  }
-  // two blocks per route tile and column tile, as many pairs as can be resident (persistent)
-  const int64_t units = grouped_max_tiles(a.max_rows, a.experts, a.tile_m) * ((a.n + cols - 1) / cols);
-  const int grid = int(2 * std::min<int64_t>(units, max_blocks / 2));
-  cudaLaunchConfig_t cfg{};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 2;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.gridDim = dim3(unsigned(grid));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  const bool split = split_out_on();
-  const int two = 2;
-  return cudaLaunchKernelEx(&cfg, kernel, map_a, map_b, map_out, tma_store, pp, split, prefetch, two, a);
+  const int64_t work = grouped_max_tiles(a.max_rows, a.experts, rows) * ((a.n + cols - 1) / cols);
+  const int grid = int(std::min<int64_t>(work, sm_count()));
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(map_a, map_b, map_out, tma_store, pp, split_out_on(), a);
+  return cudaGetLastError();
 }
 
 template <class T>
@@ -936,8 +720,7 @@ cudaError_t launch_tma_epi(const GroupedGemmArgs& a, cudaStream_t stream) {
 bool grouped_gemm_tma_ok(const GroupedGemmArgs& a, int arch) {
   if (a.type != Elem::bf16 && a.type != Elem::f16) return false;
   if (a.b_stride_k != 1 || (a.a_rows && a.a_row_div < 1)) return false;
-  if (a.cluster == 2 ? a.tile_m != 128 && a.tile_m != 256 : a.cluster != 1 || (a.tile_m != 128 && a.tile_m != 64))
-    return false;
+  if (a.tile_m != 128 && a.tile_m != 64) return false;
   if (a.epilogue == kEpiWeighted && (!a.row_pair || !a.row_weights)) return false;
   if (a.k % 8 || a.lda % 8 || a.b_stride_n % 8 || a.b_expert_stride % 8 || a.k > a.b_stride_n) return false;
   if (!aligned16(a.a) || !aligned16(a.b)) return false;
@@ -948,11 +731,6 @@ bool grouped_gemm_tma_ok(const GroupedGemmArgs& a, int arch) {
 bool grouped_gemm_tma_built_for(int arch) { return tma_compiled_for(arch); }
 
 bool grouped_gemm_tma_pingpong() { return pingpong_on(); }
-int set_grouped_gemm_tma_prefetch(int k_blocks) {
-  const int was = prefetch_setting();
-  g_prefetch.store(std::clamp(k_blocks, 0, 64));
-  return was;
-}
 bool set_grouped_gemm_tma_split_out(bool on) {
   const bool was = split_out_on();
   g_split_out.store(on ? 1 : 0);
@@ -964,20 +742,6 @@ int grouped_tma_tile_m(int64_t pairs, int experts, bool gathered_a) {
   const int64_t busy = std::min<int64_t>(pairs, experts);
   const int64_t avg = busy > 0 ? (pairs + busy - 1) / busy : 1;
   return avg <= limit ? 64 : 128;
-}
-TmaForm grouped_tma_form(int64_t pairs, int experts, bool gathered_a) {
-  const int tile = grouped_tma_tile_m(pairs, experts, gathered_a), mode = cluster_setting();
-  const int64_t busy = std::min<int64_t>(pairs, experts);
-  const int64_t avg = busy > 0 ? (pairs + busy - 1) / busy : 1;
-  if (tile == 64 && (mode & 1)) return {128, 2};
-  if (tile == 128 && (mode & 2) && avg >= g_cluster_coop_rows.load()) return {256, 2};
-  return {tile, 1};
-}
-int set_grouped_gemm_tma_cluster(int mode, int64_t coop_rows) {
-  const int was = cluster_setting();
-  g_cluster.store(mode & 3);
-  g_cluster_coop_rows.store(coop_rows);
-  return was;
 }
 bool set_grouped_gemm_tma_pingpong(bool on) {
   const int v = pingpong_setting();

@@ -103,7 +103,6 @@ struct GroupedGemmArgs {
   const int32_t* offsets = nullptr;       // [E + 1] device
   const int32_t* tile_offsets = nullptr;  // [E + 1] device, for tile_m
   int tile_m = 128;  // the TMA kernel's route tile (128, or 64: its ping-pong form); the others take a parameter
-  int cluster = 1;   // the TMA kernel: 2 = pairs of blocks multicasting weight boxes (tile_m 128 or 256), see below
   int experts = 0;
   int64_t max_rows = 0;  // upper bound on the sorted rows (sizes the grid)
   int64_t n = 0;         // output columns: I for kEpiGated, else weight rows
@@ -157,24 +156,7 @@ int grouped_tma_tile_m(int64_t pairs, int experts, bool gathered_a);
 // The staging schedule of its f32 and weighted epilogues: one 8 KB box per round alternating between two
 // halves of the staging buffer (on), or two boxes per round (off). Returns the previous setting.
 bool set_grouped_gemm_tma_split_out(bool on);
-// The producer's L2 prefetch distance in k blocks (default 0: off; MOEKIT_TMA_PREFETCH=N in the
-// environment). Returns the previous setting.
-int set_grouped_gemm_tma_prefetch(int k_blocks);
 bool set_grouped_gemm_tma_pingpong(bool on);  // returns the previous setting
-// The TMA kernel's form for these sizes: route tile and cluster. cluster 2 pairs the blocks of a 2-block
-// cluster on the two halves of each route tile, each block loading one of the two weight boxes of a stage
-// by multicast into both (half the weight traffic from L2 per block): tile_m 128 runs the ping-pong form
-// over 64-row halves (where grouped_tma_tile_m gives 64), tile_m 256 the cooperative form over 128-row
-// halves (where it gives 128 and the experts hold 1024 rows or more on average). Which of the two are on:
-// set_grouped_gemm_tma_cluster(mode) (bit 0, bit 1; returns the previous mode) or MOEKIT_TMA_CLUSTER
-// (default 0: neither).
-struct TmaForm {
-  int tile_m = 128;
-  int cluster = 1;
-};
-// (coop_rows: the rows per busy expert from which bit 1 applies, default 1024; tests lower it.)
-TmaForm grouped_tma_form(int64_t pairs, int experts, bool gathered_a);
-int set_grouped_gemm_tma_cluster(int mode, int64_t coop_rows = 1024);
 // The three cp.async kernels, for tests and measurements.
 cudaError_t grouped_gemm_wgmma(const GroupedGemmArgs& a, int tile_m, bool wide, cudaStream_t stream);
 cudaError_t grouped_gemm_mma(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);
