@@ -4,6 +4,8 @@
 // over all routed rows, same FLOPs).
 //
 //   cuda_grouped_bench [check] [time] [--reps N]
+//   cuda_grouped_bench profile [--tokens T]   (one launch of each TMA projection per form: for ncu)
+//   cuda_grouped_bench time --quick [--reps N] [--runs T:tile,...]  (the TMA projections only)
 //
 // Build (sm_90a): see bench/README.md. Timing: CUDA events around each launch, median of N after
 // warm-up; inputs are random (never zero); the weights of every shape timed exceed L2 by far.
@@ -104,7 +106,10 @@ std::vector<int32_t> make_routing(int64_t T, int K, int E, bool skewed, int empt
   return idx;
 }
 
-int g_tile = 128;  // route tile of the TMA kernel (128, or 64 for its ping-pong form)
+int g_tile = 128;      // route tile of the TMA kernel (128, or 64 for its ping-pong form)
+bool g_quick = false;  // time: the TMA projections only
+std::string g_runs;    // time --quick / profile: the cases (T:tile,...)
+const char* form_name() { return g_tile == 64 ? "ping-pong" : "cooperative"; }
 
 struct Routed {
   int64_t P;
@@ -247,8 +252,7 @@ void check_case(int64_t T, int K, int E, int64_t H, int64_t I, k::Elem type, boo
   if (!pass) ++g_fail;
   std::printf("%s %s tile %d T=%ld K=%d E=%d H=%ld I=%ld %s %s%s%s%s rows=%d: first %.2e (nan %g)  second %.2e "
               "(nan %g)\n",
-              pass ? "ok  " : "FAIL", g_tile == 64 ? "ping-pong" : "cooperative", g_tile, long(T), K, E, long(H),
-              long(I), bf ? "bf16" : "f16",
+              pass ? "ok  " : "FAIL", form_name(), g_tile, long(T), K, E, long(H), long(I), bf ? "bf16" : "f16",
               gated ? (concat ? "gated-concat" : "gated-interleaved") : "act-only", bias ? " bias" : "",
               skewed ? " skewed" : "", empty_every ? " empty-experts" : "", valid, e1, nan1, e2, nan2);
 }
@@ -276,7 +280,7 @@ double median_us(F&& f, int reps) {
 }
 
 void time_shape(const char* name, int64_t T, int K, int E, int64_t H, int64_t I, bool skewed, int reps,
-                cublasHandle_t blas) {
+                cublasHandle_t blas, bool profile_only = false) {
   std::mt19937_64 rng(42 + T);
   const auto idx = make_routing(T, K, E, skewed, 0, rng);
   Routed r(idx, T, K, E);
@@ -336,6 +340,23 @@ void time_shape(const char* name, int64_t T, int K, int E, int64_t H, int64_t I,
     ++g_fail;
     return;
   }
+  if (profile_only) {
+    // one launch of each TMA projection (for a profiler: gathered gate/up, contiguous gate/up, f32 down)
+    CK(k::gather_rows(type, x.p, H, r.sp.as<int32_t>(), K, r.off.as<int32_t>() + E, P, xs.p, nullptr));
+    CK(cudaDeviceSynchronize());
+    k::GroupedGemmArgs tg = g;
+    tg.out = act2.p;
+    const char* what[3] = {"gate/up gathered", "gate/up", "down f32"};
+    const k::GroupedGemmArgs* calls[3] = {&tg, &t1, &t2};
+    for (int i = 0; i < 3; ++i) {
+      if (!k::grouped_gemm_tma_ok(*calls[i], 90)) continue;
+      std::printf("profile %s tile %d %s T=%ld: %s\n", form_name(), g_tile, name, long(T), what[i]);
+      std::fflush(stdout);
+      CK(k::grouped_gemm_tma(*calls[i], nullptr));
+      CK(cudaDeviceSynchronize());
+    }
+    return;
+  }
   // correctness of this shape against the cp.async wgmma kernel first
   CK(cudaMemset(act.p, 0xff, P * I * 2));
   CK(cudaMemset(y.p, 0xff, P * H * 4));
@@ -351,6 +372,20 @@ void time_shape(const char* name, int64_t T, int K, int E, int64_t H, int64_t I,
   if (!pass) ++g_fail;
 
   const double f1 = 2.0 * P * H * N1, f2 = 2.0 * P * I * H;
+  auto tf = [](double f, double us) { return f / us * 1e-6; };
+  if (g_quick) {  // the three TMA projections of the backends: gathered gate/up, gate/up, f32 down
+    k::GroupedGemmArgs tg = g;
+    tg.out = act2.p;
+    const double tgu = median_us([&] { return k::grouped_gemm_tma(tg, nullptr); }, reps);
+    const double t1u = median_us([&] { return k::grouped_gemm_tma(t1, nullptr); }, reps);
+    const double t2u = median_us([&] { return k::grouped_gemm_tma(t2, nullptr); }, reps);
+    std::printf("%-11s %3d %-14s T=%-6ld %-7s check %s (%.1e %.1e) | gate/up gathered %7.0f us %4.0f TF/s | gate/up "
+                "%7.0f us %4.0f | down %7.0f us %4.0f\n",
+                form_name(), g_tile, name, long(T), skewed ? "skewed" : "uniform", pass ? "ok" : "FAIL", e1, e2, tgu,
+                tf(f1, tgu), t1u, tf(f1, t1u), t2u, tf(f2, t2u));
+    std::fflush(stdout);
+    return;
+  }
   const double t_gather = median_us(
       [&] { return k::gather_rows(type, x.p, H, r.sp.as<int32_t>(), K, r.off.as<int32_t>() + E, P, xs.p, nullptr); },
       reps);
@@ -399,31 +434,57 @@ void time_shape(const char* name, int64_t T, int K, int E, int64_t H, int64_t I,
                : cudaErrorUnknown;
   };
   const double t_b1 = median_us(blas1, reps), t_b2 = median_us(blas2, reps);
-  auto tf = [](double f, double us) { return f / us * 1e-6; };
   std::printf(
       "%-11s %3d %-14s T=%-6ld %-7s check %s (%.1e %.1e) | gate/up: tma %7.0f us %4.0f TF/s  old %7.0f us %4.0f  "
       "cublas %7.0f us "
       "%4.0f  gather %5.0f us  [tma interleaved %4.0f, act-only %4.0f, f32-out %4.0f TF/s] | down: tma %7.0f us %4.0f  "
       "old %7.0f us %4.0f  cublas %7.0f us %4.0f [bf16-out %4.0f]\n",
-      g_tile == 64 ? "ping-pong" : "cooperative", g_tile, name, long(T), skewed ? "skewed" : "uniform",
+      form_name(), g_tile, name, long(T), skewed ? "skewed" : "uniform",
       pass ? "ok" : "FAIL", e1, e2, t_tma1, tf(f1, t_tma1), t_old1,
       tf(f1, t_old1), t_b1, tf(f1, t_b1), t_gather, tf(f1, t_tma1i), tf(f1, t_tma1a), tf(f1, t_x1), t_tma2,
       tf(f2, t_tma2), t_old2, tf(f2, t_old2), t_b2, tf(f2, t_b2), tf(f2, t_x2));
   std::fflush(stdout);
 }
 
+// --runs T:tile,... (time --quick and profile)
+struct Run {
+  int64_t T;
+  int tile;
+};
+std::vector<Run> parse_runs(const std::string& text) {
+  std::vector<Run> runs;
+  for (const char* p = text.c_str(); *p;) {
+    Run r{};
+    if (std::sscanf(p, "%ld:%d", &r.T, &r.tile) != 2) break;
+    runs.push_back(r);
+    p = std::strchr(p, ',');
+    if (!p) break;
+    ++p;
+  }
+  return runs;
+}
+
 int main(int argc, char** argv) {
-  bool check = false, timing = false;
+  bool check = false, timing = false, profile = false;
   int reps = 30;
+  int64_t profile_tokens = 4096;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "check"))
       check = true;
     else if (!std::strcmp(argv[i], "time"))
       timing = true;
+    else if (!std::strcmp(argv[i], "profile"))
+      profile = true;
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc)
       reps = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc)
+      profile_tokens = std::atoll(argv[++i]);
+    else if (!std::strcmp(argv[i], "--quick"))
+      g_quick = true;
+    else if (!std::strcmp(argv[i], "--runs") && i + 1 < argc)
+      g_runs = argv[++i];
   }
-  if (!check && !timing) check = timing = true;
+  if (!check && !timing && !profile) check = timing = true;
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
     std::printf("no CUDA device\n");
@@ -434,8 +495,8 @@ int main(int argc, char** argv) {
     for (int split : {1, 0})
     for (int tile : {64, 128}) {
     k::set_grouped_gemm_tma_split_out(split != 0);
-    std::printf("-- route tile %d, %s epilogue staging\n", tile, split ? "split" : "paired");
     g_tile = tile;
+    std::printf("-- %s, route tile %d, %s epilogue staging\n", form_name(), g_tile, split ? "split" : "paired");
     uint64_t seed = 1;
     for (k::Elem t : {k::Elem::bf16, k::Elem::f16}) {
       check_case(300, 4, 8, 256, 128, t, true, true, false, false, 0, seed++);
@@ -450,7 +511,25 @@ int main(int argc, char** argv) {
     }
     }
   }
-  if (timing) {
+  if (profile) {
+    std::vector<Run> runs = {{profile_tokens, 64}, {profile_tokens, 128}};
+    if (!g_runs.empty()) runs = parse_runs(g_runs);
+    for (const Run& r : runs) {
+      g_tile = r.tile;
+      time_shape("qwen3-30b-a3b", r.T, 8, 128, 2048, 768, false, 1, nullptr, true);
+      time_shape("mixtral-8x7b", r.T, 2, 8, 4096, 14336, false, 1, nullptr, true);
+    }
+  }
+  if (timing && g_quick) {
+    // the engine's forms where each is a candidate
+    std::vector<Run> runs = {{512, 64}, {4096, 64}, {4096, 128}, {16384, 128}};
+    if (!g_runs.empty()) runs = parse_runs(g_runs);
+    for (const Run& r : runs) {
+      g_tile = r.tile;
+      time_shape("qwen3-30b-a3b", r.T, 8, 128, 2048, 768, false, reps, nullptr);
+      time_shape("mixtral-8x7b", r.T, 2, 8, 4096, 14336, false, reps, nullptr);
+    }
+  } else if (timing) {
     cublasHandle_t blas;
     if (cublasCreate(&blas) != CUBLAS_STATUS_SUCCESS) return 1;
     for (int split : {1, 0})
