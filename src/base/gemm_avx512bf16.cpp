@@ -41,8 +41,10 @@ inline void micro(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t pan
       s[i][v] = acc ? _mm512_maskz_loadu_ps(v == NP - 1 ? last : __mmask16(0xFFFF), c + i * ldc + v * 16)
                     : _mm512_setzero_ps();
   for (int64_t q = q0; q < q1; ++q) {
-    // Few rows: the weights stream from memory; fetch each panel kAhead pairs (cache lines) ahead.
-    if (MR <= 2 && q + kAhead < q1) {
+    // Fetch each panel kAhead pairs (cache lines) ahead: at decode sizes (every row count up to kMR, one pass over
+    // all of k) the weights stream from memory; in later row blocks the lines are in L1 already and the prefetch is
+    // cheap beside the MR x NP dot products.
+    if (q + kAhead < q1) {
 #pragma GCC unroll 8
       for (int v = 0; v < NP; ++v)
         _mm_prefetch(reinterpret_cast<const char*>(b + v * panel_stride + (q + kAhead) * 32), _MM_HINT_T0);
