@@ -12,7 +12,8 @@
 # the elapsed time is below BUDGET_S - 50), BACKENDS (moekit's, default grouped_mm: the best at every T on that
 # host so far; batched_mm reads each pair's expert once per pair), TOKENS (default 1,8,64,512,2048), SHAPES (default
 # qwen3-30b-a3b,mixtral-8x7b,deepseek-v3), HF (default 1: time transformers too), FP8 (default 0), HF_RESERVE_S
-# (default 100: seconds of the budget kept for transformers' deepseek-v3 run, whose moekit run is cut short first).
+# (default 100: seconds of the budget kept for transformers' deepseek-v3 run, whose moekit run is cut short first),
+# HF_IMPLS (transformers' implementations, comma-separated; default all three of scripts/hf_cpu_bench.py).
 # AB_SHAPES (default qwen3-30b-a3b; empty: none): shapes also run at AB_TOKENS (default 512,2048) once per item
 # LABEL:VAR=VALUE[,VAR=VALUE...] of AB_ENVS (space-separated; default overlap1:MOEKIT_AMX_OVERLAP=1) with those
 # variables set, beside the default, as ab-SHAPE--LABEL. The switches: MOEKIT_AMX_OVERLAP=0|1|2 (the amx tile's
@@ -60,7 +61,7 @@ hf() {  # hf SHAPE: transformers' backends on SHAPE, records in $DIR/hf-SHAPE.js
   local s=$SECONDS left=$((BUDGET_S + 30 - SECONDS))
   [ $left -lt 30 ] && left=30
   timeout $left python3 "$HERE/hf_cpu_bench.py" --json "$DIR/hf-$1.json" --shapes "$1" --tokens "$TOKENS" --min-time 0.2 \
-    --budget-s $((left - 10)) $([ $first = 1 ] && echo --peak) > "$DIR/hf-$1.txt" 2>&1
+    --budget-s $((left - 10)) $([ $first = 1 ] && echo --peak) ${HF_IMPLS:+--impls "$HF_IMPLS"} > "$DIR/hf-$1.txt" 2>&1
   echo "hf-$1: rc=$? $((SECONDS - s)) s"
 }
 
