@@ -122,6 +122,10 @@ void gemm_bf16_tile_avx512bf16(const uint16_t* a, int64_t lda, int64_t m, const 
                                float* c, int64_t ldc);
 void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedBf16& w, int64_t n0, int64_t n1,
                         float* c, int64_t ldc);
+// The amx bf16 tile's order for every later call: 0 the single pass, 1 or 2 the overlapped order (k chunks, the next
+// panel pair streamed into L2), -1 (or anything else) back to the default (MOEKIT_AMX_OVERLAP if set, else 2 from 24
+// rows on, 0 below). For the bench's peak, which takes the best of the orders.
+void set_amx_overlap(int order);
 // The SiLU gate of a row of bf16 products h = [g | u] (2I f32 values, each rounded to bf16 first): out[j] =
 // bf16(bf16(silu(g[j])) * u[j]), the rounding of first_epilogue_row (backends/cpu) with exp within about 2 ulp of
 // expf. AVX-512 (gemm_avx512bf16.cpp); only where the ISA has the bf16 tile.

@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 
@@ -451,6 +452,12 @@ void gemm_fp8_f32_tile_amx(const double* a, int64_t lda, const float* sa, int64_
   }
 }
 
+namespace {
+std::atomic<int> g_amx_overlap{-1};
+}  // namespace
+
+void set_amx_overlap(int order) { g_amx_overlap.store(order >= 0 && order <= 2 ? order : -1, std::memory_order_relaxed); }
+
 void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedBf16& w, int64_t n0, int64_t n1,
                         float* c, int64_t ldc) {
   if (m < kAmxMinRows || w.kp == 0) {
@@ -473,11 +480,13 @@ void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedB
   // (overlap 1: 13.9, 36.3), but deepseek-v3 at 16-21 rows (k = 7168, bound by the memory stream, each B tile used
   // once) from 158 to 184 ms. So by default: overlap 2 from kAmxOverlapRows rows on, the single pass below.
   // MOEKIT_AMX_OVERLAP=0, 1 or 2 forces one for every call (A/B runs).
+  // set_amx_overlap (the bench's peak, which takes the best order) before MOEKIT_AMX_OVERLAP.
   static const int forced = [] {
     const char* v = std::getenv("MOEKIT_AMX_OVERLAP");
     return v && v[0] >= '0' && v[0] <= '2' && v[1] == 0 ? v[0] - '0' : -1;
   }();
-  const int overlap = forced >= 0 ? forced : (m >= kAmxOverlapRows ? 2 : 0);
+  const int set = g_amx_overlap.load(std::memory_order_relaxed);
+  const int overlap = set >= 0 ? set : forced >= 0 ? forced : (m >= kAmxOverlapRows ? 2 : 0);
   const int64_t row_blocks = (m + 31) / 32;
   const int64_t kc_max = overlap ? std::max<int64_t>(256, (1 << 20) / (2 * m + 128) / 32 * 32) : kp;
   const int64_t chunks = (kp + kc_max - 1) / kc_max, kc = ((kp + chunks - 1) / chunks + 31) / 32 * 32;
