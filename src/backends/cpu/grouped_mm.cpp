@@ -3,9 +3,10 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
-#include <map>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <vector>
 
 #include "backends/backends.h"
@@ -14,12 +15,14 @@
 
 namespace moekit::cpu {
 namespace {
-struct PhaseClock {  // MOEKIT_CPU_PHASES=1: mean wall time per phase of the bf16 path per row count, printed at exit
+// MOEKIT_CPU_PHASES (any value): the mean wall time per call of each phase of the bf16 path, per row count, printed
+// to stderr at exit (a diagnostic for the benchmarks; calls from several threads at once are serialised while it is on).
+struct PhaseClock {
   bool on = std::getenv("MOEKIT_CPU_PHASES") != nullptr;
+  std::mutex mutex;
   std::map<long, std::array<double, 7>> t;  // rows -> 6 phases, calls
   std::chrono::steady_clock::time_point last;
-  void start() { if (on) last = std::chrono::steady_clock::now(); }
-  void mark(int i, long rows) {
+  void mark(int i, long rows) {  // phase i of a call ends (under the PhaseScope of the call)
     if (!on) return;
     auto now = std::chrono::steady_clock::now();
     auto& v = t[rows];
@@ -38,6 +41,24 @@ struct PhaseClock {  // MOEKIT_CPU_PHASES=1: mean wall time per phase of the bf1
   }
 };
 PhaseClock& phase_clock() { static PhaseClock c; return c; }
+// Holds the clock for one bf16 call (when on): its phases are timed from here, calls from other threads wait.
+class PhaseScope {
+ public:
+  explicit PhaseScope(bool bf16) : c_(phase_clock()), on_(c_.on && bf16) {
+    if (!on_) return;
+    c_.mutex.lock();
+    c_.last = std::chrono::steady_clock::now();
+  }
+  ~PhaseScope() {
+    if (on_) c_.mutex.unlock();
+  }
+  PhaseScope(const PhaseScope&) = delete;
+  PhaseScope& operator=(const PhaseScope&) = delete;
+
+ private:
+  PhaseClock& c_;
+  bool on_;
+};
 
 struct Tile {
   int64_t expert, n0, n1;
@@ -131,7 +152,7 @@ void grouped_fp8(const Plan& p, const ExpertRouting& r, float* xy, float* h1, co
 }
 
 void grouped_chunk(const Plan& p, const ExpertsCall& call) {
-  phase_clock().start();
+  const PhaseScope phases(p.packed != nullptr);
   const ExpertRouting r = route_top_k(call.top_k_index.data, call.top_k_index.dtype, call.tokens(), call.top_k(), p.E);
   const int64_t rows = r.routed(), H = p.H, N1 = p.N1;
   const GemmKernels& k = *p.kernels;
