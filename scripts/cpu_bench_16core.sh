@@ -12,9 +12,14 @@
 # the elapsed time is below BUDGET_S - 50), BACKENDS (moekit's, default grouped_mm: the best at every T on that
 # host so far; batched_mm reads each pair's expert once per pair), TOKENS (default 1,8,64,512,2048), SHAPES (default
 # qwen3-30b-a3b,mixtral-8x7b,deepseek-v3), HF (default 1: time transformers too), FP8 (default 0), HF_RESERVE_S
-# (default 100: seconds of the budget kept for transformers' deepseek-v3 run, whose moekit run is cut short first).
-# AB_SHAPES (default qwen3-30b-a3b; empty: none): shapes also run at T = 512, 2048 with MOEKIT_AMX_OVERLAP=1 (the
-# amx tile's opt-in order: k in chunks, the next panel pair prefetched into L2), beside the default, as ab-*.
+# (default 100: seconds of the budget kept for transformers' deepseek-v3 run, whose moekit run is cut short first),
+# HF_IMPLS (transformers' implementations, comma-separated; default all three of scripts/hf_cpu_bench.py).
+# AB_SHAPES (default qwen3-30b-a3b; empty: none): shapes also run at AB_TOKENS (default 512,2048) once per item
+# LABEL:VAR=VALUE[,VAR=VALUE...] of AB_ENVS (space-separated; default overlap1:MOEKIT_AMX_OVERLAP=1) with those
+# variables set, beside the default, as ab-SHAPE--LABEL. The switches: MOEKIT_AMX_OVERLAP=0|1|2 (the amx tile's
+# order: single pass; k in chunks with the next panel pair prefetched into L2 by the row blocks after the first (1)
+# or by all (2); by default 2 from 24 rows per expert on, else 0), MOEKIT_BF16_AHEAD=N (the AVX512-BF16 tile's
+# prefetch distance in k pairs at decode sizes; default 32).
 # deepseek-v3 for both engines in a ~4 minute call: SHAPES=deepseek-v3 BUDGET_S=200 (its 22.5 GB of experts take
 # about 10 s to create in each engine).
 set -uo pipefail
@@ -56,7 +61,7 @@ hf() {  # hf SHAPE: transformers' backends on SHAPE, records in $DIR/hf-SHAPE.js
   local s=$SECONDS left=$((BUDGET_S + 30 - SECONDS))
   [ $left -lt 30 ] && left=30
   timeout $left python3 "$HERE/hf_cpu_bench.py" --json "$DIR/hf-$1.json" --shapes "$1" --tokens "$TOKENS" --min-time 0.2 \
-    --budget-s $((left - 10)) $([ $first = 1 ] && echo --peak) > "$DIR/hf-$1.txt" 2>&1
+    --budget-s $((left - 10)) $([ $first = 1 ] && echo --peak) ${HF_IMPLS:+--impls "$HF_IMPLS"} > "$DIR/hf-$1.txt" 2>&1
   echo "hf-$1: rc=$? $((SECONDS - s)) s"
 }
 
@@ -76,7 +81,11 @@ for shape in ${SHAPES//,/ }; do
     grep -m1 '^ceilings' "$DIR/$shape-bf16.txt"
   fi
   case ",${AB_SHAPES-qwen3-30b-a3b}," in
-    *",$shape,"*) MOEKIT_AMX_OVERLAP=1 run "ab-$shape-overlap" --shape "$shape" --tokens 512,2048 ;;
+    *",$shape,"*)
+      for item in ${AB_ENVS-overlap1:MOEKIT_AMX_OVERLAP=1}; do
+        (IFS=,; for kv in ${item#*:}; do export "$kv"; done; unset IFS
+         run "ab-$shape--${item%%:*}" --shape "$shape" --tokens "${AB_TOKENS:-512,2048}")
+      done ;;
   esac
   [ "$FP8" = 1 ] && run "$shape-fp8" --shape "$shape" --tokens 1,8 --quant fp8
   hf "$shape"
@@ -95,8 +104,9 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
         print(f"{f}: unreadable ({e})")
         continue
     is_hf = os.path.basename(f).startswith("hf-")
-    if os.path.basename(f).startswith("ab-"):  # MOEKIT_AMX_OVERLAP=1 runs: their own table below
-        ab.extend(d.get("records", []))
+    if os.path.basename(f).startswith("ab-"):  # AB_ENVS runs: their own table below
+        mode = os.path.basename(f)[:-5].rsplit("--", 1)[-1]
+        ab.extend((mode, r) for r in d.get("records", []))
         continue
     torch_peak = max(torch_peak, d.get("torch_bf16_gemm_tflops", 0.0))
     if not is_hf and "peak_tflops" in d:
@@ -134,12 +144,12 @@ for shape, t in sorted({(k[0], k[1]) for k in best} | set(hf), key=lambda x: (x[
     qf = f"{q['median_us'] / floor_us(q):.2f}" if q else "-"
     print(f"| {shape} | {t} | {mk} | {fr} | {fl} | {hs} | {sp} | {qs} | {qf} |")
 if ab:
-    print("\nMOEKIT_AMX_OVERLAP=1 (k chunks, next pair into L2) against the default, same call:")
-    print("| shape | T | default ms | overlap ms | overlap / default |")
-    print("|---|---|---|---|---|")
-    for r in sorted(ab, key=lambda r: (r["shape"], r["tokens"])):
+    print("\nAB_ENVS runs against the default, same call:")
+    print("| shape | T | default ms | run | ms | / default |")
+    print("|---|---|---|---|---|---|")
+    for mode, r in sorted(ab, key=lambda x: (x[1]["shape"], x[1]["tokens"], x[0])):
         b = best.get((r["shape"], r["tokens"], "bf16"))
         on = f"{b['median_us'] / 1000:.3g}" if b else "-"
         ratio = f"{r['median_us'] / b['median_us']:.2f}" if b else "-"
-        print(f"| {r['shape']} | {r['tokens']} | {on} | {r['median_us'] / 1000:.3g} | {ratio} |")
+        print(f"| {r['shape']} | {r['tokens']} | {on} | {mode} | {r['median_us'] / 1000:.3g} | {ratio} |")
 EOF

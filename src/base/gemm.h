@@ -122,6 +122,17 @@ void gemm_bf16_tile_avx512bf16(const uint16_t* a, int64_t lda, int64_t m, const 
                                float* c, int64_t ldc);
 void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedBf16& w, int64_t n0, int64_t n1,
                         float* c, int64_t ldc);
+// The amx bf16 tile's order for every later call: 0 the single pass, 1 or 2 the overlapped order (k chunks, the next
+// panel pair streamed into L2), -1 (or anything else) back to the default (MOEKIT_AMX_OVERLAP if set, else 2 from 24
+// rows on, 0 below). For the bench's peak, which takes the best of the orders.
+void set_amx_overlap(int order);
+// The SiLU gate of a row of bf16 products h = [g | u] (2I f32 values, each rounded to bf16 first): out[j] =
+// bf16(bf16(silu(g[j])) * u[j]), the rounding of first_epilogue_row (backends/cpu) with exp within about 2 ulp of
+// expf. AVX-512 (gemm_avx512bf16.cpp); only where the ISA has the bf16 tile.
+void silu_mul_bf16_row_avx512(const float* h, int64_t I, uint16_t* out);
+// acc[j] += bf16(w * y[j]) for j < n (f32 product rounded to bf16, the sum in f32), as the CPU backends' combine
+// with bf16 activations and routing weights. AVX-512 (gemm_avx512bf16.cpp); only where the ISA has the bf16 tile.
+void add_bf16_products_avx512(float* acc, const float* y, float w, int64_t n);
 constexpr int64_t kAmxMinRows = 8;
 // The FP8 tile of the amx ISA (gemm_amx.cpp: e4m3 decoded by AVX512-VBMI byte tables; the same bits as the others).
 void gemm_fp8_tile_amx(const double* a, int64_t lda, const float* sa, int64_t ldsa, int64_t m, const Fp8Matrix& w,

@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 
@@ -23,6 +24,7 @@ namespace {
 
 constexpr int64_t kAhead = 2;     // B prefetch distance in 32-k steps (B in L2)
 constexpr int64_t kAheadMem = 8;  // the same for the first row block of a panel pair, whose B comes from memory
+constexpr int64_t kAmxOverlapRows = 24;  // from this many rows on, the overlapped order (gemm_bf16_tile_amx)
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
@@ -450,6 +452,12 @@ void gemm_fp8_f32_tile_amx(const double* a, int64_t lda, const float* sa, int64_
   }
 }
 
+namespace {
+std::atomic<int> g_amx_overlap{-1};
+}  // namespace
+
+void set_amx_overlap(int order) { g_amx_overlap.store(order >= 0 && order <= 2 ? order : -1, std::memory_order_relaxed); }
+
 void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedBf16& w, int64_t n0, int64_t n1,
                         float* c, int64_t ldc) {
   if (m < kAmxMinRows || w.kp == 0) {
@@ -462,16 +470,23 @@ void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedB
   float* cb = c + n0;
   int cfg0 = -1, cfg1 = -1;
   const int64_t kp = w.kp;
-  // With overlap: k in chunks whose rows of A and two panel pairs fit in half of a core's L2 (C accumulates in place over the
-  // chunks); per chunk, row blocks of 32 per panel pair: the first reads the pair's B from memory (unless it is in L2
-  // already), the others from L2. The row blocks after the first stream the next pair into L2 (spread evenly over
-  // their k steps), so that memory reads overlap the arithmetic and the next pair's first row block finds its B in L2.
-  // MOEKIT_AMX_OVERLAP=1: k in chunks and the next pair into L2 (below); off by default until a many-core host shows
-  // it faster (on the 2-core VM: 10-15% slower at 1 thread, about even at 2); otherwise one pass over all of k.
-  static const bool overlap = [] {
+  // Two orders. The single pass (overlap 0): per panel pair, row blocks of 32 over all of k; the first reads the
+  // pair's B from memory (prefetched kAheadMem steps ahead into L1), the others from L2. The overlapped order: k in
+  // chunks whose rows of A and two panel pairs fit in half of a core's L2 (C accumulates in place over the chunks),
+  // and the next panel pair (or the next chunk's first) streamed into L2 while the current one runs, spread evenly
+  // over the k steps of every row block (overlap 2) or of the row blocks after the first (overlap 1), so that the
+  // memory reads run under the arithmetic and each pair finds its B in L2. On the 16-core host (16 threads, bf16):
+  // overlap 2 took qwen3-30b-a3b at 32 rows per expert from 14.8 to 12.9 ms, at 128 rows from 41.7 to 31.6 ms
+  // (overlap 1: 13.9, 36.3), but deepseek-v3 at 16-21 rows (k = 7168, bound by the memory stream, each B tile used
+  // once) from 158 to 184 ms. So by default: overlap 2 from kAmxOverlapRows rows on, the single pass below.
+  // MOEKIT_AMX_OVERLAP=0, 1 or 2 forces one for every call (A/B runs).
+  // set_amx_overlap (the bench's peak, which takes the best order) before MOEKIT_AMX_OVERLAP.
+  static const int forced = [] {
     const char* v = std::getenv("MOEKIT_AMX_OVERLAP");
-    return v && v[0] == '1' && v[1] == 0;
+    return v && v[0] >= '0' && v[0] <= '2' && v[1] == 0 ? v[0] - '0' : -1;
   }();
+  const int set = g_amx_overlap.load(std::memory_order_relaxed);
+  const int overlap = set >= 0 ? set : forced >= 0 ? forced : (m >= kAmxOverlapRows ? 2 : 0);
   const int64_t row_blocks = (m + 31) / 32;
   const int64_t kc_max = overlap ? std::max<int64_t>(256, (1 << 20) / (2 * m + 128) / 32 * 32) : kp;
   const int64_t chunks = (kp + kc_max - 1) / kc_max, kc = ((kp + chunks - 1) / chunks + 31) / 32 * 32;
@@ -499,9 +514,10 @@ void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedB
       const int64_t cols1 = two ? (p + 2 == panels ? n1 - n0 - (p + 1) * 16 : 16) : 0;
       const uint16_t* b0 = b + p * panel_stride;
       const uint16_t* b1 = b0 + panel_stride;
-      const Unit next = row_blocks > 1 ? unit(p + 2, k0) : Unit{};
+      const int64_t pf_blocks = overlap == 2 ? row_blocks : row_blocks - 1;  // the row blocks that prefetch
+      const Unit next = pf_blocks > 0 ? unit(p + 2, k0) : Unit{};
       const int64_t next_lines = overlap ? next.lines() : 0;
-      const int64_t per_block = row_blocks > 1 ? (next_lines + row_blocks - 2) / (row_blocks - 1) : 0;
+      const int64_t per_block = pf_blocks > 0 ? (next_lines + pf_blocks - 1) / pf_blocks : 0;
       for (int64_t i = 0; i < m; i += 32) {
         const int64_t left = m - i;
         const int r0 = left >= 16 ? 16 : int(left), r1 = left >= 32 ? 16 : (left > 16 ? int(left - 16) : 0);
@@ -510,8 +526,9 @@ void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedB
         float* ci = cb + i * ldc + p * 16;
         const int64_t ahead = i == 0 ? kAheadMem : kAhead;
         L2Prefetch l2;
-        if (i > 0 && next_lines > 0) {  // lines [first, first + per_block) of the next unit
-          const int64_t first = (i / 32 - 1) * per_block, last = std::min(next_lines, first + per_block);
+        if ((overlap == 2 || i > 0) && next_lines > 0) {  // lines [first, first + per_block) of the next unit
+          const int64_t slot = overlap == 2 ? i / 32 : i / 32 - 1;
+          const int64_t first = slot * per_block, last = std::min(next_lines, first + per_block);
           const int64_t na = (next.a1 - next.a0) / 64;
           auto at = [&](int64_t l) { return l < na ? next.a0 + l * 64 : next.b0 + (l - na) * 64; };
           if (first < last) {

@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "base/gemm.h"
 
@@ -14,7 +15,15 @@ namespace {
 
 constexpr int kMR = 6, kNP = 4;  // register block: 6 rows x 4 panels = 24 accumulators of 32 zmm
 constexpr int64_t kChunkPairs = 128;  // k pairs per pass: 4 panels x 128 pairs x 64 B = 32 KiB of B in L1
-constexpr int64_t kAhead = 16;        // B prefetch distance (k pairs) when few rows share the weights
+// B prefetch distance (k pairs = cache lines of a panel) when few rows share the weights: 32 (2 KiB per panel, 4
+// panels read in lockstep), the best variant of the bench's read test on the 16-core host (4 streams, 2 KiB ahead:
+// 142.7 GB/s, where the experts' decode reads reached 115-121 GB/s with 16 pairs, 1 KiB, ahead). MOEKIT_BF16_AHEAD=N
+// (1 to 256) sets it for A/B runs.
+const int64_t kAhead = [] {
+  const char* v = std::getenv("MOEKIT_BF16_AHEAD");
+  const long n = v ? std::strtol(v, nullptr, 10) : 0;
+  return n >= 1 && n <= 256 ? int64_t(n) : int64_t(32);
+}();
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
@@ -32,8 +41,10 @@ inline void micro(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t pan
       s[i][v] = acc ? _mm512_maskz_loadu_ps(v == NP - 1 ? last : __mmask16(0xFFFF), c + i * ldc + v * 16)
                     : _mm512_setzero_ps();
   for (int64_t q = q0; q < q1; ++q) {
-    // Few rows: the weights stream from memory; fetch each panel kAhead pairs (cache lines) ahead.
-    if (MR <= 2 && q + kAhead < q1) {
+    // Fetch each panel kAhead pairs (cache lines) ahead: at decode sizes (every row count up to kMR, one pass over
+    // all of k) the weights stream from memory; in later row blocks the lines are in L1 already and the prefetch is
+    // cheap beside the MR x NP dot products.
+    if (q + kAhead < q1) {
 #pragma GCC unroll 8
       for (int v = 0; v < NP; ++v)
         _mm_prefetch(reinterpret_cast<const char*>(b + v * panel_stride + (q + kAhead) * 32), _MM_HINT_T0);
@@ -104,6 +115,66 @@ void gemm_bf16_tile_avx512bf16(const uint16_t* a, int64_t lda, int64_t m, const 
         }
       }
     }
+  }
+}
+
+}  // namespace moekit::cpu
+
+namespace moekit::cpu {
+namespace {
+
+// f32 bits -> bf16 bits (round to nearest even, NaN made quiet), as f32_to_bf16, in the low 16 bits of each lane.
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                           _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)))),
+      16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40));
+}
+inline __m512 from_bf16_bits(__m512i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)); }
+
+// exp(x) in f32 within about 2 ulp of expf: x = n ln 2 + r (|r| <= ln 2 / 2, ln 2 in two parts), a degree-7 polynomial
+// for exp(r), times 2^n by vscalefps (inf above 88.72, subnormals and 0 below -87.3); x clamped to [-104, 89] first
+// (the result is 0 or inf past either end); NaN stays NaN.
+inline __m512 exp_ps(__m512 x) {
+  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512 e = _mm512_scalef_ps(y, n);
+  return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+
+}  // namespace
+
+void silu_mul_bf16_row_avx512(const float* h, int64_t I, uint16_t* out) {
+  for (int64_t j = 0; j < I; j += 16) {
+    const __mmask16 m = I - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (I - j)) - 1u);
+    const __m512 g = from_bf16_bits(bf16_bits(_mm512_maskz_loadu_ps(m, h + j)));
+    const __m512 u = from_bf16_bits(bf16_bits(_mm512_maskz_loadu_ps(m, h + I + j)));
+    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    const __m512 prod = _mm512_mul_ps(from_bf16_bits(bf16_bits(s)), u);
+    _mm256_mask_storeu_epi16(out + j, m, _mm512_cvtepi32_epi16(bf16_bits(prod)));
+  }
+}
+
+
+void add_bf16_products_avx512(float* acc, const float* y, float w, int64_t n) {
+  const __m512 wv = _mm512_set1_ps(w);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1u);
+    const __m512 prod = from_bf16_bits(bf16_bits(_mm512_mul_ps(wv, _mm512_maskz_loadu_ps(m, y + j))));
+    _mm512_mask_storeu_ps(acc + j, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, acc + j), prod));
   }
 }
 

@@ -95,7 +95,7 @@ void for_each_token_chunk(const ExpertsCall& call, int64_t floats_per_pair,
 // by later calls (best fit, at most twice the size asked), so that a call does not fault in fresh pages for its hundreds of MiB of intermediates
 // every time (the kernel's page clearing cost as much as the products at prefill sizes). The pool keeps at most
 // kScratchPoolBytes; contents are uninitialised.
-constexpr size_t kScratchPoolBytes = size_t(1) << 30;
+constexpr size_t kScratchPoolBytes = size_t(2) << 30;  // a whole 1 GiB chunk (f32) and its bf16 rows
 struct ScratchDeleter {
   size_t bytes = 0;
   void operator()(void* p) const;
@@ -118,6 +118,7 @@ Bf16Buffer gather_bf16_rows(const Plan& p, const ExpertsCall& call, const int64_
 
 // The first epilogue (first_epilogue_row) of each row of h [rows, N1] (row i of expert row_expert[i]), its I
 // gated values written as bf16 rows of stride ld, zero past I (exact: the epilogue rounds them to bf16) (all threads).
+// h is left in an unspecified state (the SiLU [gate | up] case reads it without writing it).
 Bf16Buffer gated_bf16_rows(const Plan& p, float* h, int64_t rows, const int64_t* row_expert, int64_t ld);
 
 // Rows for the quantized tiles: quantized to FP8 (base/gemm.h fp8_quantize_rows), or plain values for FP4 weights

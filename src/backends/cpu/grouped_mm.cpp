@@ -1,6 +1,12 @@
 // grouped_mm on the CPU: pairs sorted by expert (routing/), one grouped GEMM per projection over the sorted rows
 // (every (expert, column tile) is one task, all experts at once), then unsort and combine (common.h).
 #include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <mutex>
 #include <vector>
 
 #include "backends/backends.h"
@@ -9,6 +15,50 @@
 
 namespace moekit::cpu {
 namespace {
+// MOEKIT_CPU_PHASES (any value): the mean wall time per call of each phase of the bf16 path, per row count, printed
+// to stderr at exit (a diagnostic for the benchmarks; calls from several threads at once are serialised while it is on).
+struct PhaseClock {
+  bool on = std::getenv("MOEKIT_CPU_PHASES") != nullptr;
+  std::mutex mutex;
+  std::map<long, std::array<double, 7>> t;  // rows -> 6 phases, calls
+  std::chrono::steady_clock::time_point last;
+  void mark(int i, long rows) {  // phase i of a call ends (under the PhaseScope of the call)
+    if (!on) return;
+    auto now = std::chrono::steady_clock::now();
+    auto& v = t[rows];
+    v[size_t(i)] += std::chrono::duration<double>(now - last).count() * 1e3;
+    if (i == 5) v[6] += 1;
+    last = now;
+  }
+  ~PhaseClock() {
+    if (!on) return;
+    static const char* names[6] = {"route+alloc", "gather", "up", "gate", "down", "combine"};
+    for (auto& [rows, v] : t) {
+      std::fprintf(stderr, "phases rows %ld calls %.0f, ms per call:", rows, v[6]);
+      for (int i = 0; i < 6; ++i) std::fprintf(stderr, " %s %.2f", names[i], v[6] > 0 ? v[size_t(i)] / v[6] : 0.0);
+      std::fprintf(stderr, "\n");
+    }
+  }
+};
+PhaseClock& phase_clock() { static PhaseClock c; return c; }
+// Holds the clock for one bf16 call (when on): its phases are timed from here, calls from other threads wait.
+class PhaseScope {
+ public:
+  explicit PhaseScope(bool bf16) : c_(phase_clock()), on_(c_.on && bf16) {
+    if (!on_) return;
+    c_.mutex.lock();
+    c_.last = std::chrono::steady_clock::now();
+  }
+  ~PhaseScope() {
+    if (on_) c_.mutex.unlock();
+  }
+  PhaseScope(const PhaseScope&) = delete;
+  PhaseScope& operator=(const PhaseScope&) = delete;
+
+ private:
+  PhaseClock& c_;
+  bool on_;
+};
 
 struct Tile {
   int64_t expert, n0, n1;
@@ -56,14 +106,19 @@ void grouped_bf16(const Plan& p, const ExpertsCall& call, const ExpertRouting& r
   const int64_t rows = r.routed(), H = p.H, N1 = p.N1;
   const GemmKernels& k = *p.kernels;
   const int64_t ld1 = bf16_row_ld(p.packed->kp1), ld2 = bf16_row_ld(p.packed->kp2);
+  PhaseClock& pc = phase_clock();
+  pc.mark(0, rows);
   const Bf16Buffer xa = gather_bf16_rows(p, call, r.sorted_pairs.data(), rows, ld1);
+  pc.mark(1, rows);
   const std::vector<Tile> up = bf16_tiles(r, N1);
   parallel_tasks(int64_t(up.size()), 0, rows * N1 * H, [&](int64_t i, float*) {
     const Tile& t = up[size_t(i)];
     const int64_t r0 = r.offsets[size_t(t.expert)] + t.m0;
     k.gemm_bf16_tile(xa.get() + r0 * ld1, ld1, t.m1 - t.m0, p.first_packed(t.expert), t.n0, t.n1, h1 + r0 * N1, N1);
   });
+  pc.mark(2, rows);
   const Bf16Buffer ha = gated_bf16_rows(p, h1, rows, row_expert, ld2);
+  pc.mark(3, rows);
   const std::vector<Tile> down = bf16_tiles(r, H);
   parallel_tasks(int64_t(down.size()), 0, rows * H * p.I, [&](int64_t i, float*) {
     const Tile& t = down[size_t(i)];
@@ -71,6 +126,7 @@ void grouped_bf16(const Plan& p, const ExpertsCall& call, const ExpertRouting& r
     k.gemm_bf16_tile(ha.get() + r0 * ld2, ld2, m, p.down_packed(t.expert), t.n0, t.n1, y + r0 * H, H);
     down_epilogue(p, t.expert, y + r0 * H, H, m, t.n0, t.n1);
   });
+  pc.mark(4, rows);
 }
 
 // The two projections on quantized (FP8 / FP4) weights: activations quantized per row and 128 inputs, (expert, column tile) tasks
@@ -96,6 +152,7 @@ void grouped_fp8(const Plan& p, const ExpertRouting& r, float* xy, float* h1, co
 }
 
 void grouped_chunk(const Plan& p, const ExpertsCall& call) {
+  const PhaseScope phases(p.packed != nullptr);
   const ExpertRouting r = route_top_k(call.top_k_index.data, call.top_k_index.dtype, call.tokens(), call.top_k(), p.E);
   const int64_t rows = r.routed(), H = p.H, N1 = p.N1;
   const GemmKernels& k = *p.kernels;
@@ -108,6 +165,7 @@ void grouped_chunk(const Plan& p, const ExpertsCall& call) {
   if (p.packed) {
     grouped_bf16(p, call, r, xy.get(), h1.get(), row_expert.data());
     combine(p, call, xy.get(), H, r.position.data());
+    phase_clock().mark(5, rows);
     return;
   }
   gather_rows(p, call, r.sorted_pairs.data(), rows, xy.get());
