@@ -89,7 +89,8 @@ class CpuOps final : public DeviceOps {
     check_float(x, "linear input");
     check_float(w, "linear weight");
     check_float(y, "linear output");
-    const auto [M, K, N, ldx] = check_linear(x, w, bias, y);
+    const LinearDims dims = check_linear(x, w, bias, y);
+    const int64_t M = dims.M, K = dims.K, N = dims.N, ldx = dims.ldx;  // plain names: OpenMP regions capture them
     if (M == 0 || N == 0) return;
     std::vector<float> bias_f;
     if (bias.data) {
@@ -119,7 +120,8 @@ class CpuOps final : public DeviceOps {
     check_float(x, "rmsnorm input");
     check_float(w, "rmsnorm weight");
     check_float(y, "rmsnorm output");
-    const auto [M, D, ldx, ldy] = check_rmsnorm(x, w, y);
+    const NormDims dims = check_rmsnorm(x, w, y);
+    const int64_t M = dims.M, D = dims.D, ldx = dims.ldx, ldy = dims.ldy;
     std::vector<float> wf(static_cast<size_t>(D));
     cpu::load_f32(w.data, w.dtype, 0, D, wf.data());
     const DType in_t = x.dtype;
@@ -194,7 +196,8 @@ class CpuOps final : public DeviceOps {
     check_float(k, "attention k");
     check_float(v, "attention v");
     check_float(out, "attention output");
-    const auto [T, Hq, Dk, S, Hkv, Dv] = check_attention(q, k, v, out, pos0, sinks);
+    const AttentionDims dims = check_attention(q, k, v, out, pos0, sinks);
+    const int64_t T = dims.T, Hq = dims.Hq, Dk = dims.Dk, Hkv = dims.Hkv, Dv = dims.Dv;
     std::vector<float> sink_f;
     if (sinks.data) {
       sink_f.resize(size_t(Hq));
@@ -380,7 +383,8 @@ class CpuOps final : public DeviceOps {
 
   void argmax_rows(const TensorView& logits, const std::vector<int64_t>& suppress,
                    const TensorView& out) const override {
-    const auto [R, V] = check_argmax_rows(logits, suppress, out);
+    const ArgmaxDims dims = check_argmax_rows(logits, suppress, out);
+    const int64_t R = dims.R, V = dims.V;
     MOEKIT_CHECK(logits.device.is_cpu() && out.device.is_cpu(), "argmax_rows: operands must be on the CPU, got ",
                  logits.to_string(), " and ", out.to_string());
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -422,7 +426,8 @@ void top_k_desc(const float* v, int64_t n, int64_t k, std::vector<int32_t>& orde
 void CpuOps::route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
                    const TensorView& index, const TensorView& weights) const {
   MOEKIT_CHECK(logits.device.is_cpu(), "router logits must be on the CPU, got ", logits.to_string());
-  const auto [T, E, K] = check_route(logits, correction_bias, spec, index, weights);
+  const RouteDims dims = check_route(logits, correction_bias, spec, index, weights);
+  const int64_t T = dims.T, E = dims.E, K = dims.K;
   const float* bias = correction_bias.data ? correction_bias.ptr<float>() : nullptr;
   const float* lg = logits.ptr<float>();
   int32_t* out_idx = index.ptr<int32_t>();
