@@ -270,31 +270,33 @@ TEST(CudaQuant, Fp4ExpertsRunInTheQuantizedBackendsAndTheOthersSayWhy) {
   }
 }
 
-// FP4 cases: the configuration and whether the activations stay as they are (MXFP4) or are quantized to FP8.
+// FP4 cases: the configuration (each runs with float and with quantized activations). The GEMV serves up to
+// fp4_gemv_max_pairs() = 256 pairs, the tiled kernel beyond.
 std::vector<ProblemConfig> fp4_sweep() {
   std::vector<ProblemConfig> v;
   auto add = [&](ProblemConfig c) { v.push_back(c); };
-  // Decode sizes (P <= 64): the GEMV over FP4 bytes, one row per expert pass (P <= E) and four (P > E)
+  // Decode sizes: the GEMV over FP4 bytes, one row per expert pass and four (from P > E / 2)
   add({.T = 5, .E = 3, .K = 2, .H = 96, .I = 64});                                    // K % 128 != 0
   add({.T = 1, .E = 9, .K = 8, .H = 160, .I = 96, .sentinels = true});                // odd E, sentinels
-  add({.T = 2, .E = 33, .K = 4, .H = 1088, .I = 288, .has_bias = true});              // biases, several steps
+  add({.T = 2, .E = 33, .K = 4, .H = 544, .I = 160, .has_bias = true});               // biases, several steps
   add({.act = DType::bf16, .rwt = DType::bf16, .idt = DType::i32, .T = 11, .E = 5, .K = 2, .H = 224, .I = 96});
-  add({.act = DType::bf16, .rwt = DType::bf16, .T = 7, .E = 5, .K = 2, .H = 320, .I = 160, .has_bias = true,
+  add({.act = DType::bf16, .rwt = DType::bf16, .T = 7, .E = 5, .K = 2, .H = 192, .I = 96, .has_bias = true,
        .concatenated = false, .gate = GateKind::clamped_swiglu, .limit = 7.0f});     // gpt-oss's experts
   add({.T = 4, .E = 5, .K = 2, .H = 64, .I = 32, .sentinel_every = 1});                // every slot a sentinel
   add({.act = DType::f16, .T = 3, .E = 3, .K = 2, .H = 128, .I = 96, .has_gate = false, .has_bias = true,
        .activation = Activation::relu2});
   add({.T = 6, .E = 4, .K = 2, .H = 96, .I = 64, .used = 1});                          // one expert, 12 rows
-  // Hundreds of rows: the tiled kernel, row tiles of 128 (P >= 64 E) and 32
-  add({.T = 300, .E = 3, .K = 2, .H = 384, .I = 160, .has_bias = true});
-  add({.act = DType::bf16, .rwt = DType::bf16, .T = 260, .E = 5, .K = 2, .H = 288, .I = 160, .has_bias = true,
+  add({.act = DType::bf16, .T = 60, .E = 7, .K = 4, .H = 160, .I = 64, .sentinels = true});  // 240 pairs
+  // Hundreds of rows (P > 256): the tiled kernel, row tiles of 128 (P >= 64 E) and 32
+  add({.T = 150, .E = 3, .K = 2, .H = 96, .I = 64, .has_bias = true});
+  add({.act = DType::bf16, .rwt = DType::bf16, .T = 140, .E = 3, .K = 2, .H = 128, .I = 64, .has_bias = true,
        .concatenated = false, .gate = GateKind::clamped_swiglu, .limit = 7.0f, .sentinels = true});
-  add({.act = DType::f16, .T = 400, .E = 4, .K = 3, .H = 224, .I = 96, .has_gate = false,
+  add({.act = DType::f16, .T = 200, .E = 4, .K = 3, .H = 96, .I = 64, .has_gate = false,
        .activation = Activation::relu2, .empty_experts = true});
-  add({.act = DType::bf16, .idt = DType::i32, .T = 200, .E = 7, .K = 2, .H = 1056, .I = 128});
-  add({.act = DType::bf16, .T = 70, .E = 7, .K = 2, .H = 352, .I = 96, .has_bias = true});
-  add({.act = DType::f16, .T = 90, .E = 5, .K = 3, .H = 160, .I = 224, .sentinels = true});
-  add({.T = 200, .E = 2, .K = 1, .H = 128, .I = 160, .has_gate = false, .empty_experts = true});
+  add({.act = DType::bf16, .idt = DType::i32, .T = 140, .E = 2, .K = 2, .H = 544, .I = 32});
+  add({.act = DType::bf16, .T = 150, .E = 7, .K = 2, .H = 160, .I = 64, .has_bias = true});
+  add({.act = DType::f16, .T = 90, .E = 5, .K = 3, .H = 96, .I = 128, .sentinels = true});
+  add({.T = 300, .E = 2, .K = 1, .H = 128, .I = 96, .has_gate = false, .empty_experts = true});
   return v;
 }
 
@@ -322,12 +324,24 @@ TEST(CudaQuant, Fp4GroupedBatchedAndDeepgemmMatchTheReference) {
 }
 
 #ifdef MOEKIT_WITH_CUDA
+// Sets the FP4 GEMV's reach for the scope.
+class Fp4GemvPolicy {
+ public:
+  explicit Fp4GemvPolicy(int64_t max_pairs) : previous_(cuda::set_fp4_gemv_max_pairs(max_pairs)) {}
+  ~Fp4GemvPolicy() { cuda::set_fp4_gemv_max_pairs(previous_); }
+  Fp4GemvPolicy(const Fp4GemvPolicy&) = delete;
+  Fp4GemvPolicy& operator=(const Fp4GemvPolicy&) = delete;
+
+ private:
+  int64_t previous_;
+};
+
 // The FP4 GEMV forced on beyond its reach (experts of several row tiles of 64) and off (the tiled kernel at decode
 // sizes), both variants; the GEMV the same bits on a second run.
 TEST(CudaQuant, Fp4GemvForcedOnAndOffMatchesTheReference) {
   MOEKIT_SKIP_WITHOUT_CUDA();
   const std::vector<ProblemConfig> cases = {
-      {.T = 100, .E = 3, .K = 2, .H = 160, .I = 96, .used = 1},  // 200 rows: 4 tiles of one expert
+      {.T = 150, .E = 3, .K = 2, .H = 160, .I = 96, .used = 1},  // 300 rows: 5 tiles of one expert
       {.act = DType::bf16, .rwt = DType::bf16, .T = 90, .E = 5, .K = 3, .H = 224, .I = 160, .has_bias = true,
        .concatenated = false, .gate = GateKind::clamped_swiglu, .limit = 7.0f},
       {.act = DType::f16, .T = 3, .E = 9, .K = 3, .H = 288, .I = 96, .has_gate = false, .activation = Activation::gelu},
@@ -339,7 +353,7 @@ TEST(CudaQuant, Fp4GemvForcedOnAndOffMatchesTheReference) {
       const test::ExpertsProblem p = test::make_fp4_case(c, seed++, float_acts, /*biases_in_act_dtype=*/true);
       const Experts g = p.experts.to(Device::cuda(0));
       for (const int64_t reach : {int64_t(1) << 40, int64_t(0)}) {
-        const Fp8GemvPolicy policy(reach);
+        const Fp4GemvPolicy policy(reach);
         for (const char* name : {"grouped_mm", "batched_mm", "deepgemm"}) {
           double err = 0;
           const Tensor out = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);

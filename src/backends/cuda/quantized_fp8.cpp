@@ -49,17 +49,27 @@ constexpr int64_t kFp8GemvMaxPairs = 64;
 // Row tile of the GEMV's routing: up to this many rows of an expert share one block per column block (a tile of
 // more rows is another block, streaming the weights again).
 constexpr int kFp8GemvTile = 64;
+// FP4: 256 (gpt-oss-20b T = 64, 8 rows per expert on average, as four-row passes of the GEMV instead of the tiled
+// kernel's row tiles of 32, each of which expands its weights again).
+constexpr int64_t kFp4GemvMaxPairs = 256;
+int64_t env_or(const char* name, int64_t fallback) {
+  const char* e = std::getenv(name);
+  return e && *e ? int64_t(std::strtoll(e, nullptr, 10)) : fallback;
+}
 std::atomic<int64_t>& fp8_gemv_limit() {
-  static std::atomic<int64_t> v{[] {
-    const char* e = std::getenv("MOEKIT_FP8_GEMV_MAX_PAIRS");
-    return e && *e ? int64_t(std::strtoll(e, nullptr, 10)) : kFp8GemvMaxPairs;
-  }()};
+  static std::atomic<int64_t> v{env_or("MOEKIT_FP8_GEMV_MAX_PAIRS", kFp8GemvMaxPairs)};
+  return v;
+}
+std::atomic<int64_t>& fp4_gemv_limit() {
+  static std::atomic<int64_t> v{env_or("MOEKIT_FP4_GEMV_MAX_PAIRS", kFp4GemvMaxPairs)};
   return v;
 }
 }  // namespace
 
 int64_t fp8_gemv_max_pairs() { return fp8_gemv_limit().load(); }
 int64_t set_fp8_gemv_max_pairs(int64_t pairs) { return fp8_gemv_limit().exchange(pairs); }
+int64_t fp4_gemv_max_pairs() { return fp4_gemv_limit().load(); }
+int64_t set_fp4_gemv_max_pairs(int64_t pairs) { return fp4_gemv_limit().exchange(pairs); }
 
 namespace {
 
@@ -122,9 +132,9 @@ void run_fp8(const CallContext& c) {
   const auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
   // Decode: the GEMV (its launcher checks the rest: strides are multiples of 16 by construction). f32 float
   // activations always (no tensor-core kernel takes them unrounded).
-  const bool gemv = (float_acts && c.type == k::Elem::f32) ||
-                    (P <= fp8_gemv_max_pairs() && (fp4 || (c.q1_ld % 16 == 0 && c.q2_ld % 16 == 0 &&
-                                                           aligned16(c.q1) && aligned16(c.q2))));
+  const bool gemv = fp4 ? (float_acts && c.type == k::Elem::f32) || P <= fp4_gemv_max_pairs()
+                        : P <= fp8_gemv_max_pairs() && c.q1_ld % 16 == 0 && c.q2_ld % 16 == 0 && aligned16(c.q1) &&
+                              aligned16(c.q2);
   const int tile_m = gemv ? kFp8GemvTile : k::fp8_tile_m(P, int(E));
   const int arch = c.device->arch();
 
@@ -179,8 +189,9 @@ void run_fp8(const CallContext& c) {
                  "quantize_fp8_rows (hidden states)");
   }
   // The GEMV passes over 4 rows of an expert at once when experts average more than one row (else 1: each
-  // weight chunk converted once).
-  const int rows_per_pass = P > E ? 4 : 1;
+  // weight chunk converted once). FP4 weights cost more to expand than the pass's registers: 4 rows from
+  // half a row per expert on average.
+  const int rows_per_pass = (fp4 ? 2 * P > E : P > E) ? 4 : 1;
   auto gemm = [&](const k::Fp4GemmArgs& g, const char* what) {
     check_launch(fp4    ? (gemv ? k::fp4_gemv(g, tile_m, rows_per_pass, c.stream) : k::grouped_gemm_fp4(g, tile_m, c.stream))
                  : gemv ? k::fp8_gemv(g, tile_m, rows_per_pass, c.stream)
