@@ -14,9 +14,12 @@
 #include <cstring>
 #include <random>
 
+#include "moekit/model.h"
 #include "moekit/quant.h"
+#include "moekit/safetensors.h"
 #include "test_experts_problem.h"
 #include "test_fp8_problem.h"
+#include "test_util.h"
 #ifdef MOEKIT_WITH_CUDA
 #include "backends/cuda/kernels/kernels.h"
 #include "backends/cuda/kernels/quant_fp4.h"
@@ -444,6 +447,35 @@ TEST(CudaQuant, Fp4KernelsRefuseWhatTheyCannotRead) {
   EXPECT_FALSE(k::fp4_gemv_ok(bad));
 }
 #endif
+
+// gpt-oss's MXFP4 fixture (tests/fixtures/quant/gpt_oss_mxfp4, made with transformers, which dequantizes MXFP4
+// where its kernels are absent) on the GPU in f32, the experts kept in FP4 with float activations: transformers'
+// logits and greedy tokens on each backend with an FP4 path.
+TEST(CudaQuant, GptOssMxfp4FixtureMatchesTransformersOnTheGpu) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  const std::string dir = test::fixtures_dir() + "/quant/gpt_oss_mxfp4";
+  const auto ref = SafetensorsFile::open(dir + "/reference.safetensors");
+  const Tensor ids = ref.get("input_ids"), gen = ref.get("generated_ids"), ref_logits = ref.get("logits.grouped_mm");
+  const int64_t B = ids.size(0), L = ids.size(1);
+  Model m = Model::from_pretrained(dir, {.device = Device::cuda(0), .dtype = DType::f32});
+  ASSERT_FALSE(m.experts_modules().empty());
+  for (const Experts* e : m.experts_modules()) EXPECT_TRUE(e->is_quantized() && e->device().is_cuda());
+  const int64_t V = m.config().text.vocab_size;
+  GenerationConfig gc;
+  gc.max_new_tokens = gc.min_new_tokens = gen.size(1) - L;
+  const std::vector<int64_t> expect(gen.ptr<int64_t>() + L, gen.ptr<int64_t>() + gen.size(1));
+  for (const char* be : {"grouped_mm", "batched_mm", "deepgemm"}) {
+    SCOPED_TRACE(std::string("backend ") + be);
+    m.set_experts_implementation(be);
+    for (int64_t r = 0; r < B; ++r) {
+      const Tensor q = m.logits(test::row_ids(ids, r)).to(Device::cpu());
+      const double err = test::rel_l2(q.ptr<float>(), ref_logits.ptr<float>() + r * L * V, L * V);
+      std::printf("  gpt_oss_mxfp4 %-10s row %lld: logits rel L2 %.2e\n", be, static_cast<long long>(r), err);
+      EXPECT_LT(err, 1e-4) << be << " row " << r;
+    }
+    EXPECT_EQ(m.generate(test::row_ids(ids, 0), gc).tokens, expect) << be;
+  }
+}
 
 }  // namespace
 }  // namespace moekit

@@ -280,8 +280,10 @@ class ShapeRunner {
       rec.experts_touched = d.touched;
       rec.flops = forward_flops(shape_, T);
       rec.bytes = forward_bytes(shape_, T, d.touched, opt_.dtype, opt_.index_dtype, opt_.quant);
-      rec.moved_bytes =
-          ExpertsInterface::global().get(c.backend)->bytes_moved(shape_.spec(), T, shape_.top_k, d.touched, opt_.dtype);
+      // The backends' model of the bytes they move counts float weights: not given for quantized experts.
+      rec.moved_bytes = opt_.quant.empty() ? ExpertsInterface::global().get(c.backend)->bytes_moved(
+                                                 shape_.spec(), T, shape_.top_k, d.touched, opt_.dtype)
+                                           : 0;
       rec.floor_us = floor_us(rec.flops, rec.bytes, ceil_, opt_.quant);
       rec.floor_ratio = rec.median_us / rec.floor_us;
       rec.tflops = rec.flops / rec.median_us / 1e6;
