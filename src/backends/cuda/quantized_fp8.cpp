@@ -49,9 +49,9 @@ constexpr int64_t kFp8GemvMaxPairs = 64;
 // Row tile of the GEMV's routing: up to this many rows of an expert share one block per column block (a tile of
 // more rows is another block, streaming the weights again).
 constexpr int kFp8GemvTile = 64;
-// FP4: 256 (gpt-oss-20b T = 64, 8 rows per expert on average, as four-row passes of the GEMV instead of the tiled
-// kernel's row tiles of 32, each of which expands its weights again).
-constexpr int64_t kFp4GemvMaxPairs = 256;
+// FP4: 64 as well. Measured on gpt-oss-20b MXFP4 at T = 64 (256 pairs, 8 rows per expert): 723 us on the tiled
+// kernel, 1447 us on the GEMV in four-row passes (docs/perf.md).
+constexpr int64_t kFp4GemvMaxPairs = 64;
 int64_t env_or(const char* name, int64_t fallback) {
   const char* e = std::getenv(name);
   return e && *e ? int64_t(std::strtoll(e, nullptr, 10)) : fallback;
@@ -189,9 +189,8 @@ void run_fp8(const CallContext& c) {
                  "quantize_fp8_rows (hidden states)");
   }
   // The GEMV passes over 4 rows of an expert at once when experts average more than one row (else 1: each
-  // weight chunk converted once). FP4 weights cost more to expand than the pass's registers: 4 rows from
-  // half a row per expert on average.
-  const int rows_per_pass = (fp4 ? 2 * P > E : P > E) ? 4 : 1;
+  // weight chunk converted once).
+  const int rows_per_pass = P > E ? 4 : 1;
   auto gemm = [&](const k::Fp4GemmArgs& g, const char* what) {
     check_launch(fp4    ? (gemv ? k::fp4_gemv(g, tile_m, rows_per_pass, c.stream) : k::grouped_gemm_fp4(g, tile_m, c.stream))
                  : gemv ? k::fp8_gemv(g, tile_m, rows_per_pass, c.stream)
