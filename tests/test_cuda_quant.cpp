@@ -2,18 +2,27 @@
 // quantize_activations_fp8 (every dtype, partial and all-zero groups, saturating and subnormal values, UE8M0
 // scales), and grouped_mm, batched_mm and deepgemm on FP8 experts against the f64 reference over a sweep (K not a
 // multiple of 128 nor of 16, odd E, sentinels, empty experts, biases, row tiles of 32 and 128, decode sizes on the
-// FP8 GEMV, which is also forced on beyond its reach and off below it), each output poisoned first; the backends without an FP8 path, and FP4 experts, refused with the reason. Skips without a GPU.
+// FP8 GEMV, which is also forced on beyond its reach and off below it), each output poisoned first; the backends
+// without a quantized path refused with the reason. FP4 experts (MXFP4 with float activations, FP4 with UE8M0
+// scales with FP8 activations): the device quantizer bit for bit against the host's, and the three backends against
+// the f64 reference over a sweep (K a multiple of 32 but not of 128, odd E, T = 1..11 on the GEMV, hundreds of rows
+// on the tiled kernel with row tiles of 32 and 128, sentinels, empty experts, biases, gpt-oss's interleaved clamped
+// SwiGLU), the GEMV forced on and off. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <random>
 
+#include "moekit/model.h"
 #include "moekit/quant.h"
+#include "moekit/safetensors.h"
 #include "test_experts_problem.h"
 #include "test_fp8_problem.h"
+#include "test_util.h"
 #ifdef MOEKIT_WITH_CUDA
 #include "backends/cuda/kernels/kernels.h"
+#include "backends/cuda/kernels/quant_fp4.h"
 #include "backends/cuda/policy.h"
 #endif
 
@@ -225,7 +234,7 @@ TEST(CudaQuant, Fp8BadIdIsAClearError) {
   }
 }
 
-TEST(CudaQuant, BackendsWithoutAnFp8PathAndFp4ExpertsAreRefusedWithAReason) {
+TEST(CudaQuant, BackendsWithoutAnFp8PathAreRefusedWithAReason) {
   MOEKIT_SKIP_WITHOUT_CUDA();
   const test::ExpertsProblem p = make_fp8_problem({.T = 3, .E = 3, .K = 1, .H = 64, .I = 32}, 8, DType::f32);
   const Experts g = p.experts.to(Device::cuda(0));
@@ -242,22 +251,230 @@ TEST(CudaQuant, BackendsWithoutAnFp8PathAndFp4ExpertsAreRefusedWithAReason) {
       EXPECT_FALSE(s.reason.empty()) << name;
     }
   }
-  // FP4 weights: no CUDA kernel yet.
-  std::mt19937_64 rng(3);
-  ProblemConfig c{.T = 3, .E = 3, .K = 1, .H = 64, .I = 32};
-  c.wdt = DType::f32;
-  const Experts f = test::make_experts(c, rng);
-  ExpertsWeights w = f.weights();
-  auto [q1, s1] = quantize_fp4(w.first());
-  auto [q2, s2] = quantize_fp4(w.down_proj);
-  w.gate_up_proj = q1;
-  w.gate_up_proj_scale_inv = s1;
-  w.down_proj = q2;
-  w.down_proj_scale_inv = s2;
-  const Experts fp4 = Experts(f.spec(), w, "grouped_mm").to(Device::cuda(0));
-  const Support s = ExpertsInterface::global().get("grouped_mm")->supports(fp4, DType::bf16);
-  EXPECT_FALSE(s.ok);
-  EXPECT_NE(s.reason.find("dequantize"), std::string::npos) << s.reason;
+}
+
+// FP4 experts: grouped_mm, batched_mm and deepgemm take them; the backends without a quantized path refuse them with
+// the way out.
+TEST(CudaQuant, Fp4ExpertsRunInTheQuantizedBackendsAndTheOthersSayWhy) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  for (const bool float_acts : {false, true}) {
+    const test::ExpertsProblem p = test::make_fp4_case({.T = 3, .E = 3, .K = 1, .H = 64, .I = 32}, 8, float_acts);
+    const Experts g = p.experts.to(Device::cuda(0));
+    for (const auto& b : ExpertsInterface::global().backends()) {
+      const std::string name(b->name());
+      const Support s = b->supports(g, DType::bf16);
+      if (name == "grouped_mm" || name == "batched_mm" || name == "deepgemm") {
+        EXPECT_TRUE(s.ok) << name << ": " << s.reason;
+      } else {
+        EXPECT_FALSE(s.ok) << name;
+        if (name == "eager") EXPECT_NE(s.reason.find("dequantize"), std::string::npos) << s.reason;
+      }
+    }
+  }
+}
+
+// FP4 cases: the configuration (each runs with float and with quantized activations). The GEMV serves up to
+// fp4_gemv_max_pairs() = 64 pairs (f32 float activations: always), the tiled kernel beyond.
+std::vector<ProblemConfig> fp4_sweep() {
+  std::vector<ProblemConfig> v;
+  auto add = [&](ProblemConfig c) { v.push_back(c); };
+  // Decode sizes: the GEMV over FP4 bytes, one row per expert pass (P <= E) and four (P > E)
+  add({.T = 5, .E = 3, .K = 2, .H = 96, .I = 64});                                    // K % 128 != 0
+  add({.T = 1, .E = 9, .K = 8, .H = 160, .I = 96, .sentinels = true});                // odd E, sentinels
+  add({.T = 2, .E = 33, .K = 4, .H = 544, .I = 160, .has_bias = true});               // biases, several steps
+  add({.act = DType::bf16, .rwt = DType::bf16, .idt = DType::i32, .T = 11, .E = 5, .K = 2, .H = 224, .I = 96});
+  add({.act = DType::bf16, .rwt = DType::bf16, .T = 7, .E = 5, .K = 2, .H = 192, .I = 96, .has_bias = true,
+       .concatenated = false, .gate = GateKind::clamped_swiglu, .limit = 7.0f});     // gpt-oss's experts
+  add({.T = 4, .E = 5, .K = 2, .H = 64, .I = 32, .sentinel_every = 1});                // every slot a sentinel
+  add({.act = DType::f16, .T = 3, .E = 3, .K = 2, .H = 128, .I = 96, .has_gate = false, .has_bias = true,
+       .activation = Activation::relu2});
+  add({.T = 6, .E = 4, .K = 2, .H = 96, .I = 64, .used = 1});                          // one expert, 12 rows
+  // Hundreds of rows: the tiled kernel, row tiles of 128 (P >= 64 E) and 32
+  add({.act = DType::bf16, .T = 60, .E = 7, .K = 4, .H = 160, .I = 64, .sentinels = true});
+  add({.T = 150, .E = 3, .K = 2, .H = 96, .I = 64, .has_bias = true});
+  add({.act = DType::bf16, .rwt = DType::bf16, .T = 140, .E = 3, .K = 2, .H = 128, .I = 64, .has_bias = true,
+       .concatenated = false, .gate = GateKind::clamped_swiglu, .limit = 7.0f, .sentinels = true});
+  add({.act = DType::f16, .T = 200, .E = 4, .K = 3, .H = 96, .I = 64, .has_gate = false,
+       .activation = Activation::relu2, .empty_experts = true});
+  add({.act = DType::bf16, .idt = DType::i32, .T = 140, .E = 2, .K = 2, .H = 544, .I = 32});
+  add({.act = DType::bf16, .T = 150, .E = 7, .K = 2, .H = 160, .I = 64, .has_bias = true});
+  add({.act = DType::f16, .T = 90, .E = 5, .K = 3, .H = 96, .I = 128, .sentinels = true});
+  add({.T = 300, .E = 2, .K = 1, .H = 128, .I = 96, .has_gate = false, .empty_experts = true});
+  return v;
+}
+
+TEST(CudaQuant, Fp4GroupedBatchedAndDeepgemmMatchTheReference) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  uint64_t seed = 700;
+  int checked = 0;
+  for (const ProblemConfig& c : fp4_sweep())
+    for (const bool float_acts : {true, false}) {
+      const test::ExpertsProblem p = test::make_fp4_case(c, seed++, float_acts, /*biases_in_act_dtype=*/true);
+      const Experts g = p.experts.to(Device::cuda(0));
+      for (const char* name : {"grouped_mm", "batched_mm", "deepgemm"}) {
+        const Support s = ExpertsInterface::global().get(name)->supports(g, c.act);
+        ASSERT_TRUE(s.ok) << name << " " << c.to_string() << ": " << s.reason;
+        double err = 0;
+        const Tensor out = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
+        const std::string problem = test::compare_with_reference(p, out, &err);
+        std::printf("  %-10s %s %s: rel L2 %.2e %s\n", name, float_acts ? "mxfp4" : "fp4  ", c.to_string().c_str(),
+                    err, problem.c_str());
+        EXPECT_TRUE(problem.empty()) << name << (float_acts ? " mxfp4 " : " fp4 ") << c.to_string() << ": " << problem;
+        ++checked;
+      }
+    }
+  EXPECT_EQ(checked, int(fp4_sweep().size()) * 2 * 3);
+}
+
+#ifdef MOEKIT_WITH_CUDA
+// Sets the FP4 GEMV's reach for the scope.
+class Fp4GemvPolicy {
+ public:
+  explicit Fp4GemvPolicy(int64_t max_pairs) : previous_(cuda::set_fp4_gemv_max_pairs(max_pairs)) {}
+  ~Fp4GemvPolicy() { cuda::set_fp4_gemv_max_pairs(previous_); }
+  Fp4GemvPolicy(const Fp4GemvPolicy&) = delete;
+  Fp4GemvPolicy& operator=(const Fp4GemvPolicy&) = delete;
+
+ private:
+  int64_t previous_;
+};
+
+// The FP4 GEMV forced on beyond its reach (experts of several row tiles of 64) and off (the tiled kernel at decode
+// sizes), both variants; the GEMV the same bits on a second run.
+TEST(CudaQuant, Fp4GemvForcedOnAndOffMatchesTheReference) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  const std::vector<ProblemConfig> cases = {
+      {.T = 150, .E = 3, .K = 2, .H = 160, .I = 96, .used = 1},  // 300 rows: 5 tiles of one expert
+      {.act = DType::bf16, .rwt = DType::bf16, .T = 90, .E = 5, .K = 3, .H = 224, .I = 160, .has_bias = true,
+       .concatenated = false, .gate = GateKind::clamped_swiglu, .limit = 7.0f},
+      {.act = DType::f16, .T = 3, .E = 9, .K = 3, .H = 288, .I = 96, .has_gate = false, .activation = Activation::gelu},
+      {.T = 8, .E = 4, .K = 2, .H = 96, .I = 64, .has_bias = true, .sentinels = true},
+  };
+  uint64_t seed = 950;
+  for (const ProblemConfig& c : cases)
+    for (const bool float_acts : {true, false}) {
+      const test::ExpertsProblem p = test::make_fp4_case(c, seed++, float_acts, /*biases_in_act_dtype=*/true);
+      const Experts g = p.experts.to(Device::cuda(0));
+      for (const int64_t reach : {int64_t(1) << 40, int64_t(0)}) {
+        const Fp4GemvPolicy policy(reach);
+        for (const char* name : {"grouped_mm", "batched_mm", "deepgemm"}) {
+          double err = 0;
+          const Tensor out = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
+          const std::string problem = test::compare_with_reference(p, out, &err);
+          std::printf("  %-10s %s gemv %-3s %s: rel L2 %.2e %s\n", name, float_acts ? "mxfp4" : "fp4  ",
+                      reach ? "on" : "off", c.to_string().c_str(), err, problem.c_str());
+          EXPECT_TRUE(problem.empty()) << name << (float_acts ? " mxfp4" : " fp4") << " gemv "
+                                       << (reach ? "on " : "off ") << c.to_string() << ": " << problem;
+          if (reach) {
+            const Tensor again = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
+            EXPECT_TRUE(test::bitwise_equal(out, again)) << name << " " << c.to_string();
+          }
+        }
+      }
+    }
+}
+
+// The device quantizer (the benchmark's FP4 experts) is the host's quantize_fp4 bit for bit: every dtype, ties of
+// e2m1, saturation, all-zero and tiny groups.
+TEST(CudaQuant, Fp4WeightQuantisationIsBitwiseTheHosts) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(31);
+  const int64_t rows = 23, k = 160;
+  for (const DType dt : {DType::f32, DType::bf16, DType::f16}) {
+    Tensor x = test::randn({rows, k}, DType::f32, rng, 2.0);
+    float* xp = x.ptr<float>();
+    std::uniform_int_distribution<int> pick(0, 7);
+    for (int64_t i = 0; i < rows * k; ++i) {
+      const int c = pick(rng);
+      if (c == 0) xp[i] = std::ldexp(float(1 + rng() % 12) * 0.25f, int(rng() % 5) - 2);  // e2m1 ties and values
+      else if (c == 1) xp[i] *= 1e-3f;
+    }
+    for (int64_t i = 0; i < 32; ++i) xp[3 * k + i] = 0.0f;  // an all-zero group
+    const Tensor xd = x.to(dt);
+    const auto [hq, hs] = quantize_fp4(xd);
+    const Tensor xg = xd.to(Device::cuda(0));
+    Tensor q = Tensor::empty({rows, k / 2}, DType::u8, Device::cuda(0)),
+           s = Tensor::empty({rows, k / 32}, DType::u8, Device::cuda(0));
+    const auto type = dt == DType::f32 ? cuda::kernels::Elem::f32
+                      : dt == DType::bf16 ? cuda::kernels::Elem::bf16 : cuda::kernels::Elem::f16;
+    ASSERT_EQ(cuda::kernels::quantize_fp4_groups(type, xg.data(), rows, k, q.ptr<uint8_t>(), s.ptr<uint8_t>(), nullptr),
+              cudaSuccess);
+    stream_synchronize(nullptr, Device::cuda(0));
+    const Tensor qh = q.to(Device::cpu()), sh = s.to(Device::cpu());
+    EXPECT_EQ(std::memcmp(qh.data(), hq.data(), size_t(rows * k / 2)), 0) << dtype_name(dt);
+    EXPECT_EQ(std::memcmp(sh.data(), hs.data(), size_t(rows * k / 32)), 0) << dtype_name(dt);
+  }
+}
+
+// The FP4 launchers refuse what their kernels cannot read instead of reading out of bounds.
+TEST(CudaQuant, Fp4KernelsRefuseWhatTheyCannotRead) {
+  namespace k = cuda::kernels;
+  k::Fp4GemmArgs a;
+  a.type = k::Elem::bf16;
+  a.a = reinterpret_cast<const uint8_t*>(size_t(256));
+  a.b = reinterpret_cast<const uint8_t*>(size_t(512));
+  a.b_e8 = reinterpret_cast<const uint8_t*>(size_t(1024));
+  a.a_float = true;
+  a.k = 96;
+  a.lda = 96;
+  a.b_k = 48;
+  a.b_stride_n = 48;
+  a.b_expert_stride = 48 * 64;
+  a.b_e8_ld = 4;
+  a.bs_expert_stride = 4 * 64;
+  EXPECT_TRUE(k::fp4_gemv_ok(a));
+  EXPECT_TRUE(k::grouped_gemm_fp4_ok(a));
+  k::Fp4GemmArgs bad = a;
+  bad.b_e8_ld = 3;  // the tiled kernel reads whole words of codes
+  EXPECT_FALSE(k::grouped_gemm_fp4_ok(bad));
+  bad = a;
+  bad.k = 80, bad.lda = 80, bad.b_k = 40, bad.b_stride_n = 40;  // not a multiple of 32
+  EXPECT_FALSE(k::fp4_gemv_ok(bad));
+  EXPECT_FALSE(k::grouped_gemm_fp4_ok(bad));
+  EXPECT_EQ(k::grouped_gemm_fp4(bad, 32, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(k::fp4_gemv(bad, 64, 1, nullptr), cudaErrorInvalidValue);
+  bad = a;
+  bad.type = k::Elem::f32;  // f32 float activations: the GEMV only
+  EXPECT_FALSE(k::grouped_gemm_fp4_ok(bad));
+  EXPECT_TRUE(k::fp4_gemv_ok(bad));
+  bad = a;
+  bad.a = reinterpret_cast<const uint8_t*>(size_t(264));
+  EXPECT_FALSE(k::fp4_gemv_ok(bad));
+  EXPECT_FALSE(k::grouped_gemm_fp4_ok(bad));
+  bad = a;
+  bad.a_float = false;  // quantized A needs its scales and whole 128-input rows
+  EXPECT_FALSE(k::grouped_gemm_fp4_ok(bad));
+  EXPECT_FALSE(k::fp4_gemv_ok(bad));
+}
+#endif
+
+// gpt-oss's MXFP4 fixture (tests/fixtures/quant/gpt_oss_mxfp4, made with transformers, which dequantizes MXFP4
+// where its kernels are absent) on the GPU in f32, the experts kept in FP4 with float activations: transformers'
+// logits and greedy tokens on each backend with an FP4 path.
+TEST(CudaQuant, GptOssMxfp4FixtureMatchesTransformersOnTheGpu) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  const std::string dir = test::fixtures_dir() + "/quant/gpt_oss_mxfp4";
+  const auto ref = SafetensorsFile::open(dir + "/reference.safetensors");
+  const Tensor ids = ref.get("input_ids"), gen = ref.get("generated_ids"), ref_logits = ref.get("logits.grouped_mm");
+  const int64_t B = ids.size(0), L = ids.size(1);
+  Model m = Model::from_pretrained(dir, {.device = Device::cuda(0), .dtype = DType::f32});
+  ASSERT_FALSE(m.experts_modules().empty());
+  for (const Experts* e : m.experts_modules()) EXPECT_TRUE(e->is_quantized() && e->device().is_cuda());
+  const int64_t V = m.config().text.vocab_size;
+  GenerationConfig gc;
+  gc.max_new_tokens = gc.min_new_tokens = gen.size(1) - L;
+  const std::vector<int64_t> expect(gen.ptr<int64_t>() + L, gen.ptr<int64_t>() + gen.size(1));
+  for (const char* be : {"grouped_mm", "batched_mm", "deepgemm"}) {
+    SCOPED_TRACE(std::string("backend ") + be);
+    m.set_experts_implementation(be);
+    for (int64_t r = 0; r < B; ++r) {
+      const Tensor q = m.logits(test::row_ids(ids, r)).to(Device::cpu());
+      const double err = test::rel_l2(q.ptr<float>(), ref_logits.ptr<float>() + r * L * V, L * V);
+      std::printf("  gpt_oss_mxfp4 %-10s row %lld: logits rel L2 %.2e\n", be, static_cast<long long>(r), err);
+      EXPECT_LT(err, 1e-4) << be << " row " << r;
+    }
+    EXPECT_EQ(m.generate(test::row_ids(ids, 0), gc).tokens, expect) << be;
+  }
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
-// FP8 experts problems for the CPU and CUDA quantized-experts tests: random float experts of a ProblemConfig,
-// their weights quantized to e4m3 in 128 x 128 blocks (f32 or UE8M0 scales), inputs and the f64 reference.
+// FP8 and FP4 experts problems for the CPU and CUDA quantized-experts tests: random float experts of a
+// ProblemConfig, their weights quantized to e4m3 in 128 x 128 blocks (f32 or UE8M0 scales) or to e2m1 with a ue8m0
+// scale per row and 32 inputs, inputs and the f64 reference.
 #pragma once
 
 #include <random>
@@ -50,6 +51,33 @@ inline std::vector<std::pair<ProblemConfig, DType>> fp8_common_cases() {
   add({.act = DType::bf16, .rwt = DType::bf16, .idt = DType::i32, .T = 11, .E = 5, .K = 2, .H = 200, .I = 96});
   add({.act = DType::f16, .T = 4, .E = 3, .K = 2, .H = 64, .I = 48});
   return v;
+}
+
+// FP4 experts (e2m1, one ue8m0 scale per row and 32 inputs; H and I multiples of 32): float_acts runs them as
+// MXFP4 (activations as they are), else with activations quantized to FP8 (FP4 with UE8M0 scales).
+// biases_in_act_dtype as for make_fp8_problem.
+inline ExpertsProblem make_fp4_case(ProblemConfig c, uint64_t seed, bool float_acts, bool biases_in_act_dtype = false) {
+  std::mt19937_64 rng(seed);
+  c.wdt = DType::f32;
+  const Experts f = make_experts(c, rng);
+  ExpertsWeights w = f.weights();
+  auto [q1, s1] = quantize_fp4(w.first());
+  auto [q2, s2] = quantize_fp4(w.down_proj);
+  (c.has_gate ? w.gate_up_proj : w.up_proj) = q1;
+  (c.has_gate ? w.gate_up_proj_scale_inv : w.up_proj_scale_inv) = s1;
+  w.down_proj = q2;
+  w.down_proj_scale_inv = s2;
+  w.fp4_float_activations = float_acts;
+  if (biases_in_act_dtype && c.has_bias && c.act != DType::f32) {
+    for (Tensor* b : {&w.gate_up_proj_bias, &w.up_proj_bias, &w.down_proj_bias})
+      if (b->defined()) *b = b->to(c.act);
+  }
+  ExpertsProblem p;
+  p.config = c;
+  p.experts = Experts(f.spec(), w, "grouped_mm");
+  make_inputs(c, rng, p);
+  p.reference = reference_forward(p.experts, p.hidden_states, p.top_k_index, p.top_k_weights);
+  return p;
 }
 
 }  // namespace moekit::test

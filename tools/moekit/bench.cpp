@@ -267,7 +267,7 @@ void add_bench_command(CLI::App& app) {
     const std::string command = command_line(*a, o);
     if (!a->quiet) fmt::print(stderr, "moekit bench: measuring the ceilings of {}...\n", o.device.to_string());
     const bench::Ceilings ceilings = a->peak_tflops > 0 ? bench::given_ceilings(o.device, a->peak_tflops, a->bandwidth_gbps)
-                                                        : bench::measure_ceilings(o.device);
+                                                        : bench::measure_ceilings(o.device, o.quant);
     ProgressBar bar(!a->quiet);
     // `--json -` keeps standard output for the JSON alone: the table goes to stderr. A stream (standard
     // output, a FIFO, a device) gets the report once, at the end; a regular file is rewritten after each shape.

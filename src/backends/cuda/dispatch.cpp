@@ -3,8 +3,10 @@
 // checked, described in a CallContext over the module's CUDA state, then handed to the calling backend's
 // kernel path. No backend is named here.
 #include <string>
+#include <tuple>
 
 #include "backends/backends.h"
+#include "backends/cuda/kernels/quant_fp4.h"
 #include "backends/cuda/state.h"
 #include "moekit/cuda_graph.h"
 #include "moekit/quant.h"
@@ -43,34 +45,66 @@ Support kernel_limits(std::string_view backend, const ExpertsSpec& s) {
   return Support{true, ""};
 }
 
-// The backends with an FP8 path (quantized_fp8.cpp); the others refuse quantized experts.
-bool has_fp8_path(std::string_view backend) {
+// The backends with an FP8 and FP4 path (quantized_fp8.cpp); the others refuse quantized experts.
+bool has_quantized_path(std::string_view backend) {
   return backend == "grouped_mm" || backend == "batched_mm" || backend == "deepgemm";
+}
+
+// What the FP4 kernels need of the weights: e2m1 [E, out, in] with `in` a multiple of 32 and ue8m0 scales
+// [E, out, in / 32] beside them (make_experts_weights checks the rest). Empty when they serve them, else the reason
+// naming the tensor.
+std::string fp4_weights_problem(const ExpertsWeights& w) {
+  const bool gated = w.gate_up_proj.defined();
+  const char* first = gated ? "gate_up_proj" : "up_proj";
+  for (const auto& [t, sc, name] : {std::tuple{&w.first(), &w.first_scale_inv(), first},
+                                    std::tuple{&w.down_proj, &w.down_proj_scale_inv, "down_proj"}}) {
+    if (t->dtype() != DType::f4e2m1 || t->dim() != 3)
+      return std::string("FP4 experts need f4e2m1 [E, out, in] weights; '") + name + "' is " + t->view().to_string();
+    if (t->size(2) % kFp4Group)
+      return std::string("'") + name + "' has " + std::to_string(t->size(2)) +
+             " inputs per row; the FP4 kernels need a multiple of 32";
+    if (!sc->defined() || sc->dtype() != DType::ue8m0 || sc->dim() != 3 || sc->size(0) != t->size(0) ||
+        sc->size(1) != t->size(1) || sc->size(2) != t->size(2) / kFp4Group)
+      return std::string("'") + name + "_scale_inv' must be ue8m0 [E, out, in / 32] (one power of two per row and 32 "
+             "inputs), got " + (sc->defined() ? sc->view().to_string() : std::string("none"));
+  }
+  return "";
 }
 
 Support supports_quantized(std::string_view backend, const Experts& experts, DType act_dtype, ExtraCheck extra) {
   const ExpertsSpec& s = experts.spec();
   const DType wt = experts.weight_dtype();
-  if (!experts.weights().is_fp8() || !has_fp8_path(backend))
+  const ExpertsWeights& w = experts.weights();
+  if (!w.is_quantized() || !has_quantized_path(backend))
     return no(backend, std::string("has no CUDA kernel for quantized ") + dtype_name(wt) +
-                           " experts yet (FP8 block-scaled experts run in grouped_mm, batched_mm and deepgemm); run "
-                           "them on the CPU backends, or load the checkpoint with dequantize (moekit run "
+                           " experts (FP8 block-scaled and FP4 experts run in grouped_mm, batched_mm and deepgemm); "
+                           "run them on the CPU backends, or load the checkpoint with dequantize (moekit run "
                            "--dequantize) to run bf16 weights on the GPU");
+  const char* fmt = w.is_fp8() ? "FP8" : "FP4";
   if (act_dtype != DType::f32 && act_dtype != DType::bf16 && act_dtype != DType::f16)
-    return no(backend, std::string("FP8 experts take f32, bf16 or f16 activations, got ") + dtype_name(act_dtype));
-  for (const Tensor* b : {&experts.weights().first_bias(), &experts.weights().down_proj_bias})
+    return no(backend, std::string(fmt) + " experts take f32, bf16 or f16 activations, got " + dtype_name(act_dtype));
+  for (const Tensor* b : {&w.first_bias(), &w.down_proj_bias})
     if (b->defined() && b->dtype() != act_dtype)
-      return no(backend, std::string("the biases of FP8 experts must have the activations' dtype (") +
+      return no(backend, std::string("the biases of ") + fmt + " experts must have the activations' dtype (" +
                              dtype_name(act_dtype) + "), got " + dtype_name(b->dtype()));
+  if (w.is_fp4())
+    if (const std::string why = fp4_weights_problem(w); !why.empty()) return no(backend, why);
   if (const Support k = kernel_limits(backend, s); !k) return k;
   const int device = experts.device().index;
   const int arch = device_info(device).arch();
   {
     DeviceGuard guard(device);
-    if (!kernels::grouped_gemm_fp8_built_for(arch))
+    if (w.is_fp8() && !kernels::grouped_gemm_fp8_built_for(arch))
       return no(backend, device_info(device).to_string() +
                              ": FP8 experts need the FP8 tensor cores (compute capability 8.9 or later) and this "
                              "build's code for them (CMAKE_CUDA_ARCHITECTURES 90a)");
+    if (w.is_fp4() && !kernels::grouped_gemm_fp4_built_for(arch, w.fp4_float_activations))
+      return no(backend, device_info(device).to_string() +
+                             (w.fp4_float_activations
+                                  ? ": MXFP4 experts need compute capability 8.0 or later"
+                                  : ": FP4 experts with FP8 activations need the FP8 tensor cores (compute capability "
+                                    "8.9 or later)") +
+                             " and this build's code for them (CMAKE_CUDA_ARCHITECTURES 90a)");
   }
   if (extra) {
     const std::string why = extra(experts, act_dtype, arch);
@@ -107,6 +141,33 @@ void stage_fp8(const Experts& experts, CudaState& state) {
   state.q1 = padded(w.first());
   state.q2 = padded(w.down_proj);
   state.fp8_ready = true;
+}
+
+// FP4 experts staged on the device once per module (the caller holds state.mutex): the scale codes with rows
+// padded to whole 4-byte words (code 127, 1.0: the padding's weights are never read as nonzero) where K / 32 is not
+// a multiple of 4, so that the tiled kernel reads each 128-input step's four codes as one word.
+void stage_fp4(const Experts& experts, CudaState& state) {
+  if (state.fp4_ready) return;
+  DeviceGuard guard(experts.device().index);
+  const ExpertsWeights& w = experts.weights();
+  auto padded = [&](const Tensor& sc) {
+    const int64_t G = sc.size(-1);
+    if (G % 4 == 0) return Tensor();
+    const int64_t ld = (G + 3) / 4 * 4, rows = sc.numel() / G;
+    const Tensor h = sc.to(Device::cpu()).contiguous();
+    Tensor p = Tensor::empty({sc.size(0), sc.size(1), ld}, DType::ue8m0, Device::cpu());
+    std::fill_n(p.ptr<uint8_t>(), p.numel(), uint8_t(127));
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(h.ptr<uint8_t>() + r * G, G, p.ptr<uint8_t>() + r * ld);
+    return p.to(experts.device());
+  };
+  state.e1 = padded(w.first_scale_inv());
+  state.e2 = padded(w.down_proj_scale_inv);
+  state.fp4_ready = true;
+}
+
+void stage_quantized(const Experts& experts, CudaState& state) {
+  if (experts.weights().is_fp8()) stage_fp8(experts, state);
+  else stage_fp4(experts, state);
 }
 
 }  // namespace
@@ -152,10 +213,10 @@ Support supports(std::string_view backend, const Experts& experts, DType act_dty
 }
 
 void prepare(const Experts& experts) {
-  if (experts.weights().is_fp8()) {
+  if (experts.weights().is_quantized()) {
     CudaState& state = cuda_state(experts);
     std::lock_guard<std::mutex> lock(state.mutex);
-    stage_fp8(experts, state);
+    stage_quantized(experts, state);
     return;
   }
   if (!experts.spec().is_transposed) return;
@@ -240,6 +301,24 @@ void run(std::string_view backend, const Experts& experts, const ExpertsCall& ca
     c.seg1 = gated ? 2 : 1;
     MOEKIT_CHECK_CODE(c.s1_rows == c.seg1 * fp8_blocks(N1 / c.seg1) && c.s2_rows == fp8_blocks(H), internal,
                       "FP8 block scales of unexpected shape");
+  } else if (w.is_fp4()) {
+    stage_fp4(experts, state);  // done by prepare() before the first forward; here for callers that skip it
+    c.fp8 = true;  // the quantized forward (run_fp8), over FP4 weights
+    c.fp4 = true;
+    c.fp4_float = w.fp4_float_activations;
+    c.fp8_pow2 = true;  // ue8m0 weight scales: the activations' scales rounded up to powers of two
+    c.q1 = static_cast<const uint8_t*>(w.first().data());
+    c.q2 = static_cast<const uint8_t*>(w.down_proj.data());
+    c.q1_ld = H / 2;
+    c.q2_ld = I / 2;
+    const Tensor& e1 = state.e1.defined() ? state.e1 : w.first_scale_inv();
+    const Tensor& e2 = state.e2.defined() ? state.e2 : w.down_proj_scale_inv;
+    c.e1 = static_cast<const uint8_t*>(e1.data());
+    c.e2 = static_cast<const uint8_t*>(e2.data());
+    c.e1_ld = e1.size(2);
+    c.e2_ld = e2.size(2);
+    MOEKIT_CHECK_CODE(c.e1_ld % 4 == 0 && c.e2_ld % 4 == 0 && e1.size(1) == N1 && e2.size(1) == H, internal,
+                      "FP4 scales of unexpected shape");
   }
 
   path(c);

@@ -35,5 +35,9 @@ bool set_grouped_tma_enabled(bool enabled);
 // environment at first use (0: never). Setting it returns the previous value (process-wide).
 int64_t fp8_gemv_max_pairs();
 int64_t set_fp8_gemv_max_pairs(int64_t pairs);
+// The same for FP4 experts (the GEMV over FP4 bytes; the tiled FP4 kernel beyond): 64 by default,
+// MOEKIT_FP4_GEMV_MAX_PAIRS in the environment at first use (0: never).
+int64_t fp4_gemv_max_pairs();
+int64_t set_fp4_gemv_max_pairs(int64_t pairs);
 
 }  // namespace moekit::cuda

@@ -14,11 +14,19 @@
 // over the same sorted rows and quantized activations: one block per (hit expert's row tile, block of columns),
 // each hit expert's weights streamed once per step (the tiled kernels read them at a fraction of the bandwidth
 // when the tiles hold one or two rows).
+//
+// FP4 experts (e2m1 with ue8m0 scales per row and 32 inputs) run the same forward over their packed weights
+// (kernels/quant_fp4.h): the tiled FP4 kernel (grouped_gemm_fp4.cu, e2m1 expanded in registers) or, at decode sizes,
+// the same GEMV over FP4 bytes. With quantized activations (FP4 with UE8M0 scales) the token rows and the gated
+// activations are quantized as above with power-of-two scales; with float activations (MXFP4 as transformers runs
+// it) the kernels read the token rows (gathered by index) and the gated activations as they are, and f32
+// activations keep to the GEMV (the tensor cores would round them).
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
+#include "backends/cuda/kernels/quant_fp4.h"
 #include "backends/cuda/policy.h"
 #include "backends/cuda/state.h"
 #include "moekit/quant.h"
@@ -41,142 +49,173 @@ constexpr int64_t kFp8GemvMaxPairs = 64;
 // Row tile of the GEMV's routing: up to this many rows of an expert share one block per column block (a tile of
 // more rows is another block, streaming the weights again).
 constexpr int kFp8GemvTile = 64;
+// FP4: 64 as well. Measured on gpt-oss-20b MXFP4 at T = 64 (256 pairs, 8 rows per expert): 723 us on the tiled
+// kernel, 1447 us on the GEMV in four-row passes (docs/perf.md).
+constexpr int64_t kFp4GemvMaxPairs = 64;
+int64_t env_or(const char* name, int64_t fallback) {
+  const char* e = std::getenv(name);
+  return e && *e ? int64_t(std::strtoll(e, nullptr, 10)) : fallback;
+}
 std::atomic<int64_t>& fp8_gemv_limit() {
-  static std::atomic<int64_t> v{[] {
-    const char* e = std::getenv("MOEKIT_FP8_GEMV_MAX_PAIRS");
-    return e && *e ? int64_t(std::strtoll(e, nullptr, 10)) : kFp8GemvMaxPairs;
-  }()};
+  static std::atomic<int64_t> v{env_or("MOEKIT_FP8_GEMV_MAX_PAIRS", kFp8GemvMaxPairs)};
+  return v;
+}
+std::atomic<int64_t>& fp4_gemv_limit() {
+  static std::atomic<int64_t> v{env_or("MOEKIT_FP4_GEMV_MAX_PAIRS", kFp4GemvMaxPairs)};
   return v;
 }
 }  // namespace
 
 int64_t fp8_gemv_max_pairs() { return fp8_gemv_limit().load(); }
 int64_t set_fp8_gemv_max_pairs(int64_t pairs) { return fp8_gemv_limit().exchange(pairs); }
+int64_t fp4_gemv_max_pairs() { return fp4_gemv_limit().load(); }
+int64_t set_fp4_gemv_max_pairs(int64_t pairs) { return fp4_gemv_limit().exchange(pairs); }
+
+namespace {
+
+// The arguments of one projection of the call (proj 1: the first, with its gate or activation epilogue; 2: the
+// second, f32 out, its bias left to combine) over the routing `r`: A rows `a` (lda bytes for e4m3 codes, elements
+// for float A), their scales (quantized A), row r reading A row a_rows[r] / a_row_div (a_rows null: row r).
+kernels::Fp4GemmArgs projection_args(const CallContext& c, int proj, const kernels::RoutingBuffers& r, const void* a,
+                                     int64_t lda, const float* a_scale, int64_t lds, const int32_t* a_rows,
+                                     int a_row_div, void* out) {
+  namespace k = kernels;
+  const int64_t H = c.hidden, I = c.inter, N1 = c.n1;
+  const bool first = proj == 1;
+  const int64_t n_rows = first ? N1 : H, kin = first ? H : I;  // weight rows, inputs
+  k::Fp4GemmArgs g;
+  g.type = c.type;
+  g.a = static_cast<const uint8_t*>(a);
+  g.lda = lda;
+  g.a_scale = a_scale;
+  g.lds = lds;
+  g.a_rows = a_rows;
+  g.a_row_div = a_row_div;
+  g.a_float = c.fp4 && c.fp4_float;
+  const int64_t ld = first ? c.q1_ld : c.q2_ld;
+  g.b = first ? c.q1 : c.q2;
+  g.b_expert_stride = n_rows * ld;
+  g.b_stride_n = ld;
+  g.b_k = ld;
+  if (c.fp4) {
+    g.b_e8 = first ? c.e1 : c.e2;
+    g.b_e8_ld = first ? c.e1_ld : c.e2_ld;
+    g.bs_expert_stride = n_rows * g.b_e8_ld;
+  } else {
+    g.b_scale = first ? c.s1 : c.s2;
+    g.bs_expert_stride = (first ? c.s1_rows : c.s2_rows) * fp8_blocks(kin);
+    g.b_scale_seg = first ? N1 / c.seg1 : H;
+  }
+  g.bias = first ? c.b1 : nullptr;  // the second projection's: added by combine
+  g.bias_expert_stride = first ? N1 : 0;
+  g.offsets = r.offsets;
+  g.tile_offsets = r.tile_offsets;
+  g.experts = c.experts_count;
+  g.max_rows = c.pairs;
+  g.n = first ? I : H;
+  g.k = kin;
+  g.inter = I;
+  g.epilogue = first ? c.first_epilogue : kernels::kEpiF32;
+  g.gate = c.gate;
+  g.out = out;
+  g.ldo = first ? I : H;
+  return g;
+}
+
+}  // namespace
 
 void run_fp8(const CallContext& c) {
   namespace k = kernels;
   const int64_t P = c.pairs, E = c.experts_count, T = c.tokens, H = c.hidden, I = c.inter, N1 = c.n1;
   const int64_t HB = fp8_blocks(H), IB = fp8_blocks(I);
+  const bool fp4 = c.fp4, float_acts = c.fp4 && c.fp4_float;
   const auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
-  // Decode: the GEMV (its launcher checks the rest: strides are multiples of 16 by construction).
-  const bool gemv = P <= fp8_gemv_max_pairs() && c.q1_ld % 16 == 0 && c.q2_ld % 16 == 0 && aligned16(c.q1) &&
-                    aligned16(c.q2);
+  // Decode: the GEMV (its launcher checks the rest: strides are multiples of 16 by construction). f32 float
+  // activations always (no tensor-core kernel takes them unrounded).
+  const bool gemv = fp4 ? (float_acts && c.type == k::Elem::f32) || P <= fp4_gemv_max_pairs()
+                        : P <= fp8_gemv_max_pairs() && c.q1_ld % 16 == 0 && c.q2_ld % 16 == 0 && aligned16(c.q1) &&
+                              aligned16(c.q2);
   const int tile_m = gemv ? kFp8GemvTile : k::fp8_tile_m(P, int(E));
   const int arch = c.device->arch();
 
   // The second projection's arguments decide the kernel (the first one's differ only in A and the epilogue).
-  k::Fp8GemmArgs probe;
-  probe.a = reinterpret_cast<const uint8_t*>(size_t(256));  // carved buffers: 256-byte aligned
-  probe.lda = IB * kFp8Block;
-  probe.b = c.q2;
-  probe.b_expert_stride = H * c.q2_ld;
-  probe.b_stride_n = c.q2_ld;
-  probe.experts = int(E);
-  probe.max_rows = P;
-  probe.n = H;
-  probe.k = I;
-  probe.epilogue = k::kEpiF32;
-  probe.gate = c.gate;
+  k::RoutingBuffers none;
+  const k::Fp4GemmArgs probe = projection_args(c, 2, none, reinterpret_cast<const uint8_t*>(size_t(256)),
+                                               IB * kFp8Block, nullptr, IB, nullptr, 1, nullptr);
   // f32 activations keep to the mma.sync kernel: wgmma's FP8 accumulation is not exact within a block (its
   // partial sums land within about 1e-4 instead of f32 rounding), which moves the requantized activations
   // enough to miss the f32 tolerance (1e-5); it is well within the bf16 / f16 ones.
-  const bool sm90 = !gemv && wgmma_enabled() && tile_m == 128 && c.type != k::Elem::f32 &&
+  const bool sm90 = !fp4 && !gemv && wgmma_enabled() && tile_m == 128 && c.type != k::Elem::f32 &&
                     k::grouped_gemm_fp8_sm90_ok(probe, arch) &&
                     (c.first_epilogue != k::kEpiGated || c.gate.concatenated) && c.q1_ld % 16 == 0 &&
                     (N1 * c.q1_ld) % 16 == 0 && (reinterpret_cast<uintptr_t>(c.q1) & 15) == 0;
   const int64_t xrows = sm90 ? P : T;  // quantized token rows: in sorted order for the TMA kernel
+  // Float activations are read in place, gathered by index, unless the token rows are not 16-byte aligned: then
+  // gathered into the workspace first.
+  const bool gather_x = float_acts && !aligned16(c.call.hidden_states.data);
 
   k::RoutingBuffers r;
   uint8_t *xq = nullptr, *aq = nullptr;
   float *xs = nullptr, *as = nullptr, *y = nullptr;
-  void* act = nullptr;
+  void *act = nullptr, *xg = nullptr;
   carve_workspace(*c.ws, [&](Carver& w) {
     take_routing(w, r, P, E);
-    xq = w.take<uint8_t>(xrows * HB * kFp8Block);  // e4m3 token rows, padded to whole groups
-    xs = w.take<float>(xrows * HB);                // their scales
+    if (!float_acts) {
+      xq = w.take<uint8_t>(xrows * HB * kFp8Block);  // e4m3 token rows, padded to whole groups
+      xs = w.take<float>(xrows * HB);                // their scales
+      aq = w.take<uint8_t>(P * IB * kFp8Block);  // [P, IB * 128]
+      as = w.take<float>(P * IB);
+    }
+    if (gather_x) xg = w.take_bytes(P * H * k::elem_bytes(c.type));  // token rows in sorted order
     act = w.take_bytes(P * I * k::elem_bytes(c.type));  // [P, I] gated activations, sorted rows
-    aq = w.take<uint8_t>(P * IB * kFp8Block);  // [P, IB * 128]
-    as = w.take<float>(P * IB);
     y = w.take<float>(P * H);  // [P, H] f32, sorted rows
   });
   r.error = c.ws->error();
 
   check_launch(k::route_sort(c.call.top_k_index.data, c.index_type, T, int(c.top_k), int(E), tile_m, r, c.stream),
                "route_sort");
-  if (sm90)
+  if (float_acts) {
+    if (gather_x)
+      check_launch(k::gather_rows(c.type, c.call.hidden_states.data, H, r.sorted_pair, int(c.top_k), r.offsets + E, P,
+                                  xg, c.stream),
+                   "gather_rows");
+  } else if (sm90) {
     check_launch(k::quantize_fp8_rows(c.type, c.call.hidden_states.data, H, r.sorted_pair, int(c.top_k), P, H,
                                       r.offsets + E, c.fp8_pow2, xq, HB * kFp8Block, xs, HB, c.stream),
                  "quantize_fp8_rows (hidden states, sorted)");
-  else
+  } else {
     check_launch(k::quantize_fp8_rows(c.type, c.call.hidden_states.data, H, nullptr, 1, T, H, nullptr, c.fp8_pow2,
                                       xq, HB * kFp8Block, xs, HB, c.stream),
                  "quantize_fp8_rows (hidden states)");
+  }
   // The GEMV passes over 4 rows of an expert at once when experts average more than one row (else 1: each
   // weight chunk converted once).
   const int rows_per_pass = P > E ? 4 : 1;
-  auto gemm = [&](const k::Fp8GemmArgs& g, const char* what) {
-    check_launch(gemv   ? k::fp8_gemv(g, tile_m, rows_per_pass, c.stream)
+  auto gemm = [&](const k::Fp4GemmArgs& g, const char* what) {
+    check_launch(fp4    ? (gemv ? k::fp4_gemv(g, tile_m, rows_per_pass, c.stream) : k::grouped_gemm_fp4(g, tile_m, c.stream))
+                 : gemv ? k::fp8_gemv(g, tile_m, rows_per_pass, c.stream)
                  : sm90 ? k::grouped_gemm_fp8_sm90(g, c.stream)
                         : k::grouped_gemm_fp8(g, tile_m, c.stream),
                  what);
   };
 
-  k::Fp8GemmArgs g1;
-  g1.type = c.type;
-  g1.a = xq;
-  g1.lda = HB * kFp8Block;
-  g1.a_scale = xs;
-  g1.lds = HB;
-  g1.a_rows = sm90 ? nullptr : r.sorted_pair;
-  g1.a_row_div = sm90 ? 1 : int(c.top_k);
-  g1.b = c.q1;
-  g1.b_expert_stride = N1 * c.q1_ld;
-  g1.b_stride_n = c.q1_ld;
-  g1.b_k = c.q1_ld;
-  g1.b_scale = c.s1;
-  g1.bs_expert_stride = c.s1_rows * HB;
-  g1.b_scale_seg = N1 / c.seg1;
-  g1.bias = c.b1;
-  g1.bias_expert_stride = N1;
-  g1.offsets = r.offsets;
-  g1.tile_offsets = r.tile_offsets;
-  g1.experts = int(E);
-  g1.max_rows = P;
-  g1.n = I;
-  g1.k = H;
-  g1.inter = I;
-  g1.epilogue = c.first_epilogue;
-  g1.gate = c.gate;
-  g1.out = act;
-  g1.ldo = I;
-  gemm(g1, "grouped_gemm_fp8 (first projection)");
+  if (float_acts)
+    gemm(projection_args(c, 1, r, gather_x ? xg : c.call.hidden_states.data, H, nullptr, 0,
+                         gather_x ? nullptr : r.sorted_pair, gather_x ? 1 : int(c.top_k), act),
+         "quantized projection (first)");
+  else
+    gemm(projection_args(c, 1, r, xq, HB * kFp8Block, xs, HB, sm90 ? nullptr : r.sorted_pair,
+                         sm90 ? 1 : int(c.top_k), act),
+         "quantized projection (first)");
 
-  check_launch(k::quantize_fp8_rows(c.type, act, I, nullptr, 1, P, I, r.offsets + E, c.fp8_pow2, aq,
-                                    IB * kFp8Block, as, IB, c.stream),
-               "quantize_fp8_rows (activations)");
-
-  k::Fp8GemmArgs g2 = g1;
-  g2.a = aq;
-  g2.lda = IB * kFp8Block;
-  g2.a_scale = as;
-  g2.lds = IB;
-  g2.a_rows = nullptr;
-  g2.a_row_div = 1;
-  g2.b = c.q2;
-  g2.b_expert_stride = H * c.q2_ld;
-  g2.b_stride_n = c.q2_ld;
-  g2.b_k = c.q2_ld;
-  g2.b_scale = c.s2;
-  g2.bs_expert_stride = c.s2_rows * IB;
-  g2.b_scale_seg = H;
-  g2.bias = nullptr;  // added by combine
-  g2.bias_expert_stride = 0;
-  g2.n = H;
-  g2.k = I;
-  g2.epilogue = k::kEpiF32;
-  g2.out = y;
-  g2.ldo = H;
-  gemm(g2, "grouped_gemm_fp8 (second projection)");
+  if (float_acts) {
+    gemm(projection_args(c, 2, r, act, I, nullptr, 0, nullptr, 1, y), "quantized projection (second)");
+  } else {
+    check_launch(k::quantize_fp8_rows(c.type, act, I, nullptr, 1, P, I, r.offsets + E, c.fp8_pow2, aq,
+                                      IB * kFp8Block, as, IB, c.stream),
+                 "quantize_fp8_rows (activations)");
+    gemm(projection_args(c, 2, r, aq, IB * kFp8Block, as, IB, nullptr, 1, y), "quantized projection (second)");
+  }
 
   check_launch(k::combine(c.type, c.weight_type, y, r.pair_row, r.pair_expert, c.call.top_k_weights.data, c.b2, T,
                           int(c.top_k), H, int(E), c.call.out.data, c.stream),

@@ -102,6 +102,10 @@ class CudaState final : public BackendState {
   // weights copied with rows padded to 16 bytes only where K is not a multiple of 16 (else read in place).
   bool fp8_ready = false;
   Tensor q1, q2, s1, s2;
+  // FP4 experts, staged once by prepare(): the packed e2m1 weights are read in place; their ue8m0 scale codes
+  // copied with rows padded to whole 4-byte words (code 127) only where K / 32 is not a multiple of 4 (e1, e2).
+  bool fp4_ready = false;
+  Tensor e1, e2;
 
  private:
   std::map<cudaStream_t, std::unique_ptr<StreamWorkspace>> workspaces_;
@@ -146,9 +150,15 @@ struct CallContext {
   const float *s1 = nullptr, *s2 = nullptr;
   int64_t s1_rows = 0, s2_rows = 0;  // SN of each projection
   int64_t seg1 = 1;                  // the first projection's scale segments (gated: 2)
+  // FP4 experts (fp8 is set too: run_fp8 runs both): q1, q2 the packed e2m1 weights [E, n, K / 2] (q*_ld = K / 2
+  // bytes), e1, e2 their ue8m0 scale codes [E, n, e*_ld] (one per row and 32 inputs, e*_ld a multiple of 4);
+  // activations as they are with fp4_float_activations (MXFP4), else quantized as for FP8 (fp8_pow2 set).
+  bool fp4 = false, fp4_float = false;
+  const uint8_t *e1 = nullptr, *e2 = nullptr;
+  int64_t e1_ld = 0, e2_ld = 0;
 };
 
-// The FP8 forward of grouped_mm, batched_mm and deepgemm (quantized_fp8.cpp).
+// The FP8 and FP4 forward of grouped_mm, batched_mm and deepgemm (quantized_fp8.cpp).
 void run_fp8(const CallContext& c);
 
 // The two grouped projections of a forward over rows grouped by expert (grouped_mm.cpp): the first reads

@@ -28,14 +28,19 @@ const char* routing_name(Routing r);
 // The machine's two ceilings, measured once.
 struct Ceilings {
   std::string card;           // "NVIDIA H200", "AMD EPYC (2 threads)"
-  double peak_tflops = 0;     // dense matrix rate
+  double peak_tflops = 0;     // dense matrix rate (bf16 on the GPU)
+  double fp8_peak_tflops = 0; // dense e4m3 rate (GPU, measured for --quant fp8 / fp4), 0 where not measured
   double bandwidth_gbps = 0;  // copy bandwidth, bytes read plus bytes written
   int64_t cache_bytes = 0;    // L2 (GPU) or last-level cache (CPU)
   std::string method;         // how each number was obtained
 };
-// GPU: cuBLAS bf16 GEMM 8192^3 and a ~2 GiB device copy. CPU: the better of a blocked f32 GEMM
-// and moekit's grouped_mm on one dense expert, and a multi-threaded memcpy well beyond the cache.
-Ceilings measure_ceilings(Device device);
+// GPU: cuBLAS bf16 GEMM 8192^3 and a ~2 GiB device copy; with `quant` fp8 or fp4 (FP8 tensor-core experts) also a
+// cuBLASLt e4m3 GEMM 8192^3 (fp8_peak_tflops). CPU: the better of a blocked f32 GEMM and moekit's grouped_mm on one
+// dense expert, and a multi-threaded memcpy well beyond the cache.
+Ceilings measure_ceilings(Device device, const std::string& quant = "");
+// The matrix rate that bounds experts of `quant` (BenchOptions::quant): the FP8 one for fp8 and fp4 (activations
+// quantized to FP8: the FP8 tensor cores) where it was measured, else peak_tflops (bf16, mxfp4).
+double matrix_peak_tflops(const Ceilings& c, const std::string& quant);
 // Reads only the card name and cache size; `peak_tflops` and `bandwidth_gbps` are taken as given.
 Ceilings given_ceilings(Device device, double peak_tflops, double bandwidth_gbps);
 
@@ -50,8 +55,8 @@ double expected_experts_touched(const ShapePreset& shape, int64_t tokens);
 // Distinct experts' weights plus the activations read and written (hidden_states, out, routing).
 double forward_bytes(const ShapePreset& shape, int64_t tokens, double experts_touched, DType dtype,
                      DType index_dtype, const std::string& quant = "");
-// max(flops / peak, bytes / bandwidth), in microseconds.
-double floor_us(double flops, double bytes, const Ceilings& c);
+// max(flops / peak, bytes / bandwidth), in microseconds; the peak is matrix_peak_tflops(c, quant).
+double floor_us(double flops, double bytes, const Ceilings& c, const std::string& quant = "");
 
 // ---- a run ----
 struct BenchOptions {

@@ -336,7 +336,7 @@ Ceilings given_ceilings(Device device, double peak_tflops, double bandwidth_gbps
   return c;
 }
 
-Ceilings measure_ceilings(Device device) {
+Ceilings measure_ceilings(Device device, const std::string& quant) {
   Ceilings c;
   describe_device(device, c);
   if (device.is_cpu()) {
@@ -360,6 +360,12 @@ Ceilings measure_ceilings(Device device) {
   c.peak_tflops = cuda::gemm_bf16_tflops(device.index, 8192);
   c.bandwidth_gbps = cuda::copy_gbps(device.index, size_t(2) << 30);
   c.method = "peak: cuBLAS bf16 GEMM 8192^3 on random data; bandwidth: 2 GiB device-to-device copy, read + write";
+  if (quant == "fp8" || quant == "fp4") {  // experts on the FP8 tensor cores: their own peak
+    c.fp8_peak_tflops = cuda::gemm_fp8_tflops(device.index, 8192);
+    c.method += c.fp8_peak_tflops > 0
+                    ? "; FP8 peak (the floor of FP8 experts): cuBLASLt e4m3 GEMM 8192^3 (bf16 out, f32 accumulate)"
+                    : "; no cuBLASLt e4m3 GEMM on this device: the FP8 floor uses the bf16 peak";
+  }
   return c;
 #else
   MOEKIT_FAIL(not_supported, "device ", device.to_string(), ": moekit was built without CUDA");

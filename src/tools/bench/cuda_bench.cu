@@ -2,6 +2,7 @@
 // Raw CUDA runtime and cuBLAS; every call's status is checked.
 #include "bench/cuda_bench.h"
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -25,6 +26,16 @@ __global__ void fill_normal_kernel(T* data, int64_t n, float std, uint64_t seed)
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
     data[i] = ::moekit::cuda::from_f32<T>(std * normal_at(seed, uint64_t(i)));
+}
+
+// Random e4m3 codes of moderate magnitude (exponent fields 4..11, both signs; never NaN).
+__global__ void fill_e4m3_kernel(uint8_t* data, int64_t n, uint64_t seed) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float u = normal_at(seed, uint64_t(i));
+    const uint32_t h = __float_as_uint(u) * 2654435761u;
+    data[i] = uint8_t((u < 0 ? 0x80u : 0u) | (((h >> 8) % 8u + 4u) << 3) | ((h >> 16) & 7u));
+  }
 }
 
 double median_of(std::vector<double> v) {
@@ -93,6 +104,60 @@ double gemm_bf16_tflops(int device, int n) {
                                     CUBLAS_GEMM_DEFAULT));
   };
   const double us = median_call_us(stream, gemm, 3, 10);
+  return 2.0 * double(n) * n * n / (us * 1e-6) / 1e12;
+}
+
+double gemm_fp8_tflops(int device, int n) {
+  MOEKIT_CUDA_CALL(cudaSetDevice(device));
+  const size_t elems = size_t(n) * size_t(n);
+  const size_t ws_bytes = size_t(32) << 20;
+  DeviceBuffer a(elems, device), b(elems, device), c(elems * 2, device), ws(ws_bytes, device);
+  Stream stream = create_stream(device);
+  std::shared_ptr<void> stream_guard(stream, [](void* s) { destroy_stream(s); });
+  auto cs = static_cast<cudaStream_t>(stream);
+  fill_e4m3_kernel<<<4096, 256, 0, cs>>>(static_cast<uint8_t*>(a.data()), int64_t(elems), 21);
+  fill_e4m3_kernel<<<4096, 256, 0, cs>>>(static_cast<uint8_t*>(b.data()), int64_t(elems), 22);
+  MOEKIT_CUDA_CALL(cudaGetLastError());
+
+  cublasLtHandle_t lt = nullptr;
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  std::shared_ptr<void> lt_guard(nullptr, [&](void*) {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (lc) cublasLtMatrixLayoutDestroy(lc);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (op) cublasLtMatmulDescDestroy(op);
+    if (lt) cublasLtDestroy(lt);
+  });
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  const uint64_t ws_size = ws_bytes;
+  cublasLtMatmulHeuristicResult_t heur{};
+  int found = 0;
+  const bool ready =
+      cublasLtCreate(&lt) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, n, n, n) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, n, n, n) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, n, n, n) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_size,
+                                           sizeof(ws_size)) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 1, &heur, &found) == CUBLAS_STATUS_SUCCESS &&
+      found > 0;
+  if (!ready) return 0.0;  // no FP8 GEMM here (before compute capability 8.9)
+  const float alpha = 1.0f, beta = 0.0f;
+  cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
+  auto gemm = [&] {
+    const cublasStatus_t st = cublasLtMatmul(lt, op, &alpha, a.data(), la, b.data(), lb, &beta, c.data(), lc,
+                                             c.data(), lc, &heur.algo, ws.data(), ws_bytes, cs);
+    if (st != CUBLAS_STATUS_SUCCESS) status = st;
+  };
+  const double us = median_call_us(stream, gemm, 3, 10);
+  if (status != CUBLAS_STATUS_SUCCESS) return 0.0;
   return 2.0 * double(n) * n * n / (us * 1e-6) / 1e12;
 }
 

@@ -22,6 +22,9 @@ CardInfo card_info(int device);
 
 // bf16 GEMM n x n x n through cuBLAS (random operands, f32 accumulate): TFLOP/s, median of timed calls.
 double gemm_bf16_tflops(int device, int n);
+// e4m3 GEMM n x n x n through cuBLASLt (random codes, f32 accumulate, bf16 out; A transposed, as FP8 GEMMs
+// require): TFLOP/s, median of timed calls; 0 where cuBLASLt has no FP8 kernel for the device.
+double gemm_fp8_tflops(int device, int n);
 // Device-to-device copy of `bytes`: GB/s counting bytes read plus written, median of timed calls.
 double copy_gbps(int device, size_t bytes);
 

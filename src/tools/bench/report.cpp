@@ -54,6 +54,7 @@ nlohmann::json report_to_json(const BenchReport& report, const BenchOptions& opt
   nlohmann::json j;
   j["card"] = report.ceilings.card;
   j["peak_tflops"] = report.ceilings.peak_tflops;
+  if (report.ceilings.fp8_peak_tflops > 0) j["fp8_peak_tflops"] = report.ceilings.fp8_peak_tflops;
   j["copy_tbps"] = report.ceilings.bandwidth_gbps / 1e3;
   j["cache_bytes"] = report.ceilings.cache_bytes;
   j["ceilings_method"] = report.ceilings.method;
@@ -73,7 +74,8 @@ std::string format_table(const BenchReport& report, const BenchOptions& options)
   const Ceilings& c = report.ceilings;
   std::string out = fmt::format("moekit bench on {} ({}): {}, {} routing\n", c.card, options.device.to_string(),
                                 dtype_name(options.dtype), routing_name(options.routing));
-  out += fmt::format("ceilings: {:.3g} TFLOP/s, {:.1f} GB/s copy, cache {:.0f} MiB ({})\n", c.peak_tflops,
+  const std::string fp8_peak = c.fp8_peak_tflops > 0 ? fmt::format(" ({:.3g} FP8)", c.fp8_peak_tflops) : "";
+  out += fmt::format("ceilings: {:.3g} TFLOP/s{}, {:.1f} GB/s copy, cache {:.0f} MiB ({})\n", c.peak_tflops, fp8_peak,
                      c.bandwidth_gbps, double(c.cache_bytes) / (1 << 20), c.method);
   for (const auto& shape : options.shapes) {
     out += fmt::format("\n{}\n", shape.to_string());

@@ -90,10 +90,15 @@ double forward_bytes(const ShapePreset& s, int64_t T, double touched, DType dtyp
   return touched * expert_bytes(s, dtype, quant) + act + routing;
 }
 
-double floor_us(double flops, double bytes, const Ceilings& c) {
-  MOEKIT_CHECK(c.peak_tflops > 0 && c.bandwidth_gbps > 0, "ceilings must be > 0, got ", c.peak_tflops, " TFLOP/s and ",
+double matrix_peak_tflops(const Ceilings& c, const std::string& quant) {
+  return (quant == "fp8" || quant == "fp4") && c.fp8_peak_tflops > 0 ? c.fp8_peak_tflops : c.peak_tflops;
+}
+
+double floor_us(double flops, double bytes, const Ceilings& c, const std::string& quant) {
+  const double peak = matrix_peak_tflops(c, quant);
+  MOEKIT_CHECK(peak > 0 && c.bandwidth_gbps > 0, "ceilings must be > 0, got ", peak, " TFLOP/s and ",
                c.bandwidth_gbps, " GB/s");
-  return std::max(flops / (c.peak_tflops * 1e12), bytes / (c.bandwidth_gbps * 1e9)) * 1e6;
+  return std::max(flops / (peak * 1e12), bytes / (c.bandwidth_gbps * 1e9)) * 1e6;
 }
 
 namespace {
@@ -275,9 +280,11 @@ class ShapeRunner {
       rec.experts_touched = d.touched;
       rec.flops = forward_flops(shape_, T);
       rec.bytes = forward_bytes(shape_, T, d.touched, opt_.dtype, opt_.index_dtype, opt_.quant);
-      rec.moved_bytes =
-          ExpertsInterface::global().get(c.backend)->bytes_moved(shape_.spec(), T, shape_.top_k, d.touched, opt_.dtype);
-      rec.floor_us = floor_us(rec.flops, rec.bytes, ceil_);
+      // The backends' model of the bytes they move counts float weights: not given for quantized experts.
+      rec.moved_bytes = opt_.quant.empty() ? ExpertsInterface::global().get(c.backend)->bytes_moved(
+                                                 shape_.spec(), T, shape_.top_k, d.touched, opt_.dtype)
+                                           : 0;
+      rec.floor_us = floor_us(rec.flops, rec.bytes, ceil_, opt_.quant);
       rec.floor_ratio = rec.median_us / rec.floor_us;
       rec.tflops = rec.flops / rec.median_us / 1e6;
       rec.gbps = rec.bytes / rec.median_us / 1e3;

@@ -12,6 +12,7 @@
 #include "moekit/quant.h"
 #ifdef MOEKIT_WITH_CUDA
 #include "backends/cuda/kernels/kernels.h"
+#include "backends/cuda/kernels/quant_fp4.h"
 #endif
 #include "bench/random.h"
 #ifdef MOEKIT_WITH_CUDA
@@ -128,6 +129,29 @@ Tensor quantize_fp8_on_device(const Tensor& w, int64_t segments, Tensor& scale) 
   return q.to(w.device());
 #endif
 }
+// quantize_fp4 of a contiguous [E, N, K] weight on its CUDA device: the packed e2m1 weights, `scale` set (ue8m0).
+Tensor quantize_fp4_on_device(const Tensor& w, Tensor& scale) {
+#ifdef MOEKIT_WITH_CUDA
+  const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
+  MOEKIT_CHECK(w.dtype() == DType::f32 || w.dtype() == DType::bf16 || w.dtype() == DType::f16,
+               "bench: FP4 experts are made from f32, bf16 or f16 weights, got ", dtype_name(w.dtype()));
+  MOEKIT_CHECK(K % kFp4Group == 0, "bench: FP4 experts need a multiple of 32 inputs per weight row, got ", K);
+  Tensor q = Tensor::empty(w.shape(), DType::f4e2m1, w.device());
+  scale = Tensor::empty({E, N, K / kFp4Group}, DType::ue8m0, w.device());
+  const auto type = w.dtype() == DType::f32    ? ::moekit::cuda::kernels::Elem::f32
+                    : w.dtype() == DType::bf16 ? ::moekit::cuda::kernels::Elem::bf16
+                                               : ::moekit::cuda::kernels::Elem::f16;
+  const cudaError_t err = ::moekit::cuda::kernels::quantize_fp4_groups(type, w.data(), E * N, K, q.ptr<uint8_t>(),
+                                                                      scale.ptr<uint8_t>(), nullptr);
+  MOEKIT_CHECK(err == cudaSuccess, "bench: FP4 quantisation on the device failed: ", cudaGetErrorString(err));
+  stream_synchronize(nullptr, w.device());
+  return q;
+#else
+  auto [q, s] = quantize_fp4(w);
+  scale = s.to(w.device());
+  return q.to(w.device());
+#endif
+}
 }  // namespace
 
 Experts make_random_experts(const ShapePreset& shape, DType dtype, Device device, uint64_t seed,
@@ -171,9 +195,15 @@ Experts quantize_random_experts(ExpertsSpec spec, ExpertsWeights w, const std::s
       first = q1.to(dev), first_scale = s1.to(dev), w.down_proj = q2.to(dev), w.down_proj_scale_inv = s2.to(dev);
     }
   } else {
-    auto [q1, s1] = quantize_fp4(first);
-    auto [q2, s2] = quantize_fp4(w.down_proj);
-    first = q1.to(dev), first_scale = s1.to(dev), w.down_proj = q2.to(dev), w.down_proj_scale_inv = s2.to(dev);
+    if (dev.is_cuda()) {  // on the device, as for FP8
+      const Tensor f = first, d = w.down_proj;
+      first = quantize_fp4_on_device(f, first_scale);
+      w.down_proj = quantize_fp4_on_device(d, w.down_proj_scale_inv);
+    } else {
+      auto [q1, s1] = quantize_fp4(first);
+      auto [q2, s2] = quantize_fp4(w.down_proj);
+      first = q1.to(dev), first_scale = s1.to(dev), w.down_proj = q2.to(dev), w.down_proj_scale_inv = s2.to(dev);
+    }
     w.fp4_float_activations = quant == "mxfp4";
   }
   return Experts(spec, std::move(w), "eager");

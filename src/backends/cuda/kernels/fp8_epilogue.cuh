@@ -45,4 +45,45 @@ __device__ __forceinline__ float fp8_act_only(const GateParams& gp, float x, boo
   return activate(gp.activation, x);
 }
 
+// The tiled FP8 / FP4 projections' blocks of BN virtual columns (gated projections interleave gate and up rows:
+// virtual column 2c is the gate row, 2c + 1 the up row of output column c): the weight row of virtual column v of
+// column block bn, -1 past the end.
+template <int BN, int EPI>
+__device__ __forceinline__ int64_t tile_weight_row(const Fp8GemmArgs& args, int bn, int v) {
+  if constexpr (EPI == kEpiGated) {
+    const int64_t c = int64_t(bn) * (BN / 2) + v / 2;
+    return c >= args.n ? -1 : ((v & 1) ? up_row(args.gate, c, args.inter) : gate_row(args.gate, c));
+  } else {
+    const int64_t n = int64_t(bn) * BN + v;
+    return n < args.n ? n : -1;
+  }
+}
+
+// Stores the accumulators x0, x1 of virtual columns v, v + 1 (v even) of row `row` through the epilogue.
+template <class T, int BN, int EPI>
+__device__ __forceinline__ void store_fp8_pair(const Fp8GemmArgs& args, int expert, int bn, int64_t row, int v,
+                                               float x0, float x1) {
+  const T* bias = args.bias ? static_cast<const T*>(args.bias) + int64_t(expert) * args.bias_expert_stride : nullptr;
+  if constexpr (EPI == kEpiGated) {
+    const int64_t c = int64_t(bn) * (BN / 2) + v / 2;
+    if (c >= args.n) return;
+    const float bg = bias ? to_f32(bias[gate_row(args.gate, c)]) : 0.0f;
+    const float bu = bias ? to_f32(bias[up_row(args.gate, c, args.inter)]) : 0.0f;
+    static_cast<T*>(args.out)[row * args.ldo + c] = from_f32<T>(fp8_gated<T>(args.gate, x0, x1, bias != nullptr, bg, bu));
+  } else {
+    const int64_t n = int64_t(bn) * BN + v;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      if (n + q >= args.n) continue;
+      const float x = q ? x1 : x0;
+      if constexpr (EPI == kEpiActOnly) {
+        const float y = fp8_act_only<T>(args.gate, x, bias != nullptr, bias ? to_f32(bias[n + q]) : 0.0f);
+        static_cast<T*>(args.out)[row * args.ldo + n + q] = from_f32<T>(y);
+      } else {
+        static_cast<float*>(args.out)[row * args.ldo + n + q] = x;
+      }
+    }
+  }
+}
+
 }  // namespace moekit::cuda::kernels

@@ -131,44 +131,6 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], 
 #endif
 }
 
-// Weight row of virtual column v of column block bn, -1 past the end.
-template <int EPI>
-__device__ __forceinline__ int64_t weight_row(const Fp8GemmArgs& args, int bn, int v) {
-  if constexpr (EPI == kEpiGated) {
-    const int64_t c = int64_t(bn) * (kBN / 2) + v / 2;
-    return c >= args.n ? -1 : ((v & 1) ? up_row(args.gate, c, args.inter) : gate_row(args.gate, c));
-  } else {
-    const int64_t n = int64_t(bn) * kBN + v;
-    return n < args.n ? n : -1;
-  }
-}
-
-template <class T, int EPI>
-__device__ __forceinline__ void store_fp8_pair(const Fp8GemmArgs& args, int expert, int bn, int64_t row, int v,
-                                               float x0, float x1) {
-  const T* bias = args.bias ? static_cast<const T*>(args.bias) + int64_t(expert) * args.bias_expert_stride : nullptr;
-  if constexpr (EPI == kEpiGated) {
-    const int64_t c = int64_t(bn) * (kBN / 2) + v / 2;
-    if (c >= args.n) return;
-    const float bg = bias ? to_f32(bias[gate_row(args.gate, c)]) : 0.0f;
-    const float bu = bias ? to_f32(bias[up_row(args.gate, c, args.inter)]) : 0.0f;
-    static_cast<T*>(args.out)[row * args.ldo + c] = from_f32<T>(fp8_gated<T>(args.gate, x0, x1, bias != nullptr, bg, bu));
-  } else {
-    const int64_t n = int64_t(bn) * kBN + v;
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      if (n + q >= args.n) continue;
-      const float x = q ? x1 : x0;
-      if constexpr (EPI == kEpiActOnly) {
-        const float y = fp8_act_only<T>(args.gate, x, bias != nullptr, bias ? to_f32(bias[n + q]) : 0.0f);
-        static_cast<T*>(args.out)[row * args.ldo + n + q] = from_f32<T>(y);
-      } else {
-        static_cast<float*>(args.out)[row * args.ldo + n + q] = x;
-      }
-    }
-  }
-}
-
 template <int BM, int EPI>
 __global__ void __launch_bounds__(kThreads) grouped_gemm_fp8_kernel(const Fp8GemmArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -206,7 +168,7 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_fp8_kernel(const Fp8Gem
   bool b_ok[kBIters];
 #pragma unroll
   for (int j = 0; j < kBIters; ++j) {
-    const int64_t wr = weight_row<EPI>(args, bn, row_base + j * kRowsPerPass);
+    const int64_t wr = tile_weight_row<kBN, EPI>(args, bn, row_base + j * kRowsPerPass);
     b_ok[j] = wr >= 0;
     b_src[j] = b_base + (b_ok[j] ? wr * args.b_stride_n : 0) + chunk * 16;
   }
@@ -244,7 +206,7 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_fp8_kernel(const Fp8Gem
   for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      int64_t wr = weight_row<EPI>(args, bn, wn * 32 + ni * 8 + t4 * 2 + j);
+      int64_t wr = tile_weight_row<kBN, EPI>(args, bn, wn * 32 + ni * 8 + t4 * 2 + j);
       if (wr < 0) wr = 0;
       sw_row[ni][j] = int(((wr / seg) * seg_blocks + (wr % seg) / 128) * KB);
     }
@@ -331,9 +293,9 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_fp8_kernel(const Fp8Gem
         const int v = wn * 32 + ni * 8 + t4 * 2;
         const float x0 = acc[mi][ni][2 * h], x1 = acc[mi][ni][2 * h + 1];
         switch (args.type) {
-          case Elem::f32: store_fp8_pair<float, EPI>(args, expert, bn, row, v, x0, x1); break;
-          case Elem::bf16: store_fp8_pair<bf16, EPI>(args, expert, bn, row, v, x0, x1); break;
-          case Elem::f16: store_fp8_pair<f16, EPI>(args, expert, bn, row, v, x0, x1); break;
+          case Elem::f32: store_fp8_pair<float, kBN, EPI>(args, expert, bn, row, v, x0, x1); break;
+          case Elem::bf16: store_fp8_pair<bf16, kBN, EPI>(args, expert, bn, row, v, x0, x1); break;
+          case Elem::f16: store_fp8_pair<f16, kBN, EPI>(args, expert, bn, row, v, x0, x1); break;
         }
       }
     }
