@@ -321,21 +321,37 @@ TEST_F(CudaModelOps, NormRouteFoldsTheRouterIntoItsGemv) {
                              gw.view(), {}, o.logits.view(), with_bias ? grb.view() : TensorView(), spec, o.idx.view(),
                              o.wts.view());
             };
-            if (fused)
+            if (fused) {
               call(gpu());
-            else
-              gpu().DeviceOps::norm_route(o.h.view(), add ? ga.view() : TensorView(), gnw.view(), 1e-6f, false,
-                                          o.n.view(), gw.view(), {}, o.logits.view(),
-                                          with_bias ? grb.view() : TensorView(), spec, o.idx.view(), o.wts.view());
+            } else {  // the norm, the projection and the router, one op each
+              if (add)
+                gpu().add_rmsnorm(o.h.view(), ga.view(), gnw.view(), 1e-6f, false, o.n.view());
+              else
+                gpu().rmsnorm(o.h.view(), gnw.view(), 1e-6f, false, o.n.view());
+              gpu().linear(o.n.view(), gw.view(), {}, o.logits.view());
+              gpu().route(o.logits.view(), with_bias ? grb.view() : TensorView(), spec, o.idx.view(), o.wts.view());
+            }
             stream_synchronize(s, kDev);
             return o;
           };
           const Out apart = run(false);
+          // f32 logits apart come from cuBLAS: close, and the same experts (the tie is a tie either way).
+          const bool exact = t != DType::f32;
+          auto same_logits = [&](const Out& got) {
+            if (exact) return test::bitwise_equal(on_cpu(got.logits), on_cpu(apart.logits));
+            return dist(got.logits, apart.logits) < 2e-6;
+          };
+          auto same_weights = [&](const Out& got) {
+            if (exact) return test::bitwise_equal(on_cpu(got.wts), on_cpu(apart.wts));
+            return dist(got.wts, apart.wts) < 1e-6;
+          };
           for (int rep = 0; rep < 2; ++rep) {
             const Out f = run(true);
-            for (auto [got, want] : {std::pair{&f.h, &apart.h}, {&f.n, &apart.n}, {&f.logits, &apart.logits},
-                                     {&f.idx, &apart.idx}, {&f.wts, &apart.wts}})
-              EXPECT_TRUE(test::bitwise_equal(on_cpu(*got), on_cpu(*want))) << "launch " << rep;
+            EXPECT_TRUE(test::bitwise_equal(on_cpu(f.h), on_cpu(apart.h))) << "launch " << rep;
+            EXPECT_TRUE(test::bitwise_equal(on_cpu(f.n), on_cpu(apart.n))) << "launch " << rep;
+            EXPECT_TRUE(test::bitwise_equal(on_cpu(f.idx), on_cpu(apart.idx))) << "launch " << rep;
+            EXPECT_TRUE(same_logits(f)) << "launch " << rep;
+            EXPECT_TRUE(same_weights(f)) << "launch " << rep;
             // The CPU router on the same logits.
             const Tensor lg = on_cpu(f.logits);
             Tensor idx = Tensor::empty({M, c.K}, DType::i32), wts = poisoned({M, c.K}, DType::f32, Device::cpu());
@@ -364,7 +380,7 @@ TEST_F(CudaModelOps, NormRouteFoldsTheRouterIntoItsGemv) {
             stream_synchronize(s, kDev);
             EXPECT_TRUE(test::bitwise_equal(on_cpu(g.h), on_cpu(apart.h))) << "replay " << rep;
             EXPECT_TRUE(test::bitwise_equal(on_cpu(g.idx), on_cpu(apart.idx))) << "replay " << rep;
-            EXPECT_TRUE(test::bitwise_equal(on_cpu(g.wts), on_cpu(apart.wts))) << "replay " << rep;
+            EXPECT_TRUE(same_weights(g)) << "replay " << rep;
           }
         }
       }
