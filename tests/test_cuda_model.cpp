@@ -168,6 +168,227 @@ TEST_F(CudaModelOps, RmsnormMatchesCpuInPlaceAndStrided) {
   }
 }
 
+// The decode step's norm folded into the GEMV after it (norm_linear: one kernel on CUDA) against the ops one by one
+// on the GPU (add_rmsnorm or rmsnorm, then linear's GEMV: the same bits, f32 y through cuBLAS close) and on the CPU:
+// with and without the residual add, weight_before_cast, bias, odd sizes (partial rounds of loads, K split over
+// warps or not, one column), rows up to the GEMV's limit; launched again and again (the last block's count starts
+// at zero each time) and recorded as one kernel in a graph that replays the same bits.
+TEST_F(CudaModelOps, NormLinearFoldsTheNormIntoTheGemv) {
+  struct Case {
+    int64_t M, D, N;
+  };
+  const Stream s = stream_create(kDev);
+  {
+    model::StreamScope scope(s);
+    for (const Case c : {Case{1, 8, 5}, Case{1, 2048, 37}, Case{2, 1000, 700}, Case{3, 264, 2051}, Case{1, 4104, 130},
+                         Case{3, 72, 1}}) {
+      for (DType t : {DType::bf16, DType::f16, DType::f32}) {
+        for (int variant = 0; variant < 4; ++variant) {
+          const bool add = variant & 1, wbc = variant & 2, bias = variant == 1 || variant == 2;
+          SCOPED_TRACE(::testing::Message() << "M=" << c.M << " D=" << c.D << " N=" << c.N << " " << dtype_name(t)
+                                            << " add " << add << " weight_before_cast " << wbc << " bias " << bias);
+          const DType nwt = t == DType::f16 ? DType::f32 : t;  // a norm weight of another type once
+          const Tensor h0 = test::randn({c.M, c.D}, t, rng, 2.0), a0 = test::randn({c.M, c.D}, t, rng);
+          const Tensor nw = test::randn({c.D}, nwt, rng), w = test::randn({c.N, c.D}, t, rng, 0.2);
+          const Tensor b = test::randn({c.N}, t, rng);
+          const float eps = 1e-6f;
+          struct Out {
+            Tensor h, n, y;
+          };
+          auto run = [&](auto&& call, Device d) {
+            Out o{Tensor::copy_of(h0.view(), d), poisoned({c.M, c.D}, t, d), poisoned({c.M, c.N}, t, d)};
+            const Tensor ad = Tensor::copy_of(a0.view(), d), nwd = Tensor::copy_of(nw.view(), d);
+            const Tensor wd = Tensor::copy_of(w.view(), d), bd = Tensor::copy_of(b.view(), d);
+            call(o.h.view(), add ? ad.view() : TensorView(), nwd.view(), o.n.view(), wd.view(),
+                 bias ? bd.view() : TensorView(), o.y.view());
+            stream_synchronize(s, kDev);
+            return o;
+          };
+          auto of = [&](const DeviceOps& ops, bool fused) {
+            return [&ops, fused, eps, wbc](const TensorView& h, const TensorView& a, const TensorView& nwv,
+                                           const TensorView& n, const TensorView& wv, const TensorView& bv,
+                                           const TensorView& y) {
+              if (fused)
+                ops.norm_linear(h, a, nwv, eps, wbc, n, wv, bv, y);
+              else
+                ops.DeviceOps::norm_linear(h, a, nwv, eps, wbc, n, wv, bv, y);
+            };
+          };
+          const Out ref = run(of(cpu(), true), Device::cpu());
+          const Out apart = run(of(gpu(), false), kDev);
+          for (int rep = 0; rep < 2; ++rep) {
+            const Out f = run(of(gpu(), true), kDev);
+            EXPECT_TRUE(test::bitwise_equal(on_cpu(f.h), on_cpu(apart.h))) << "launch " << rep;
+            EXPECT_TRUE(test::bitwise_equal(on_cpu(f.n), on_cpu(apart.n))) << "launch " << rep;
+            if (t != DType::f32)  // both through the GEMV kernels (f32: cuBLAS apart)
+              EXPECT_TRUE(test::bitwise_equal(on_cpu(f.y), on_cpu(apart.y))) << "launch " << rep;
+            EXPECT_LT(dist(f.y, apart.y), tol(t));
+            EXPECT_LT(dist(f.h, ref.h), tol(t));
+            EXPECT_LT(dist(f.n, ref.n), tol(t));
+            EXPECT_LT(dist(f.y, ref.y), tol(t == DType::f32 ? DType::f32 : DType::bf16));
+          }
+          // One kernel in a graph, replayed twice from the same inputs.
+          Out g{on_gpu(h0), poisoned({c.M, c.D}, t, kDev), poisoned({c.M, c.N}, t, kDev)};
+          const Tensor ad = on_gpu(a0), nwd = on_gpu(nw), wd = on_gpu(w), bd = on_gpu(b);
+          auto graph = gpu().capture([&] {
+            gpu().norm_linear(g.h.view(), add ? ad.view() : TensorView(), nwd.view(), eps, wbc, g.n.view(), wd.view(),
+                              bias ? bd.view() : TensorView(), g.y.view());
+          });
+          EXPECT_EQ(model::last_capture_kernel_nodes(), 1);
+          for (int rep = 0; rep < 2; ++rep) {
+            memcpy_any(g.h.data(), kDev, h0.data(), Device::cpu(), h0.nbytes(), s);
+            test::poison(g.y);
+            graph->replay();
+            stream_synchronize(s, kDev);
+            EXPECT_TRUE(test::bitwise_equal(on_cpu(g.h), on_cpu(apart.h))) << "replay " << rep;
+            EXPECT_TRUE(test::bitwise_equal(on_cpu(g.n), on_cpu(apart.n))) << "replay " << rep;
+            EXPECT_LT(dist(g.y, apart.y), tol(t)) << "replay " << rep;
+          }
+        }
+      }
+    }
+    // More rows than the GEMV takes, or operands it does not serve: the ops one by one, same results.
+    const int64_t M = 8, D = 40, N = 9;
+    const Tensor h0 = test::randn({M, D}, DType::bf16, rng), a0 = test::randn({M, D}, DType::bf16, rng);
+    const Tensor nw = test::randn({D}, DType::bf16, rng), w = test::randn({N, D}, DType::bf16, rng);
+    Tensor h1 = on_gpu(h0), h2 = on_gpu(h0), ga = on_gpu(a0), gnw = on_gpu(nw), gw = on_gpu(w);
+    Tensor n1 = poisoned({M, D}, DType::bf16, kDev), n2 = poisoned({M, D}, DType::bf16, kDev);
+    Tensor y1 = poisoned({M, N}, DType::f32, kDev), y2 = poisoned({M, N}, DType::f32, kDev);
+    gpu().norm_linear(h1.view(), ga.view(), gnw.view(), 1e-5f, false, n1.view(), gw.view(), {}, y1.view());
+    gpu().DeviceOps::norm_linear(h2.view(), ga.view(), gnw.view(), 1e-5f, false, n2.view(), gw.view(), {}, y2.view());
+    stream_synchronize(s, kDev);
+    EXPECT_TRUE(test::bitwise_equal(on_cpu(h1), on_cpu(h2)));
+    EXPECT_TRUE(test::bitwise_equal(on_cpu(y1), on_cpu(y2)));
+    // Bad operands are refused before anything runs: the residual stays as it was.
+    const Tensor bad_w = on_gpu(test::randn({N, D + 8}, DType::bf16, rng));
+    EXPECT_THROW(gpu().norm_linear(h1.view(), ga.view(), gnw.view(), 1e-5f, false, n1.view(), bad_w.view(), {},
+                                   y1.view()),
+                 Error);
+    EXPECT_THROW(gpu().norm_linear(h1.view(), ga.view(), on_gpu(test::randn({D - 1}, DType::bf16, rng)).view(), 1e-5f,
+                                   false, n1.view(), gw.view(), {}, y1.view()),
+                 Error);
+    stream_synchronize(s, kDev);
+    EXPECT_TRUE(test::bitwise_equal(on_cpu(h1), on_cpu(h2)));
+  }
+  stream_destroy(s, kDev);
+}
+
+// The router's norm, projection and top-k in one kernel (norm_route) against the ops one by one on the GPU (the
+// same logits, experts and weights, bit for bit) and against the CPU router on the same logits: every router
+// kind, up to 256 experts and top-k 32, tied scores (two equal weight rows: the lower expert goes first), rows up
+// to 8 (bf16; f32 rows up to the GEMV's limit), repeated launches and graph replays.
+TEST_F(CudaModelOps, NormRouteFoldsTheRouterIntoItsGemv) {
+  struct Case {
+    RouterKind kind;
+    int64_t E, K, n_group, topk_group;
+    bool norm;
+  };
+  const Case cases[] = {
+      {RouterKind::softmax_topk, 60, 4, 1, 1, false},   {RouterKind::softmax_topk, 128, 8, 1, 1, true},
+      {RouterKind::topk_softmax, 8, 2, 1, 1, false},    {RouterKind::topk_softmax, 32, 4, 1, 1, false},
+      {RouterKind::grouped_sigmoid, 256, 8, 8, 4, true}, {RouterKind::grouped_sigmoid, 64, 6, 4, 2, false},
+      {RouterKind::softmax_topk, 256, 32, 1, 1, true},
+  };
+  const Stream s = stream_create(kDev);
+  {
+    model::StreamScope scope(s);
+    for (const Case& c : cases) {
+      for (DType t : {DType::bf16, DType::f32}) {
+        for (int64_t M : {1, 3, 8}) {
+          const bool add = M != 3;
+          const int64_t D = 200;
+          SCOPED_TRACE(::testing::Message() << "kind " << int(c.kind) << " E=" << c.E << " K=" << c.K << " M=" << M
+                                            << " " << dtype_name(t) << " add " << add);
+          const model::RouterSpec spec{c.kind, c.K, c.norm, 2.5f, c.n_group, c.topk_group};
+          const Tensor h0 = test::randn({M, D}, t, rng, 2.0), a0 = test::randn({M, D}, t, rng);
+          const Tensor nw = test::randn({D}, t, rng);
+          Tensor w = test::randn({c.E, D}, DType::f32, rng, 0.1);
+          for (int64_t k = 0; k < D; ++k) {  // experts 2 and 5 (same group when grouped) tie, and score high
+            w.ptr<float>()[2 * D + k] *= 3.0f;
+            w.ptr<float>()[5 * D + k] = w.ptr<float>()[2 * D + k];
+          }
+          const Tensor rb = test::randn({c.E}, DType::f32, rng, 0.3);
+          const bool with_bias = c.kind == RouterKind::grouped_sigmoid;
+          const Tensor gnw = on_gpu(nw), gw = on_gpu(w), grb = on_gpu(rb), ga = on_gpu(a0);
+          struct Out {
+            Tensor h, n, logits, idx, wts;
+          };
+          auto run = [&](bool fused) {
+            Out o{on_gpu(h0), poisoned({M, D}, t, kDev), poisoned({M, c.E}, DType::f32, kDev),
+                  Tensor::zeros({M, c.K}, DType::i32, kDev), poisoned({M, c.K}, DType::f32, kDev)};
+            auto call = [&](const DeviceOps& ops) {
+              ops.norm_route(o.h.view(), add ? ga.view() : TensorView(), gnw.view(), 1e-6f, false, o.n.view(),
+                             gw.view(), {}, o.logits.view(), with_bias ? grb.view() : TensorView(), spec, o.idx.view(),
+                             o.wts.view());
+            };
+            if (fused) {
+              call(gpu());
+            } else {  // the norm, the projection and the router, one op each
+              if (add)
+                gpu().add_rmsnorm(o.h.view(), ga.view(), gnw.view(), 1e-6f, false, o.n.view());
+              else
+                gpu().rmsnorm(o.h.view(), gnw.view(), 1e-6f, false, o.n.view());
+              gpu().linear(o.n.view(), gw.view(), {}, o.logits.view());
+              gpu().route(o.logits.view(), with_bias ? grb.view() : TensorView(), spec, o.idx.view(), o.wts.view());
+            }
+            stream_synchronize(s, kDev);
+            return o;
+          };
+          const Out apart = run(false);
+          // f32 logits apart come from cuBLAS: close, and the same experts (the tie is a tie either way).
+          const bool exact = t != DType::f32;
+          auto same_logits = [&](const Out& got) {
+            if (exact) return test::bitwise_equal(on_cpu(got.logits), on_cpu(apart.logits));
+            return dist(got.logits, apart.logits) < 2e-6;
+          };
+          auto same_weights = [&](const Out& got) {
+            if (exact) return test::bitwise_equal(on_cpu(got.wts), on_cpu(apart.wts));
+            return dist(got.wts, apart.wts) < 1e-6;
+          };
+          for (int rep = 0; rep < 2; ++rep) {
+            const Out f = run(true);
+            EXPECT_TRUE(test::bitwise_equal(on_cpu(f.h), on_cpu(apart.h))) << "launch " << rep;
+            EXPECT_TRUE(test::bitwise_equal(on_cpu(f.n), on_cpu(apart.n))) << "launch " << rep;
+            EXPECT_TRUE(test::bitwise_equal(on_cpu(f.idx), on_cpu(apart.idx))) << "launch " << rep;
+            EXPECT_TRUE(same_logits(f)) << "launch " << rep;
+            EXPECT_TRUE(same_weights(f)) << "launch " << rep;
+            // The CPU router on the same logits.
+            const Tensor lg = on_cpu(f.logits);
+            Tensor idx = Tensor::empty({M, c.K}, DType::i32), wts = poisoned({M, c.K}, DType::f32, Device::cpu());
+            cpu().route(lg.view(), with_bias ? rb.view() : TensorView(), spec, idx.view(), wts.view());
+            EXPECT_TRUE(test::bitwise_equal(on_cpu(f.idx), idx)) << "launch " << rep;
+            EXPECT_LT(dist(f.wts, wts), 1e-6);
+          }
+          // A graph of it: one kernel, replayed twice.
+          Out g{on_gpu(h0), poisoned({M, D}, t, kDev), poisoned({M, c.E}, DType::f32, kDev),
+                Tensor::zeros({M, c.K}, DType::i32, kDev), poisoned({M, c.K}, DType::f32, kDev)};
+          auto graph = gpu().capture([&] {
+            gpu().norm_route(g.h.view(), add ? ga.view() : TensorView(), gnw.view(), 1e-6f, false, g.n.view(),
+                             gw.view(), {}, g.logits.view(), with_bias ? grb.view() : TensorView(), spec, g.idx.view(),
+                             g.wts.view());
+          });
+          if (t != DType::f32 || M <= model::gemv_max_rows())
+            EXPECT_EQ(model::last_capture_kernel_nodes(), 1);
+          else  // f32 rows past the GEMV's limit: the ops one by one
+            EXPECT_GE(model::last_capture_kernel_nodes(), 3);
+          const Tensor no_idx = Tensor::zeros({M, c.K}, DType::i32);
+          for (int rep = 0; rep < 2; ++rep) {
+            memcpy_any(g.h.data(), kDev, h0.data(), Device::cpu(), h0.nbytes(), s);
+            test::poison(g.wts);
+            memcpy_any(g.idx.data(), kDev, no_idx.data(), Device::cpu(), g.idx.nbytes(), s);
+            graph->replay();
+            stream_synchronize(s, kDev);
+            EXPECT_TRUE(test::bitwise_equal(on_cpu(g.h), on_cpu(apart.h))) << "replay " << rep;
+            EXPECT_TRUE(test::bitwise_equal(on_cpu(g.idx), on_cpu(apart.idx))) << "replay " << rep;
+            EXPECT_TRUE(same_weights(g)) << "replay " << rep;
+          }
+        }
+      }
+    }
+  }
+  stream_destroy(s, kDev);
+}
+
 TEST_F(CudaModelOps, RopeMatchesCpuWithHostAndDevicePositions) {
   RopeConfig rc;
   rc.theta = 10000.0;
@@ -669,6 +890,64 @@ TEST(CudaModel, FusedDecodeStepMatchesTheUnfusedOne) {
     if (name != "deepseek_v3") EXPECT_LT(kernels[1], kernels[0]);  // MLA has no fused form
   }
   model::set_fused_decode(was);
+}
+
+// The decode step with its norms folded into the projections after them (the router's top-k too; the final norm
+// into lm_head or not) against the norms run apart (MOEKIT_DECODE_FUSE), graphs on: transformers' greedy tokens
+// on every fixture model each way, the same tokens for two sequences decoded together, and per step as many
+// kernels fewer as norms and routers folded; in bf16 (the GEMV on both sides) one decode step's logits are the
+// same bits.
+TEST(CudaModel, DecodeStepWithFoldedNormsMatchesTheNormsApart) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  const int was = model::decode_fuse();
+  const int modes[3] = {model::kDecodeFuseOff, model::kDecodeFuseLayers, model::kDecodeFuseAll};
+  for (const std::string& name : test::fixture_models()) {
+    SCOPED_TRACE(name);
+    const std::string dir = test::models_dir() + "/" + name;
+    const auto ref = SafetensorsFile::open(dir + "/reference.safetensors");
+    const Tensor ids = ref.get("input_ids"), gen = ref.get("generated_ids");
+    const int64_t L = ids.size(1), n_new = gen.size(1) - L;
+    const std::vector<int64_t> expect(gen.ptr<int64_t>() + L, gen.ptr<int64_t>() + gen.size(1));
+    std::vector<std::vector<GenerationResult>> batched;
+    int64_t kernels[3] = {0, 0, 0}, folded = 1;  // kernel nodes of one decode step's graph; launches folded
+    std::vector<Tensor> step_logits;
+    for (int i = 0; i < 3; ++i) {
+      SCOPED_TRACE(::testing::Message() << "MOEKIT_DECODE_FUSE=" << modes[i]);
+      model::set_decode_fuse(modes[i]);
+      Model model = Model::from_pretrained(dir, ModelOptions{.device = kDev, .dtype = DType::f32, .cuda_graph = true});
+      model.set_experts_implementation("batched_mm");
+      GenerationConfig gc;
+      gc.max_new_tokens = n_new;
+      gc.min_new_tokens = n_new;
+      const GenerationResult res = model.generate(test::row_ids(ids, 0), gc);
+      EXPECT_EQ(res.tokens, expect);
+      EXPECT_GT(res.graph_replays, 0);
+      kernels[i] = model::last_capture_kernel_nodes();
+      const std::vector<int64_t> p0 = test::row_ids(ids, 0);
+      const std::vector<int64_t> p1(p0.begin(), p0.begin() + std::max<int64_t>(1, L - 2));
+      batched.push_back(model.generate_batch({p0, p1}, gc));
+      ASSERT_EQ(batched.back().size(), 2u);
+      if (i == 0) {
+        const TextConfig& c = model.config().text;
+        for (int64_t l = 0; l < c.num_hidden_layers; ++l)  // input norm (not MLA's), post-attention norm, router
+          folded += (c.mla ? 0 : 1) + 1 + (c.moe_layer[size_t(l)] ? 1 : 0);
+      }
+      if (modes[i] != model::kDecodeFuseLayers) {  // bf16: the first token's decode step, alone
+        Model m16 = Model::from_pretrained(dir, ModelOptions{.device = kDev, .dtype = DType::bf16});
+        step_logits.push_back(m16.logits({expect[0]}));
+      }
+    }
+    for (int i = 1; i < 3; ++i)
+      for (size_t q = 0; q < 2; ++q) EXPECT_EQ(batched[size_t(i)][q].tokens, batched[0][q].tokens) << "sequence " << q;
+    std::printf("  %-14s decode step kernels (one sequence): norms apart %lld, folded but the final one %lld, "
+                "all folded %lld\n",
+                name.c_str(), (long long)kernels[0], (long long)kernels[1], (long long)kernels[2]);
+    EXPECT_EQ(kernels[0] - kernels[2], folded);
+    EXPECT_EQ(kernels[1], kernels[2] + 1);
+    ASSERT_EQ(step_logits.size(), 2u);
+    EXPECT_TRUE(test::bitwise_equal(step_logits[0], step_logits[1]));
+  }
+  model::set_decode_fuse(was);
 }
 
 // The decode step's kernels with Programmatic Dependent Launch (each starts while the one before finishes; the

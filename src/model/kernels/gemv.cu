@@ -5,6 +5,7 @@
 // memory, added in warp order (deterministic).
 #include "base/cuda_pdl.cuh"
 #include "model/kernels/layer_device.cuh"
+#include "model/kernels/route_device.cuh"
 
 namespace moekit::model::kernels {
 namespace {
@@ -77,6 +78,45 @@ __device__ __forceinline__ void gemv_round(const WT* (&rows)[kGemvRows], const X
 #pragma unroll
         for (int m = 0; m < MR; ++m) acc[m][r] = fmaf(xp[u][m][v], wv, acc[m][r]);
       }
+}
+
+// gemv_round with x in shared memory: the weight pieces loaded first (all in flight), then each x piece read from
+// shared memory just before its multiplies; the same products in the same order.
+template <class XT, class WT, int MR, int U, bool GUARD>
+__device__ __forceinline__ void gemv_round_xs(const WT* (&rows)[kGemvRows], const XT* (&xr)[MR], int64_t base,
+                                              int64_t k_end, float (&acc)[MR][kGemvRows]) {
+  constexpr int VEC = 16 / sizeof(WT);
+  constexpr int64_t kStep = 32 * VEC;
+  Piece<WT, VEC> wp[U][kGemvRows];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const bool in = !GUARD || base + u * kStep < k_end;
+    const int64_t i = in ? base + u * kStep : base;
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r) {
+      wp[u][r].load(rows[r] + i);
+      if (!in) wp[u][r].zero();
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const bool in = !GUARD || base + u * kStep < k_end;
+    const int64_t i = in ? base + u * kStep : base;
+    Piece<XT, VEC> xp[MR];
+#pragma unroll
+    for (int m = 0; m < MR; ++m) {
+      xp[m].load(xr[m] + i);
+      if (!in) xp[m].zero();
+    }
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r)
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        const float wv = wp[u][r][v];
+#pragma unroll
+        for (int m = 0; m < MR; ++m) acc[m][r] = fmaf(xp[m][v], wv, acc[m][r]);
+      }
+  }
 }
 
 // Block: kWarps / ksplit column groups of kGemvRows columns; warp w takes group w / ksplit and the K slice
@@ -173,7 +213,210 @@ cudaError_t launch(const void* x, int64_t ldx, const void* w, const void* bias, 
 #undef MOEKIT_GEMV_CASE
 }
 
+// ---- the norm folded in (norm_gemv) ----
+
+template <class T>
+__device__ __forceinline__ T to_elem(float v);
+template <>
+__device__ __forceinline__ float to_elem<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ bf16 to_elem<bf16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ f16 to_elem<f16>(float v) {
+  return __float2half_rn(v);
+}
+
+// Element i of a residual row: round(h + a) as add_rmsnorm stores it, or h alone.
+template <class XT>
+__device__ __forceinline__ float residual(const XT* h, const XT* a, int t, int64_t i) {
+  const float hv = Elem<XT>::f(h[i]);
+  return a ? round_as(t, hv + Elem<XT>::f(a[i])) : hv;
+}
+
+constexpr int kRoutePer = kNormGemvMaxExperts / 32;  // router values per lane
+
+// gemv_kernel with the norm in front: the warp's first round of weight lines is prefetched into L2 before the PDL
+// wait (the weights are constant), so that their fetch overlaps the wait and the norm; then every row of x is
+// normalized into shared memory, with the norm kernels' summation order (thread vt of their nt-thread block sums
+// elements vt, vt + nt, ...; warp sums; warps in order); then gemv_kernel's rounds over the same pieces in the same
+// order. Last, with p.counter, the grid's last block (the one whose increment completes the count) writes the
+// residual and routes; it resets the counter for the next launch. Every counter access follows the PDL wait, so
+// launches on one stream never use it at the same time.
+template <class XT, class WT, int MR, bool ROUTE>
+__global__ void __launch_bounds__(kThreads, MR == 1 ? 4 : MR == 2 ? 3 : 1)
+    norm_gemv_kernel(const NormGemvArgs p, int ksplit, int64_t slice, int nt) {
+  constexpr int VEC = 16 / sizeof(WT);
+  // Two pieces of each row in flight per lane (gemv_kernel: four up to two rows), which keeps the kernel at 64
+  // registers for one row (ptxas holds x's pieces from shared memory longer than from global memory); the products
+  // and their order are gemv_kernel's whatever the pieces per round.
+  constexpr int U = 2;
+  constexpr int64_t kStep = 32 * VEC;
+  extern __shared__ __align__(16) unsigned char norm_gemv_smem[];
+  XT* xs = reinterpret_cast<XT*>(norm_gemv_smem);  // [M, K]: the normalized rows
+  __shared__ float part[kWarps][MR][kGemvRows];
+  __shared__ float red[32];
+  __shared__ int last;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int groups = kWarps / ksplit;
+  const int group = warp / ksplit, ks = warp % ksplit;
+  const int M = p.M;
+  const int64_t N = p.N, K = p.K;
+  const int64_t col0 = (int64_t(blockIdx.x) * groups + group) * kGemvRows;
+  const WT* w = static_cast<const WT*>(p.w);
+  const WT* rows[kGemvRows];
+#pragma unroll
+  for (int r = 0; r < kGemvRows; ++r) rows[r] = w + min(col0 + r, N - 1) * K;
+  const int64_t k_end = min(K, (ks + 1) * slice);
+  const int64_t k0 = ks * slice, k1 = min(k_end, k0 + 4 * kStep);  // this warp's first rounds
+  if (k0 < k1) {
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r)
+      if (col0 + r < N) cuda::prefetch_l2(rows[r] + k0, (k1 - k0) * int64_t(sizeof(WT)), lane, 32);
+  }
+  cuda::pdl_wait();  // PDL: h, a and the counter are the kernels' before
+  cuda::pdl_trigger();
+
+  const XT* h = static_cast<const XT*>(p.h);
+  const XT* a = static_cast<const XT*>(p.a);
+  for (int m = 0; m < M; ++m) {
+    const XT* hr = h + m * K;
+    const XT* ar = a ? a + m * K : nullptr;
+    for (int vt0 = 0; vt0 < nt; vt0 += kThreads) {
+      const int vt = vt0 + int(threadIdx.x);
+      if (vt < nt) {  // nt is a multiple of 32: whole warps
+        float ss = 0.0f;
+        for (int64_t i = vt; i < K; i += nt) ss = sum_sq(ss, residual(hr, ar, p.xt, i));
+        ss = warp_sum(ss);
+        if (lane == 0) red[vt / 32] = ss;
+      }
+    }
+    __syncthreads();
+    float sum = 0.0f;
+    for (int q = 0; q < nt / 32; ++q) sum += red[q];
+    const float inv = norm_inv(sum, K, p.eps);
+    for (int64_t i = threadIdx.x; i < K; i += kThreads) {
+      const XT v = to_elem<XT>(normed(residual(hr, ar, p.xt, i), inv, ld(p.norm_w, p.nwt, i), p.xt,
+                                      p.weight_before_cast ? 1 : 0));
+      xs[m * K + i] = v;
+      if (blockIdx.x == 0) static_cast<XT*>(p.n)[m * K + i] = v;
+    }
+    __syncthreads();  // red is the next row's; xs is complete
+  }
+
+  const XT* xr[MR];
+#pragma unroll
+  for (int m = 0; m < MR; ++m) xr[m] = xs + (m < M ? m : 0) * K;
+  float acc[MR][kGemvRows];
+#pragma unroll
+  for (int m = 0; m < MR; ++m)
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r) acc[m][r] = 0.0f;
+  int64_t base = k0 + int64_t(lane) * VEC;
+  for (; base + (U - 1) * kStep < k_end; base += kStep * U)
+    gemv_round_xs<XT, WT, MR, U, false>(rows, xr, base, k_end, acc);
+  if (base < k_end) gemv_round_xs<XT, WT, MR, U, true>(rows, xr, base, k_end, acc);
+#pragma unroll
+  for (int m = 0; m < MR; ++m)
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r) acc[m][r] = warp_sum(acc[m][r]);
+  if (lane == 0) {
+#pragma unroll
+    for (int m = 0; m < MR; ++m)
+#pragma unroll
+      for (int r = 0; r < kGemvRows; ++r) part[warp][m][r] = acc[m][r];
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < groups * MR * kGemvRows; j += kThreads) {
+    const int g = j / (MR * kGemvRows), m = (j / kGemvRows) % MR, r = j % kGemvRows;
+    const int64_t c = (int64_t(blockIdx.x) * groups + g) * kGemvRows + r;
+    if (m >= M || c >= N) continue;
+    float s = 0.0f;
+    for (int q = 0; q < ksplit; ++q) s += part[g * ksplit + q][m][r];
+    if (p.bias) s += ld(p.bias, p.bt, c);
+    st(p.y, p.yt, m * N + c, s);
+  }
+
+  if (!p.counter) return;
+  __threadfence();  // this block's y, before its count
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(p.counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // every block's y, after the count
+  if (a) {  // every block has read h by now
+    XT* hw = static_cast<XT*>(p.h);
+    for (int64_t i = threadIdx.x; i < int64_t(M) * K; i += kThreads)
+      hw[i] = to_elem<XT>(round_as(p.xt, Elem<XT>::f(hw[i]) + Elem<XT>::f(a[i])));
+  }
+  if constexpr (ROUTE) {
+    for (int t = warp; t < M; t += kWarps)
+      route_row<kRoutePer>(static_cast<const float*>(p.y) + t * N, p.route_bias, int(N), p.top_k, p.kind,
+                           p.norm_topk ? 1 : 0, p.scale, p.n_group, p.topk_group, p.index + t * p.top_k,
+                           p.weights + t * p.top_k);
+  }
+  if (threadIdx.x == 0) atomicExch(p.counter, 0u);
+}
+
+template <class XT, class WT, bool ROUTE>
+cudaError_t launch_norm(const NormGemvArgs& p, int sms, cudaStream_t s) {
+  constexpr int VEC = 16 / sizeof(WT);
+  const int64_t N = p.N, K = p.K;
+  int ksplit = 1;  // as launch()
+  while (ksplit < kWarps && (N + int64_t(kWarps / ksplit) * kGemvRows - 1) / (int64_t(kWarps / ksplit) * kGemvRows) <
+                                int64_t(4) * sms)
+    ksplit *= 2;
+  const int64_t step = 32 * VEC;
+  const int64_t slice = ((K + ksplit - 1) / ksplit + step - 1) / step * step;
+  const int64_t cols_per_block = int64_t(kWarps / ksplit) * kGemvRows;
+  const int64_t blocks = (N + cols_per_block - 1) / cols_per_block;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  const size_t smem = size_t(p.M) * size_t(K) * sizeof(XT);
+  const int nt = norm_threads(K);
+  const bool pdl = cuda::pdl_enabled();
+#define MOEKIT_NORM_GEMV_CASE(MR)                                                                              \
+  return cuda::launch_pdl(pdl, norm_gemv_kernel<XT, WT, MR, ROUTE>, dim3(unsigned(blocks)), dim3(kThreads), smem, s, \
+                          p, ksplit, slice, nt);
+  switch (p.M <= 1 ? 1 : p.M <= 2 ? 2 : p.M <= 4 ? 4 : 8) {
+    case 1: MOEKIT_NORM_GEMV_CASE(1)
+    case 2: MOEKIT_NORM_GEMV_CASE(2)
+    case 4: MOEKIT_NORM_GEMV_CASE(4)
+    default: MOEKIT_NORM_GEMV_CASE(8)
+  }
+#undef MOEKIT_NORM_GEMV_CASE
+}
+
 }  // namespace
+
+bool norm_gemv_ok(const NormGemvArgs& a) {
+  if (a.M < 1 || a.M > kGemvMaxM || a.K < 1 || a.N < 1 || !a.h || !a.norm_w || !a.n || !a.w || !a.y) return false;
+  if (a.xt != kF32 && a.xt != kBF16 && a.xt != kF16) return false;
+  if (a.route ? a.wt != kF32 : a.wt != a.xt) return false;  // the router's weights are f32; others x's type
+  const int64_t es = a.xt == kF32 ? 4 : 2;
+  const int64_t vec = a.wt == kF32 ? 4 : 8;  // elements per 16-byte weight piece
+  if (a.K % vec != 0 || reinterpret_cast<uintptr_t>(a.w) % 16 != 0) return false;
+  if (size_t(a.M) * size_t(a.K) * size_t(es) > kNormGemvMaxSmem) return false;
+  if ((a.a || a.route) && !a.counter) return false;
+  if (a.route && (a.yt != kF32 || a.N > kNormGemvMaxExperts || a.top_k < 1 || a.top_k > kRouteMaxK ||
+                  a.top_k > a.N || a.n_group < 1 || a.n_group > kRouteMaxGroups || !a.index || !a.weights))
+    return false;
+  return true;
+}
+
+cudaError_t norm_gemv(const NormGemvArgs& a, int sms, cudaStream_t s) {
+  if (!norm_gemv_ok(a)) return cudaErrorInvalidValue;
+  if (a.route) {
+    if (a.xt == kF32) return launch_norm<float, float, true>(a, sms, s);
+    if (a.xt == kBF16) return launch_norm<bf16, float, true>(a, sms, s);
+    return launch_norm<f16, float, true>(a, sms, s);
+  }
+  if (a.xt == kF32) return launch_norm<float, float, false>(a, sms, s);
+  if (a.xt == kBF16) return launch_norm<bf16, bf16, false>(a, sms, s);
+  return launch_norm<f16, f16, false>(a, sms, s);
+}
 
 bool gemv_ok(const void* x, int xt, int64_t ldx, const void* w, int wt, int M, int64_t K) {
   if (M < 1 || M > kGemvMaxM || K < 1) return false;
