@@ -19,7 +19,8 @@
 # variables set, beside the default, as ab-SHAPE--LABEL. The switches: MOEKIT_AMX_OVERLAP=0|1|2 (the amx tile's
 # order: single pass; k in chunks with the next panel pair prefetched into L2 by the row blocks after the first (1)
 # or by all (2); by default 2 from 24 rows per expert on, else 0), MOEKIT_BF16_AHEAD=N (the AVX512-BF16 tile's
-# prefetch distance in k pairs at decode sizes; default 32).
+# prefetch distance in k pairs at decode sizes; default 32), MOEKIT_BF16_STREAMS=4|8 (its panels in lockstep at decode
+# sizes; default 8), MOEKIT_AMX_KC, MOEKIT_AMX_PF_PAIRS, MOEKIT_AMX_AHEAD_MEM, MOEKIT_BF16_TASKS (README).
 # deepseek-v3 for both engines in a ~4 minute call: SHAPES=deepseek-v3 BUDGET_S=200 (its 22.5 GB of experts take
 # about 10 s to create in each engine).
 set -uo pipefail

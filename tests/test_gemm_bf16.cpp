@@ -69,7 +69,9 @@ const Dims kDims[] = {{1, 1, 1},     {1, 37, 33},  {2, 16, 32},   {3, 130, 47}, 
                       {8, 16, 31},   {9, 50, 65},  {16, 32, 64},  {17, 17, 257}, {31, 100, 96}, {33, 45, 513},
                       {47, 161, 70}, {64, 64, 1030}, {100, 48, 300}, {130, 129, 33},
                       // k in several chunks on the amx tile (rows of A and two panel pairs over half of L2)
-                      {96, 72, 4200}, {200, 40, 2100}};
+                      {96, 72, 4200}, {200, 40, 2100},
+                      // decode sizes: 5-13 panels read in lockstep, 4-6 rows in k chunks with the stream ahead
+                      {1, 120, 4100}, {2, 250, 700}, {4, 200, 300}, {6, 129, 1030}};
 
 }  // namespace
 

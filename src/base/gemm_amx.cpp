@@ -23,7 +23,13 @@ namespace moekit::cpu {
 namespace {
 
 constexpr int64_t kAhead = 2;     // B prefetch distance in 32-k steps (B in L2)
-constexpr int64_t kAheadMem = 8;  // the same for the first row block of a panel pair, whose B comes from memory
+// The same for the first row block of a panel pair, whose B comes from memory: 8 steps (16 KiB of the pair);
+// MOEKIT_AMX_AHEAD_MEM=N (1 to 64) sets it for A/B runs.
+const int64_t kAheadMem = [] {
+  const char* v = std::getenv("MOEKIT_AMX_AHEAD_MEM");
+  const long n = v ? std::strtol(v, nullptr, 10) : 0;
+  return n >= 1 && n <= 64 ? int64_t(n) : int64_t(8);
+}();
 constexpr int64_t kAmxOverlapRows = 24;  // from this many rows on, the overlapped order (gemm_bf16_tile_amx)
 
 struct alignas(64) TileConfig {
@@ -488,7 +494,22 @@ void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedB
   const int set = g_amx_overlap.load(std::memory_order_relaxed);
   const int overlap = set >= 0 ? set : forced >= 0 ? forced : (m >= kAmxOverlapRows ? 2 : 0);
   const int64_t row_blocks = (m + 31) / 32;
-  const int64_t kc_max = overlap ? std::max<int64_t>(256, (1 << 20) / (2 * m + 128) / 32 * 32) : kp;
+  // MOEKIT_AMX_KC=N (k per chunk, 32 to 65536) sets the overlapped order's chunk for A/B runs: short chunks keep a
+  // panel pair's chunk in L1 over the row blocks (C accumulated in place across chunks).
+  static const int64_t kc_forced = [] {
+    const char* v = std::getenv("MOEKIT_AMX_KC");
+    const long n = v ? std::strtol(v, nullptr, 10) : 0;
+    return n >= 32 && n <= 65536 ? int64_t(n) / 32 * 32 : int64_t(0);
+  }();
+  // MOEKIT_AMX_PF_PAIRS=D (1 to 4): the overlapped order streams the panel pair D pairs on into L2 (D > 1 only in a
+  // single chunk, where the panels are one contiguous range; the first pair also fetches the pairs before that).
+  static const int64_t pf_pairs = [] {
+    const char* v = std::getenv("MOEKIT_AMX_PF_PAIRS");
+    const long n = v ? std::strtol(v, nullptr, 10) : 0;
+    return n >= 1 && n <= 4 ? int64_t(n) : int64_t(1);
+  }();
+  const int64_t kc_max =
+      overlap ? (kc_forced ? kc_forced : std::max<int64_t>(256, (1 << 20) / (2 * m + 128) / 32 * 32)) : kp;
   const int64_t chunks = (kp + kc_max - 1) / kc_max, kc = ((kp + chunks - 1) / chunks + 31) / 32 * 32;
   struct Unit {  // the B of one panel pair over one k chunk: two byte ranges (none past the last)
     const char *a0 = nullptr, *a1 = nullptr, *b0 = nullptr, *b1 = nullptr;
@@ -515,7 +536,14 @@ void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedB
       const uint16_t* b0 = b + p * panel_stride;
       const uint16_t* b1 = b0 + panel_stride;
       const int64_t pf_blocks = overlap == 2 ? row_blocks : row_blocks - 1;  // the row blocks that prefetch
-      const Unit next = pf_blocks > 0 ? unit(p + 2, k0) : Unit{};
+      Unit next = pf_blocks > 0 ? unit(p + 2, k0) : Unit{};
+      if (pf_pairs > 1 && chunks == 1 && pf_blocks > 0) {  // panels [p + 2 D, p + 2 D + 2), from p + 2 at p = 0
+        const int64_t from = std::min(panels, p == 0 ? 2 : p + 2 * pf_pairs);
+        const int64_t to = std::min(panels, p + 2 * pf_pairs + 2);
+        const auto* base = reinterpret_cast<const char*>(b);
+        next = Unit{};
+        if (from < to) next.a0 = base + from * panel_stride * 2, next.a1 = base + to * panel_stride * 2;
+      }
       const int64_t next_lines = overlap ? next.lines() : 0;
       const int64_t per_block = pf_blocks > 0 ? (next_lines + pf_blocks - 1) / pf_blocks : 0;
       for (int64_t i = 0; i < m; i += 32) {

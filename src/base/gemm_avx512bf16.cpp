@@ -24,15 +24,26 @@ const int64_t kAhead = [] {
   const long n = v ? std::strtol(v, nullptr, 10) : 0;
   return n >= 1 && n <= 256 ? int64_t(n) : int64_t(32);
 }();
+// Panels read in lockstep at decode sizes (up to 2 kMR8 rows): 8 (the read test's best pattern on the 16-core
+// host: 8 streams per thread, 145 GB/s) or 4 (the former order, kNP panels for every row count: 111-119 GB/s in the
+// experts' decode cells there). MOEKIT_BF16_STREAMS=4|8 sets it for A/B runs.
+constexpr int kMR8 = 3;            // 3 rows x 8 panels = 24 accumulators
+constexpr int64_t kChunk8 = 32;    // k pairs per chunk for 4-6 rows: 8 panels x 32 pairs x 64 B = 16 KiB in L1
+const int kStreams = [] {
+  const char* v = std::getenv("MOEKIT_BF16_STREAMS");
+  return v && v[0] == '4' && v[1] == 0 ? 4 : 8;
+}();
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
 inline __mmask16 cols_mask(int64_t cols) { return cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1u); }
 
-// C[MR, NP panels] (acc ? += : =) A[MR, pairs q0..q1) x B; `last` masks the columns of the last panel.
+// C[MR, NP panels] (acc ? += : =) A[MR, pairs q0..q1) x B; `last` masks the columns of the last panel. B is
+// prefetched kAhead pairs ahead while that stays below pair pf_end (q1, or the panels' end when the pass over this
+// chunk streams them for the row blocks after it).
 template <int MR, int NP>
 inline void micro(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t panel_stride, int64_t q0, int64_t q1,
-                  float* c, int64_t ldc, bool acc, __mmask16 last) {
+                  int64_t pf_end, float* c, int64_t ldc, bool acc, __mmask16 last) {
   __m512 s[MR][NP];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
@@ -44,7 +55,7 @@ inline void micro(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t pan
     // Fetch each panel kAhead pairs (cache lines) ahead: at decode sizes (every row count up to kMR, one pass over
     // all of k) the weights stream from memory; in later row blocks the lines are in L1 already and the prefetch is
     // cheap beside the MR x NP dot products.
-    if (q + kAhead < q1) {
+    if (q + kAhead < pf_end) {
 #pragma GCC unroll 8
       for (int v = 0; v < NP; ++v)
         _mm_prefetch(reinterpret_cast<const char*>(b + v * panel_stride + (q + kAhead) * 32), _MM_HINT_T0);
@@ -70,12 +81,21 @@ inline void micro(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t pan
 
 template <int MR>
 void micro_np(int64_t np, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t panel_stride, int64_t q0,
-              int64_t q1, float* c, int64_t ldc, bool acc, __mmask16 last) {
+              int64_t q1, int64_t pf_end, float* c, int64_t ldc, bool acc, __mmask16 last) {
+  if constexpr (MR <= kMR8) {  // more than kNP panels only here (row blocks of at most kMR8 rows)
+    switch (np) {
+      case 8: micro<MR, 8>(a, lda, b, panel_stride, q0, q1, pf_end, c, ldc, acc, last); return;
+      case 7: micro<MR, 7>(a, lda, b, panel_stride, q0, q1, pf_end, c, ldc, acc, last); return;
+      case 6: micro<MR, 6>(a, lda, b, panel_stride, q0, q1, pf_end, c, ldc, acc, last); return;
+      case 5: micro<MR, 5>(a, lda, b, panel_stride, q0, q1, pf_end, c, ldc, acc, last); return;
+      default: break;
+    }
+  }
   switch (np) {
-    case 4: micro<MR, 4>(a, lda, b, panel_stride, q0, q1, c, ldc, acc, last); break;
-    case 3: micro<MR, 3>(a, lda, b, panel_stride, q0, q1, c, ldc, acc, last); break;
-    case 2: micro<MR, 2>(a, lda, b, panel_stride, q0, q1, c, ldc, acc, last); break;
-    default: micro<MR, 1>(a, lda, b, panel_stride, q0, q1, c, ldc, acc, last); break;
+    case 4: micro<MR, 4>(a, lda, b, panel_stride, q0, q1, pf_end, c, ldc, acc, last); break;
+    case 3: micro<MR, 3>(a, lda, b, panel_stride, q0, q1, pf_end, c, ldc, acc, last); break;
+    case 2: micro<MR, 2>(a, lda, b, panel_stride, q0, q1, pf_end, c, ldc, acc, last); break;
+    default: micro<MR, 1>(a, lda, b, panel_stride, q0, q1, pf_end, c, ldc, acc, last); break;
   }
 }
 
@@ -93,6 +113,31 @@ void gemm_bf16_tile_avx512bf16(const uint16_t* a, int64_t lda, int64_t m, const 
       for (int64_t j = 0; j < n1 - n0; ++j) cb[i * ldc + j] = 0.0f;
     return;
   }
+  if (kStreams == 8 && m <= 2 * kMR8) {
+    // Decode sizes, kStreams panels at once: up to kMR8 rows in one pass over all of k (each panel read once, a
+    // sequential stream); up to 2 kMR8 rows in two row blocks per chunk of kChunk8 pairs, the first streaming the
+    // panels (prefetched across its chunks' ends) and the second reading them from L1.
+    const int64_t chunk = m <= kMR8 ? pairs : kChunk8;
+    for (int64_t p = 0; p < panels; p += kStreams) {
+      const int64_t np = panels - p < kStreams ? panels - p : kStreams;
+      const __mmask16 last = cols_mask(p + np == panels ? last_cols : 16);
+      const uint16_t* bp = b + p * panel_stride;
+      for (int64_t q0 = 0; q0 < pairs; q0 += chunk) {
+        const int64_t q1 = q0 + chunk < pairs ? q0 + chunk : pairs;
+        for (int64_t i = 0; i < m; i += kMR8) {
+          const uint16_t* ai = a + i * lda;
+          float* ci = cb + i * ldc + p * 16;
+          const int64_t pf_end = i == 0 ? pairs : q1;
+          switch (m - i < kMR8 ? m - i : kMR8) {
+            case 3: micro_np<3>(np, ai, lda, bp, panel_stride, q0, q1, pf_end, ci, ldc, q0 > 0, last); break;
+            case 2: micro_np<2>(np, ai, lda, bp, panel_stride, q0, q1, pf_end, ci, ldc, q0 > 0, last); break;
+            default: micro_np<1>(np, ai, lda, bp, panel_stride, q0, q1, pf_end, ci, ldc, q0 > 0, last); break;
+          }
+        }
+      }
+    }
+    return;
+  }
   // One row block reads each panel once: all of k in one pass, each panel a sequential stream.
   const int64_t chunk = m <= kMR ? pairs : kChunkPairs;
   for (int64_t q0 = 0; q0 < pairs; q0 += chunk) {
@@ -106,12 +151,12 @@ void gemm_bf16_tile_avx512bf16(const uint16_t* a, int64_t lda, int64_t m, const 
         const uint16_t* ai = a + i * lda;
         float* ci = cb + i * ldc + p * 16;
         switch (m - i < kMR ? m - i : kMR) {
-          case 6: micro_np<6>(np, ai, lda, bp, panel_stride, q0, q1, ci, ldc, acc, last); break;
-          case 5: micro_np<5>(np, ai, lda, bp, panel_stride, q0, q1, ci, ldc, acc, last); break;
-          case 4: micro_np<4>(np, ai, lda, bp, panel_stride, q0, q1, ci, ldc, acc, last); break;
-          case 3: micro_np<3>(np, ai, lda, bp, panel_stride, q0, q1, ci, ldc, acc, last); break;
-          case 2: micro_np<2>(np, ai, lda, bp, panel_stride, q0, q1, ci, ldc, acc, last); break;
-          default: micro_np<1>(np, ai, lda, bp, panel_stride, q0, q1, ci, ldc, acc, last); break;
+          case 6: micro_np<6>(np, ai, lda, bp, panel_stride, q0, q1, q1, ci, ldc, acc, last); break;
+          case 5: micro_np<5>(np, ai, lda, bp, panel_stride, q0, q1, q1, ci, ldc, acc, last); break;
+          case 4: micro_np<4>(np, ai, lda, bp, panel_stride, q0, q1, q1, ci, ldc, acc, last); break;
+          case 3: micro_np<3>(np, ai, lda, bp, panel_stride, q0, q1, q1, ci, ldc, acc, last); break;
+          case 2: micro_np<2>(np, ai, lda, bp, panel_stride, q0, q1, q1, ci, ldc, acc, last); break;
+          default: micro_np<1>(np, ai, lda, bp, panel_stride, q0, q1, q1, ci, ldc, acc, last); break;
         }
       }
     }
