@@ -16,12 +16,6 @@ using model::rows;
 
 namespace {
 
-// An RMS norm not run yet: n = rmsnorm(h += addend) * w (no add when addend.data is null), left to the projection
-// that reads n (DeviceOps::norm_linear / norm_route: on CUDA one kernel with it).
-struct PendingNorm {
-  TensorView h, addend, w, n;
-};
-
 struct Ctx {
   const DeviceOps& ops;
   const TextConfig& c;
@@ -34,40 +28,27 @@ struct Ctx {
   size_t layer;                             // the layer being run (its cache buffers)
 
   Tensor empty(const Shape& s, DType t) const { return scratch.empty(s, t); }
-  // y = x l^T + b; with `pre`, x is pre->n, normalized first (in the same kernel where the device can).
-  Tensor linear(const TensorView& x, const model::Linear& l, DType out_dtype, const PendingNorm* pre = nullptr) const {
+  Tensor linear(const TensorView& x, const model::Linear& l, DType out_dtype) const {
     Tensor y = empty({x.shape[0], l.w.size(0)}, out_dtype);
-    const TensorView b = l.b.defined() ? l.b.view() : TensorView();
-    if (pre)
-      ops.norm_linear(pre->h, pre->addend, pre->w, float(c.rms_norm_eps), c.norm_weight_before_cast, pre->n,
-                      l.w.view(), b, y.view());
-    else
-      ops.linear(x, l.w.view(), b, y.view());
+    ops.linear(x, l.w.view(), l.b.defined() ? l.b.view() : TensorView(), y.view());
     return y;
   }
-  void run(const PendingNorm& pn) const {
-    if (pn.addend.data)
-      ops.add_rmsnorm(pn.h, pn.addend, pn.w, float(c.rms_norm_eps), c.norm_weight_before_cast, pn.n);
-    else
-      ops.rmsnorm(pn.h, pn.w, float(c.rms_norm_eps), c.norm_weight_before_cast, pn.n);
-  }
-  Tensor dense_mlp(const TensorView& x, const model::DenseMlp& m, const PendingNorm* pre = nullptr) const {
-    Tensor gu = linear(x, m.gate_up, x.dtype, pre);
+  Tensor dense_mlp(const TensorView& x, const model::DenseMlp& m) const {
+    Tensor gu = linear(x, m.gate_up, x.dtype);
     Tensor a = empty({x.shape[0], gu.size(1) / 2}, x.dtype);
     ops.act_mul(gu.view(), c.experts.activation, a.view());
     return linear(a.view(), m.down, x.dtype);
   }
 };
 
-// The decode step's attention (one new token per sequence): one QKV projection (with the input norm `pre` folded
-// in, when given), then decode_attention over all the sequences (per-head norms, rotary, the cache writes and the
-// attention; on CUDA one launch of each).
-Tensor attention_decode(const Ctx& x, const Layer& L, const TensorView& h, const PendingNorm* pre) {
+// The decode step's attention (one new token per sequence): one QKV projection, then decode_attention over all
+// the sequences (per-head norms, rotary, the cache writes and the attention; on CUDA one launch of each).
+Tensor attention_decode(const Ctx& x, const Layer& L, const TensorView& h) {
   const TextConfig& c = x.c;
   const auto& a = L.attn;
   const int64_t T = x.T, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, D = c.head_dim;
   const int64_t Nq = Hq * D, Nk = Hkv * D;
-  Tensor qkv = x.linear(h, a.qkv, x.dtype, pre);  // [T, Nq + 2 Nk]
+  Tensor qkv = x.linear(h, a.qkv, x.dtype);  // [T, Nq + 2 Nk]
   const float eps = float(c.rms_norm_eps);
   if (c.qk_norm == QkNorm::full) {
     const TensorView qc = model::columns(qkv.view(), 0, Nq), kc = model::columns(qkv.view(), Nq, Nk);
@@ -89,15 +70,12 @@ Tensor attention_decode(const Ctx& x, const Layer& L, const TensorView& h, const
 }
 
 // Grouped-query attention (qwen, mixtral, olmoe, gpt-oss); writes this step's keys and values into the cache.
-// pre: the input norm, not run yet (h is pre->n).
-Tensor attention(const Ctx& x, const Layer& L, const TensorView& h, const PendingNorm* pre = nullptr) {
+Tensor attention(const Ctx& x, const Layer& L, const TensorView& h) {
   const TextConfig& c = x.c;
   const auto& a = L.attn;
   const int64_t T = x.T, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, D = c.head_dim;
   // A decode step (one new token per sequence) takes the fused path unless MOEKIT_FUSED_DECODE=0.
-  if (a.qkv.w.defined() && T == int64_t(x.segs.size()) && model::fused_decode())
-    return attention_decode(x, L, h, pre);
-  if (pre) x.run(*pre);
+  if (a.qkv.w.defined() && T == int64_t(x.segs.size()) && model::fused_decode()) return attention_decode(x, L, h);
   Tensor q = x.linear(h, a.q, x.dtype), k = x.linear(h, a.k, x.dtype), v = x.linear(h, a.v, x.dtype);
   const float eps = float(c.rms_norm_eps);
   if (c.qk_norm == QkNorm::full) {
@@ -172,23 +150,16 @@ Tensor mla_attention(const Ctx& x, const Layer& L, const TensorView& h) {
   return x.linear(reshaped(out.view(), {T, Hq * dv}), a.o, x.dtype);
 }
 
-// pre: the post-attention norm, not run yet (h is pre->n): folded into the router (norm_route).
-Tensor moe(const Ctx& x, const Layer& L, const TensorView& h, const PendingNorm* pre = nullptr) {
+Tensor moe(const Ctx& x, const Layer& L, const TensorView& h) {
   const TextConfig& c = x.c;
   const auto& m = L.moe;
   const int64_t T = x.T, E = c.num_experts, K = c.num_experts_per_tok;
   Tensor logits = x.empty({T, E}, DType::f32);
+  x.ops.linear(h, m.router_w.view(), m.router_b.defined() ? m.router_b.view() : TensorView(), logits.view());
   Tensor idx = x.empty({T, K}, DType::i32), wts = x.empty({T, K}, DType::f32);
   model::RouterSpec rs{c.router, K, c.norm_topk_prob, float(c.routed_scaling_factor), c.n_group, c.topk_group};
-  const TensorView rb = m.router_b.defined() ? m.router_b.view() : TensorView();
-  const TensorView cb = m.correction_bias.defined() ? m.correction_bias.view() : TensorView();
-  if (pre) {
-    x.ops.norm_route(pre->h, pre->addend, pre->w, float(c.rms_norm_eps), c.norm_weight_before_cast, pre->n,
-                     m.router_w.view(), rb, logits.view(), cb, rs, idx.view(), wts.view());
-  } else {
-    x.ops.linear(h, m.router_w.view(), rb, logits.view());
-    x.ops.route(logits.view(), cb, rs, idx.view(), wts.view());
-  }
+  x.ops.route(logits.view(), m.correction_bias.defined() ? m.correction_bias.view() : TensorView(), rs, idx.view(),
+              wts.view());
   Tensor y = x.empty({T, h.shape[1]}, h.dtype);
   const ExpertsCall call{h, idx.view(), wts.view(), y.view(), model::current_stream()};
   if (m.ep)
@@ -271,20 +242,16 @@ Tensor Model::Impl::forward_segments(const TensorView& ids, const std::vector<mo
   Tensor n = x.empty({T, H}, dtype);
   const bool wbc = c.norm_weight_before_cast;
   Tensor m;  // the last layer's MLP output, added to the residual by the next norm
-  // The decode step folds each norm into the projection after it (MOEKIT_DECODE_FUSE): the input norm into QKV
-  // (not MLA's two projections), the post-attention norm into the router or the dense MLP's gate/up.
-  const int fuse = T == int64_t(segs.size()) && model::fused_decode() ? model::decode_fuse() : model::kDecodeFuseOff;
   for (size_t i = 0; i < weights.layers.size(); ++i) {
     const Layer& L = weights.layers[i];
     x.layer = i;
-    const PendingNorm in{h.view(), i == 0 ? TensorView() : m.view(), L.input_norm.view(), n.view()};
-    const bool fold_in = fuse != model::kDecodeFuseOff && !c.mla;
-    if (!fold_in) x.run(in);
-    Tensor a = c.mla ? mla_attention(x, L, n.view()) : attention(x, L, n.view(), fold_in ? &in : nullptr);
-    const PendingNorm post{h.view(), a.view(), L.post_norm.view(), n.view()};
-    const PendingNorm* fold_post = fuse != model::kDecodeFuseOff ? &post : nullptr;
-    if (!fold_post) x.run(post);
-    m = L.is_moe ? moe(x, L, n.view(), fold_post) : x.dense_mlp(n.view(), L.mlp, fold_post);
+    if (i == 0)
+      o.rmsnorm(h.view(), L.input_norm.view(), eps, wbc, n.view());
+    else
+      o.add_rmsnorm(h.view(), m.view(), L.input_norm.view(), eps, wbc, n.view());
+    Tensor a = c.mla ? mla_attention(x, L, n.view()) : attention(x, L, n.view());
+    o.add_rmsnorm(h.view(), a.view(), L.post_norm.view(), eps, wbc, n.view());
+    m = L.is_moe ? moe(x, L, n.view()) : x.dense_mlp(n.view(), L.mlp);
   }
   // Only the rows whose logits are asked for get the last residual add and the final norm: every row
   // (all_logits), else each sequence's last row (all rows when every sequence has one new token).
@@ -298,16 +265,11 @@ Tensor Model::Impl::forward_segments(const TensorView& ids, const std::vector<mo
     else
       o.rmsnorm(last, weights.norm.view(), eps, wbc, out);
   };
-  Tensor logits = x.empty({rows_out, c.vocab_size}, DType::f32);
-  if (fuse == model::kDecodeFuseAll && every_row) {  // the final norm folded into lm_head
-    o.norm_linear(h.view(), m.defined() ? m.view() : TensorView(), weights.norm.view(), eps, wbc, hn.view(),
-                  weights.lm_head.view(), TensorView(), logits.view());
-    return logits;
-  }
   if (every_row)
     final_norm(0, T, 0);
   else
     for (size_t s = 0; s < segs.size(); ++s) final_norm(segs[s].begin + segs[s].n - 1, 1, int64_t(s));
+  Tensor logits = x.empty({rows_out, c.vocab_size}, DType::f32);
   o.linear(hn.view(), weights.lm_head.view(), TensorView(), logits.view());
   return logits;
 }

@@ -195,53 +195,6 @@ bool fused_decode() {
 void set_fused_decode(bool on) { g_fused_decode.store(on ? 1 : 0); }
 
 namespace {
-std::atomic<int> g_decode_fuse{-1};  // -1: not read yet
-}
-int decode_fuse() {
-  int mode = g_decode_fuse.load(std::memory_order_relaxed);
-  if (mode < 0) {
-    int want = kDecodeFuseAll;
-    if (const char* v = std::getenv("MOEKIT_DECODE_FUSE"); v && *v) {
-      const std::string s(v);
-      MOEKIT_CHECK(s == "0" || s == "1" || s == "2", "MOEKIT_DECODE_FUSE must be 0 (off), 1 (every norm) or 2 (the ",
-                   "layers' norms, not the final one), got '", s, "'");
-      want = s == "0" ? kDecodeFuseOff : s == "1" ? kDecodeFuseAll : kDecodeFuseLayers;
-    }
-    int expected = -1;
-    g_decode_fuse.compare_exchange_strong(expected, want);
-    mode = g_decode_fuse.load(std::memory_order_relaxed);
-  }
-  return mode;
-}
-void set_decode_fuse(int mode) {
-  MOEKIT_CHECK(mode == kDecodeFuseOff || mode == kDecodeFuseAll || mode == kDecodeFuseLayers,
-               "decode fuse mode must be 0, 1 or 2, got ", mode);
-  g_decode_fuse.store(mode);
-}
-
-void DeviceOps::norm_linear(const TensorView& h, const TensorView& a, const TensorView& norm_w, float eps,
-                            bool weight_before_cast, const TensorView& n, const TensorView& w, const TensorView& bias,
-                            const TensorView& y) const {
-  MOEKIT_CHECK(h.dim() == 2 && n.shape == h.shape, "norm_linear: residual ", h.to_string(), " and norm output ",
-               n.to_string(), " must be [M, D] tensors of one shape");
-  check_linear(n, w, bias, y);  // before anything runs
-  if (a.data)
-    add_rmsnorm(h, a, norm_w, eps, weight_before_cast, n);
-  else
-    rmsnorm(h, norm_w, eps, weight_before_cast, n);
-  linear(n, w, bias, y);
-}
-
-void DeviceOps::norm_route(const TensorView& h, const TensorView& a, const TensorView& norm_w, float eps,
-                           bool weight_before_cast, const TensorView& n, const TensorView& w, const TensorView& bias,
-                           const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
-                           const TensorView& index, const TensorView& weights) const {
-  check_route(logits, correction_bias, spec, index, weights);  // before anything runs
-  norm_linear(h, a, norm_w, eps, weight_before_cast, n, w, bias, logits);
-  route(logits, correction_bias, spec, index, weights);
-}
-
-namespace {
 std::atomic<int> g_vector_decode_attention{-1};  // -1: not read yet
 }
 bool vector_decode_attention() {

@@ -133,18 +133,6 @@ class DeviceOps {
                                 const TensorView& k_norm, float eps, bool weight_before_cast, const RopeSpec& rope,
                                 const std::vector<DecodeSeq>& seqs, float scale, int64_t window,
                                 const TensorView& sinks, const TensorView& out) const;
-  // The decode step's norm and the projection that reads it: h [M, D] += a (in place, when a.data is set; else h
-  // is only read), n = rmsnorm(h) * norm_w (add_rmsnorm / rmsnorm), then y = n w^T + bias (linear). h, a and n
-  // contiguous and apart from each other and from y. Same result as those ops in that order (this default runs
-  // them; operands checked first); a device may run them as one kernel (CUDA: the same bits, see norm_gemv).
-  virtual void norm_linear(const TensorView& h, const TensorView& a, const TensorView& norm_w, float eps,
-                           bool weight_before_cast, const TensorView& n, const TensorView& w, const TensorView& bias,
-                           const TensorView& y) const;
-  // norm_linear into the router's f32 logits [M, E], then route(logits, correction_bias, spec, index, weights).
-  virtual void norm_route(const TensorView& h, const TensorView& a, const TensorView& norm_w, float eps,
-                          bool weight_before_cast, const TensorView& n, const TensorView& w, const TensorView& bias,
-                          const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
-                          const TensorView& index, const TensorView& weights) const;
   // Greedy choice per row: out [R, 2] i64 (on the op's device) gets, for row r of logits [R, V] f32 (contiguous),
   // the first index of the largest value with the ids in `suppress` counted as -inf (ids outside [0, V) ignored;
   // index 0 when every value is -inf), and 1 when the row holds no NaN or Inf, else 0 (the index is then
@@ -221,14 +209,6 @@ QkvDims check_qk_norm_rope_cache(const TensorView& q, const TensorView& k, const
 // recorded decode graph keeps the form it was recorded with).
 bool fused_decode();
 void set_fused_decode(bool on);
-// Whether the decode step (fused_decode() on) folds its RMS norms into the projections that read them (norm_linear:
-// the input norm into QKV, the post-attention norm into the router or the dense MLP's gate/up; norm_route: the
-// router's top-k too; the final norm into lm_head), on CUDA one kernel each. kDecodeFuseAll (the default),
-// kDecodeFuseLayers (the layers' norms, not the final one) or kDecodeFuseOff, from MOEKIT_DECODE_FUSE = 1, 2 or 0
-// (read once), or set_decode_fuse (tests; a recorded decode graph keeps the form it was recorded with).
-constexpr int kDecodeFuseOff = 0, kDecodeFuseAll = 1, kDecodeFuseLayers = 2;
-int decode_fuse();
-void set_decode_fuse(int mode);
 // Whether the CUDA decode_attention reads 16-bit caches with heads of 64, 128 or 256 dims in 16-byte pieces (all of
 // a key tile's loads in flight) rather than one element at a time: on unless MOEKIT_VEC_DECODE_ATTENTION=0 (read
 // once) or set_vector_decode_attention says otherwise (tests; a recorded decode graph keeps its kernel).

@@ -493,23 +493,6 @@ class CudaOps final : public DeviceOps {
     MOEKIT_CUDA_CALL(kernels::argmax_rows(logits.ptr<float>(), R, V, sup, out.ptr<int64_t>(), stream()));
   }
 
-  void norm_linear(const TensorView& h, const TensorView& a, const TensorView& norm_w, float eps,
-                   bool weight_before_cast, const TensorView& n, const TensorView& w, const TensorView& bias,
-                   const TensorView& y) const override {
-    if (!fused_norm_gemv(h, a, norm_w, eps, weight_before_cast, n, w, bias, y, nullptr))
-      DeviceOps::norm_linear(h, a, norm_w, eps, weight_before_cast, n, w, bias, y);
-  }
-
-  void norm_route(const TensorView& h, const TensorView& a, const TensorView& norm_w, float eps,
-                  bool weight_before_cast, const TensorView& n, const TensorView& w, const TensorView& bias,
-                  const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
-                  const TensorView& index, const TensorView& weights) const override {
-    const RouteOut route{&correction_bias, &spec, &index, &weights};
-    if (!fused_norm_gemv(h, a, norm_w, eps, weight_before_cast, n, w, bias, logits, &route))
-      DeviceOps::norm_route(h, a, norm_w, eps, weight_before_cast, n, w, bias, logits, correction_bias, spec, index,
-                            weights);
-  }
-
   void greedy_feed(const TensorView& pick, const TensorView& io, int64_t* host, int64_t seq) const override {
     MOEKIT_CHECK(pick.dtype == DType::i64 && pick.numel() >= 2 && pick.is_contiguous() && pick.device.is_cuda() &&
                      io.dtype == DType::i64 && io.numel() == 2 && io.is_contiguous() && io.device == pick.device &&
@@ -543,107 +526,6 @@ class CudaOps final : public DeviceOps {
   }
 
  private:
-  struct RouteOut {
-    const TensorView* correction_bias;
-    const RouterSpec* spec;
-    const TensorView* index;
-    const TensorView* weights;
-  };
-  // norm_linear (route null) or norm_route as one norm_gemv launch, when it serves the operands (few rows of the
-  // types it takes: those linear() runs as the GEMV, and f32; see kernels::norm_gemv_ok); false: nothing ran.
-  bool fused_norm_gemv(const TensorView& h, const TensorView& a, const TensorView& norm_w, float eps,
-                       bool weight_before_cast, const TensorView& n, const TensorView& w, const TensorView& bias,
-                       const TensorView& y, const RouteOut* route) const {
-    if (!fused_decode()) return false;
-    const Device dev = h.device;
-    auto on = [&](const TensorView& v) { return v.device == dev; };
-    if (!dev.is_cuda() || !on(norm_w) || !on(n) || !on(w) || !on(y) || (a.data && !on(a)) || (bias.data && !on(bias)))
-      return false;
-    auto fp = [](DType t) { return t == DType::f32 || t == DType::bf16 || t == DType::f16; };
-    if (!fp(h.dtype) || !fp(norm_w.dtype) || !fp(w.dtype) || !fp(y.dtype) || (bias.data && !fp(bias.dtype)))
-      return false;
-    if (h.dim() != 2 || !h.is_contiguous() || n.shape != h.shape || !n.is_contiguous() || n.dtype != h.dtype)
-      return false;
-    if (a.data && (a.shape != h.shape || !a.is_contiguous() || a.dtype != h.dtype)) return false;
-    const int64_t M = h.shape[0], D = h.shape[1];
-    if (norm_w.numel() != D || w.dim() != 2 || !w.is_contiguous() || w.shape[1] != D) return false;
-    const int64_t N = w.shape[0];
-    if (y.dim() != 2 || y.shape[0] != M || y.shape[1] != N || !y.is_contiguous()) return false;
-    if (bias.data && bias.numel() != N) return false;
-    // The rows linear() runs as the GEMV (and f32 ones as many).
-    if (M < 1 || M > kernels::kGemvMaxM || (M > gemv_max_rows() && w.dtype == h.dtype)) return false;
-    // h, a and n apart from each other and from y (every block reads h and a while block 0 writes n).
-    auto bytes = [](const TensorView& v) { return std::pair{static_cast<const char*>(v.data), v.nbytes()}; };
-    auto apart = [&](const TensorView& u, const TensorView& v) {
-      const auto [p, pn] = bytes(u);
-      const auto [q, qn] = bytes(v);
-      return p + pn <= q || q + qn <= p;
-    };
-    if (!apart(h, n) || !apart(h, y) || !apart(n, y) || (a.data && (!apart(a, h) || !apart(a, n) || !apart(a, y))))
-      return false;
-    kernels::NormGemvArgs args;
-    args.h = h.data;
-    args.a = a.data;
-    args.xt = code(h, "norm_linear residual");
-    args.norm_w = norm_w.data;
-    args.nwt = code(norm_w, "rmsnorm weight");
-    args.eps = eps;
-    args.weight_before_cast = weight_before_cast;
-    args.n = n.data;
-    args.w = w.data;
-    args.wt = code(w, "linear weight");
-    args.bias = bias.data;
-    args.bt = bias.data ? code(bias, "linear bias") : kF32;
-    args.y = y.data;
-    args.yt = code(y, "linear output");
-    args.M = int(M);
-    args.N = N;
-    args.K = D;
-    if (route) {
-      const RouteDims rd = check_route(y, *route->correction_bias, *route->spec, *route->index, *route->weights);
-      const RouterSpec& spec = *route->spec;
-      args.route = true;
-      args.route_bias = route->correction_bias->data ? route->correction_bias->ptr<float>() : nullptr;
-      args.top_k = int(rd.K);
-      args.kind = spec.kind == RouterKind::topk_softmax      ? kernels::kRouteTopkSoftmax
-                  : spec.kind == RouterKind::grouped_sigmoid ? kernels::kRouteGroupedSigmoid
-                                                             : kernels::kRouteSoftmaxTopk;
-      args.norm_topk = spec.norm_topk_prob;
-      args.scale = spec.routed_scaling_factor;
-      args.n_group = int(std::min<int64_t>(spec.n_group, 1 << 20));
-      args.topk_group = int(std::min<int64_t>(spec.topk_group, 1 << 20));
-      args.index = route->index->ptr<int32_t>();
-      args.weights = route->weights->ptr<float>();
-      if (!on(*route->index) || !on(*route->weights)) return false;
-    }
-    DeviceGuard g(dev.index);
-    const cudaStream_t s = stream();
-    if (args.a || args.route) {
-      args.counter = stream_counter(dev.index, s);
-      if (!args.counter) return false;
-    }
-    if (!kernels::norm_gemv_ok(args)) return false;
-    MOEKIT_CUDA_CALL(kernels::norm_gemv(args, cuda::device_info(dev.index).multiprocessors, s));
-    return true;
-  }
-
-  // A zeroed word per (device, stream) for the fused kernels' last-block count (each launch leaves it zeroed, and
-  // launches on one stream use it one after the other). Made on the stream's first use outside a graph recording;
-  // null when the stream is being recorded and has none yet (the caller then runs the ops unfused).
-  static unsigned* stream_counter(int dev, cudaStream_t s) {
-    static std::mutex mutex;
-    static std::map<std::pair<int, cudaStream_t>, cuda::DeviceBuffer> words;
-    std::lock_guard<std::mutex> lock(mutex);
-    const auto it = words.find({dev, s});
-    if (it != words.end()) return static_cast<unsigned*>(it->second.data());
-    if (cuda::stream_is_capturing(s)) return nullptr;
-    cuda::DeviceBuffer b(256, dev);
-    MOEKIT_CUDA_CALL(cudaMemsetAsync(b.data(), 0, 256, s));  // stream-ordered before the first launch that reads it
-    auto* p = static_cast<unsigned*>(b.data());
-    words.emplace(std::pair{dev, s}, std::move(b));
-    return p;
-  }
-
   // Per (device, stream): grow-only scratch for operand conversions and attention splits, and cuBLAS's
   // workspace (made before any capture: the first, uncaptured step sizes it).
   static constexpr size_t kCublasWorkspace = size_t(32) << 20;

@@ -57,23 +57,6 @@ __device__ inline float block_sum(float v, float* red) {
   return s;
 }
 
-// The RMS norms' shared arithmetic, one definition for every kernel that computes them (the norm kernels and the
-// decode step's GEMV that folds the norm in), so that they give the same bits: a thread's partial sum of squares
-// (ss = fma(v, v, ss) over its elements in order), the inverse RMS from the block's sum, and one normalized
-// element (x_hat rounded to x's type t before the weight unless weight_before_cast).
-__device__ __forceinline__ float sum_sq(float ss, float v) { return __fmaf_rn(v, v, ss); }
-__device__ __forceinline__ float norm_inv(float sum, int64_t D, float eps) { return rsqrtf(sum / float(D) + eps); }
-__device__ __forceinline__ float normed(float v, float inv, float wv, int t, int weight_before_cast) {
-  const float h = v * inv;
-  return weight_before_cast ? wv * h : wv * round_as(t, h);
-}
-// The norm kernels' block size for rows of D: about four elements per thread (one row per block, so that a single
-// decode row is spread wide); a multiple of 32 from 64 to 1024. Thread i sums elements i, i + threads, ...
-inline int norm_threads(int64_t D) {
-  const int64_t t = (D / 4 + 31) / 32 * 32;
-  return int(t < 64 ? 64 : (t > 1024 ? 1024 : t));
-}
-
 // Grid for a grid-stride elementwise loop over n elements.
 inline unsigned blocks_for(int64_t n, int threads = 256) {
   const int64_t b = (n + threads - 1) / threads;

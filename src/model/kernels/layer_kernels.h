@@ -43,46 +43,6 @@ bool gemv_ok(const void* x, int xt, int64_t ldx, const void* w, int wt, int M, i
 cudaError_t gemv(const void* x, int xt, int64_t ldx, const void* w, int wt, const void* bias, int bt, void* y, int yt,
                  int M, int64_t N, int64_t K, int sms, cudaStream_t s);
 
-// The decode step's RMS norm folded into the GEMV that reads its output (DeviceOps::norm_linear / norm_route), one
-// launch: per row m < M, h [M, K] = round(h + a) when a is set, n = rmsnorm(h) * norm_w, y [M, N] = n w^T + bias,
-// the same bits as add_rmsnorm (rmsnorm without a) then gemv. Every block normalizes the rows itself into shared
-// memory (M * K elements of xt, at most kNormGemvMaxSmem bytes); block 0 writes n; the last block to finish
-// writes h (so that every block reads the old h) and, with `route`, routes the f32 logits y [M, E] as route()
-// does (E <= kNormGemvMaxExperts). h, a and n: contiguous, of type xt; w of xt's type, or f32 with `route`.
-// counter: a zeroed word that no kernel running at the same time uses (left zeroed), needed when a or route is set.
-constexpr int kNormGemvMaxExperts = 256;
-constexpr size_t kNormGemvMaxSmem = 44 * 1024;  // with the kernel's static shared memory, under 48 KiB
-struct NormGemvArgs {
-  void* h = nullptr;
-  const void* a = nullptr;  // null: no residual add (h only read)
-  int xt = kBF16;           // h, a, n
-  const void* norm_w = nullptr;
-  int nwt = kBF16;
-  float eps = 0.0f;
-  bool weight_before_cast = false;
-  void* n = nullptr;
-  const void* w = nullptr;
-  int wt = kBF16;
-  const void* bias = nullptr;
-  int bt = kF32;
-  void* y = nullptr;
-  int yt = kF32;
-  int M = 0;
-  int64_t N = 0, K = 0;
-  unsigned* counter = nullptr;
-  bool route = false;
-  const float* route_bias = nullptr;  // the rest as route()'s arguments
-  int top_k = 0, kind = 0;
-  bool norm_topk = false;
-  float scale = 1.0f;
-  int n_group = 1, topk_group = 1;
-  int32_t* index = nullptr;
-  float* weights = nullptr;
-};
-// Whether norm_gemv serves these operands (types, sizes, shared memory, 16-byte aligned weight pieces).
-bool norm_gemv_ok(const NormGemvArgs& a);
-cudaError_t norm_gemv(const NormGemvArgs& a, int sms, cudaStream_t s);
-
 constexpr int kMaxRopeHalf = 256;
 struct RopeArgs {
   float inv_freq[kMaxRopeHalf];

@@ -10,7 +10,9 @@ namespace {
 __device__ __forceinline__ void store_normed(const void* x, int xt, int64_t x0, const void* w, int wt, void* y, int yt,
                                              int64_t y0, int64_t D, float inv, int weight_before_cast) {
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
-    st(y, yt, y0 + i, normed(ld(x, xt, x0 + i), inv, ld(w, wt, i), xt, weight_before_cast));
+    const float h = ld(x, xt, x0 + i) * inv;
+    const float wv = ld(w, wt, i);
+    st(y, yt, y0 + i, weight_before_cast ? wv * h : wv * round_as(xt, h));
   }
 }
 
@@ -22,9 +24,10 @@ __global__ void rmsnorm_kernel(const void* x, int xt, int64_t ldx, const void* w
   const int64_t r = blockIdx.x;
   float ss = 0;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
-    ss = sum_sq(ss, ld(x, xt, r * ldx + i));
+    const float v = ld(x, xt, r * ldx + i);
+    ss += v * v;
   }
-  const float inv = norm_inv(block_sum(ss, red), D, eps);
+  const float inv = rsqrtf(block_sum(ss, red) / float(D) + eps);
   store_normed(x, xt, r * ldx, w, wt, y, yt, r * ldy, D, inv, weight_before_cast);
 }
 
@@ -34,14 +37,16 @@ __global__ void add_rmsnorm_kernel(void* h, int ht, const void* a, int at, const
   __shared__ float red[32];
   cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
   cuda::pdl_trigger();
+  cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
+  cuda::pdl_trigger();
   const int64_t r = blockIdx.x;
   float ss = 0;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
     const float v = round_as(ht, ld(h, ht, r * D + i) + ld(a, at, r * D + i));
     st(h, ht, r * D + i, v);
-    ss = sum_sq(ss, v);
+    ss += v * v;
   }
-  const float inv = norm_inv(block_sum(ss, red), D, eps);
+  const float inv = rsqrtf(block_sum(ss, red) / float(D) + eps);
   store_normed(h, ht, r * D, w, wt, y, yt, r * D, D, inv, weight_before_cast);
 }
 
@@ -70,13 +75,13 @@ __global__ void rmsnorm_reg_kernel(const void* x, int xt, int64_t ldx, const voi
     v[j] = i < D ? ld(x, xt, r * ldx + i) : 0.0f;
   }
 #pragma unroll
-  for (int j = 0; j < kNormPer; ++j)
-    if (threadIdx.x + int64_t(j) * blockDim.x < D) ss = sum_sq(ss, v[j]);
-  const float inv = norm_inv(block_sum(ss, red), D, eps);
+  for (int j = 0; j < kNormPer; ++j) ss += v[j] * v[j];
+  const float inv = rsqrtf(block_sum(ss, red) / float(D) + eps);
 #pragma unroll
   for (int j = 0; j < kNormPer; ++j) {
     const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
-    if (i < D) st(y, yt, r * ldy + i, normed(v[j], inv, wv[j], xt, weight_before_cast));
+    const float h = v[j] * inv;
+    if (i < D) st(y, yt, r * ldy + i, weight_before_cast ? wv[j] * h : wv[j] * round_as(xt, h));
   }
 }
 
@@ -103,16 +108,15 @@ __global__ void add_rmsnorm_reg_kernel(void* h, int ht, const void* a, int at, c
   for (int j = 0; j < kNormPer; ++j) {
     const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
     v[j] = round_as(ht, v[j] + av[j]);
-    if (i < D) {
-      st(h, ht, r * D + i, v[j]);
-      ss = sum_sq(ss, v[j]);
-    }
+    if (i < D) st(h, ht, r * D + i, v[j]);
+    ss += i < D ? v[j] * v[j] : 0.0f;
   }
-  const float inv = norm_inv(block_sum(ss, red), D, eps);
+  const float inv = rsqrtf(block_sum(ss, red) / float(D) + eps);
 #pragma unroll
   for (int j = 0; j < kNormPer; ++j) {
     const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
-    if (i < D) st(y, yt, r * D + i, normed(v[j], inv, wv[j], ht, weight_before_cast));
+    const float hn = v[j] * inv;
+    if (i < D) st(y, yt, r * D + i, weight_before_cast ? wv[j] * hn : wv[j] * round_as(ht, hn));
   }
 }
 
@@ -136,6 +140,12 @@ __global__ void small_m_linear_kernel(const void* x, int xt, int64_t ldx, const 
     const float s = block_sum(acc[m], red);
     if (threadIdx.x == 0) st(y, yt, m * N + n, s + (bias ? ld(bias, bt, n) : 0.0f));
   }
+}
+
+// About four elements per thread: one row per block, so a single decode row is spread wide.
+int norm_threads(int64_t D) {
+  const int64_t t = (D / 4 + 31) / 32 * 32;
+  return int(t < 64 ? 64 : (t > 1024 ? 1024 : t));
 }
 
 }  // namespace
