@@ -12,19 +12,23 @@
 
 namespace moekit::test {
 
-// biases_in_act_dtype: the CUDA FP8 path takes biases in the activations' dtype (the CPU path in any float dtype).
-inline ExpertsProblem make_fp8_problem(ProblemConfig c, uint64_t seed, DType scale_dtype,
-                                       bool biases_in_act_dtype = false) {
+// Random float experts of `c` with their projections replaced by quantize(weight, segments) (segments: 2 for
+// a fused gate_up, else 1), inputs and the f64 reference. biases_in_act_dtype: the CUDA quantized paths take
+// biases in the activations' dtype (the CPU path in any float dtype).
+template <class Quantize>
+ExpertsProblem make_quantized_problem(ProblemConfig c, uint64_t seed, Quantize quantize, bool fp4_float_acts,
+                                      bool biases_in_act_dtype) {
   std::mt19937_64 rng(seed);
   c.wdt = DType::f32;
   const Experts f = make_experts(c, rng);
   ExpertsWeights w = f.weights();
-  auto [q1, s1] = quantize_fp8(w.first(), scale_dtype, c.has_gate ? 2 : 1);
-  auto [q2, s2] = quantize_fp8(w.down_proj, scale_dtype);
+  auto [q1, s1] = quantize(w.first(), c.has_gate ? 2 : 1);
+  auto [q2, s2] = quantize(w.down_proj, 1);
   (c.has_gate ? w.gate_up_proj : w.up_proj) = q1;
   (c.has_gate ? w.gate_up_proj_scale_inv : w.up_proj_scale_inv) = s1;
   w.down_proj = q2;
   w.down_proj_scale_inv = s2;
+  w.fp4_float_activations = fp4_float_acts;
   if (biases_in_act_dtype && c.has_bias && c.act != DType::f32) {
     for (Tensor* b : {&w.gate_up_proj_bias, &w.up_proj_bias, &w.down_proj_bias})
       if (b->defined()) *b = b->to(c.act);
@@ -35,6 +39,13 @@ inline ExpertsProblem make_fp8_problem(ProblemConfig c, uint64_t seed, DType sca
   make_inputs(c, rng, p);
   p.reference = reference_forward(p.experts, p.hidden_states, p.top_k_index, p.top_k_weights);
   return p;
+}
+
+// FP8 experts: e4m3 in 128 x 128 blocks with `scale_dtype` scales (f32 or ue8m0).
+inline ExpertsProblem make_fp8_problem(ProblemConfig c, uint64_t seed, DType scale_dtype,
+                                       bool biases_in_act_dtype = false) {
+  auto quantize = [&](const Tensor& t, int64_t segments) { return quantize_fp8(t, scale_dtype, segments); };
+  return make_quantized_problem(c, seed, quantize, false, biases_in_act_dtype);
 }
 
 // The FP8 cases both devices' sweeps start from (each scale dtype given beside its problem).
@@ -55,29 +66,9 @@ inline std::vector<std::pair<ProblemConfig, DType>> fp8_common_cases() {
 
 // FP4 experts (e2m1, one ue8m0 scale per row and 32 inputs; H and I multiples of 32): float_acts runs them as
 // MXFP4 (activations as they are), else with activations quantized to FP8 (FP4 with UE8M0 scales).
-// biases_in_act_dtype as for make_fp8_problem.
 inline ExpertsProblem make_fp4_case(ProblemConfig c, uint64_t seed, bool float_acts, bool biases_in_act_dtype = false) {
-  std::mt19937_64 rng(seed);
-  c.wdt = DType::f32;
-  const Experts f = make_experts(c, rng);
-  ExpertsWeights w = f.weights();
-  auto [q1, s1] = quantize_fp4(w.first());
-  auto [q2, s2] = quantize_fp4(w.down_proj);
-  (c.has_gate ? w.gate_up_proj : w.up_proj) = q1;
-  (c.has_gate ? w.gate_up_proj_scale_inv : w.up_proj_scale_inv) = s1;
-  w.down_proj = q2;
-  w.down_proj_scale_inv = s2;
-  w.fp4_float_activations = float_acts;
-  if (biases_in_act_dtype && c.has_bias && c.act != DType::f32) {
-    for (Tensor* b : {&w.gate_up_proj_bias, &w.up_proj_bias, &w.down_proj_bias})
-      if (b->defined()) *b = b->to(c.act);
-  }
-  ExpertsProblem p;
-  p.config = c;
-  p.experts = Experts(f.spec(), w, "grouped_mm");
-  make_inputs(c, rng, p);
-  p.reference = reference_forward(p.experts, p.hidden_states, p.top_k_index, p.top_k_weights);
-  return p;
+  auto quantize = [](const Tensor& t, int64_t) { return quantize_fp4(t); };
+  return make_quantized_problem(c, seed, quantize, float_acts, biases_in_act_dtype);
 }
 
 }  // namespace moekit::test

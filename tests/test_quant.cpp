@@ -232,27 +232,6 @@ TEST(QuantExperts, Fp8EveryCpuBackendAndIsaMatchesTheReference) {
   EXPECT_GT(checked, 0);
 }
 
-// FP4 experts (e2m1, one ue8m0 scale per row and 32 inputs) made from random float experts of `c`.
-test::ExpertsProblem make_fp4_problem(ProblemConfig c, uint64_t seed, bool float_acts) {
-  std::mt19937_64 rng(seed);
-  c.wdt = DType::f32;
-  const Experts f = test::make_experts(c, rng);
-  ExpertsWeights w = f.weights();
-  auto [q1, s1] = quantize_fp4(w.first());
-  auto [q2, s2] = quantize_fp4(w.down_proj);
-  (c.has_gate ? w.gate_up_proj : w.up_proj) = q1;
-  (c.has_gate ? w.gate_up_proj_scale_inv : w.up_proj_scale_inv) = s1;
-  w.down_proj = q2;
-  w.down_proj_scale_inv = s2;
-  w.fp4_float_activations = float_acts;
-  test::ExpertsProblem p;
-  p.config = c;
-  p.experts = Experts(f.spec(), w, "grouped_mm");
-  test::make_inputs(c, rng, p);
-  p.reference = reference_forward(p.experts, p.hidden_states, p.top_k_index, p.top_k_weights);
-  return p;
-}
-
 TEST(QuantWeights, Fp4PerRowAndGroupOf32) {
   std::mt19937_64 rng(12);
   Tensor w = test::randn({2, 5, 96}, DType::f32, rng, 1.0);
@@ -342,7 +321,7 @@ TEST(QuantExperts, Fp4EveryCpuBackendAndIsaMatchesTheReference) {
     uint64_t seed = 300;
     double worst = 0;
     for (const Case& cs : cases) {
-      const test::ExpertsProblem p = make_fp4_problem(cs.c, seed++, cs.float_acts);
+      const test::ExpertsProblem p = test::make_fp4_case(cs.c, seed++, cs.float_acts);
       ASSERT_TRUE(p.experts.is_quantized());
       for (const char* name : {"eager", "batched_mm", "grouped_mm"}) {
         const Tensor out = test::run_backend(p.experts, name, p.hidden_states, p.top_k_index, p.top_k_weights);
@@ -358,7 +337,7 @@ TEST(QuantExperts, Fp4EveryCpuBackendAndIsaMatchesTheReference) {
   }
   EXPECT_GT(checked, 0);
   // Float activations are not the FP8-quantized ones: the reference tells them apart.
-  test::ExpertsProblem a = make_fp4_problem(cases[0].c, 7, false), b = make_fp4_problem(cases[0].c, 7, true);
+  test::ExpertsProblem a = test::make_fp4_case(cases[0].c, 7, false), b = test::make_fp4_case(cases[0].c, 7, true);
   EXPECT_GT(relative_l2(a.reference, b.reference), 1e-4);
   const Experts deq(b.experts.spec(), dequantize_experts(b.experts.spec(), b.experts.weights(), DType::f32), "eager");
   const Tensor out = test::run_backend(deq, "grouped_mm", b.hidden_states, b.top_k_index, b.top_k_weights);
@@ -421,7 +400,7 @@ TEST(QuantExperts, BadFp8WeightsAreClearErrors) {
 // refuse them with the reason and say what to use (the CUDA FP4 tests: tests/test_cuda_quant.cpp).
 TEST(QuantExperts, CudaBackendsTakeFp4ExpertsOrRefuseThemWithAReason) {
   MOEKIT_SKIP_WITHOUT_CUDA();
-  const test::ExpertsProblem p = make_fp4_problem({.T = 3, .E = 3, .K = 1, .H = 64, .I = 32}, 8, false);
+  const test::ExpertsProblem p = test::make_fp4_case({.T = 3, .E = 3, .K = 1, .H = 64, .I = 32}, 8, false);
   const Experts g = p.experts.to(Device::cuda(0));
   for (const auto& b : ExpertsInterface::global().backends()) {
     const std::string name(b->name());
