@@ -17,6 +17,7 @@
 #include "base/gemm.h"
 #include "bench/bench.h"
 #include "bench/random.h"
+#include "bench/workload.h"
 #include "moekit/dtype.h"
 #include "moekit/interface.h"
 #ifdef MOEKIT_WITH_CUDA
@@ -124,39 +125,16 @@ double cpu_bf16_gemm_gflops() {
   return best;
 }
 
-// GFLOP/s of moekit's grouped_mm, best of a few calls: `E` experts of H x I, T tokens each routed to one expert
-// (token t to expert t % E), in `dtype`. 0 when it cannot run here.
+// GFLOP/s of moekit's grouped_mm, best of a few calls: `E` experts of H x I and T tokens routed to one expert each,
+// token t to expert t % E (the same rows for every expert), made by the benchmark's own workload
+// (make_random_experts, make_input_set) in `dtype`. 0 when it cannot run here.
 double cpu_grouped_mm_gflops(int64_t T, int64_t H, int64_t I, int64_t E, DType dtype, int reps) {
-  ShapePreset shape{.name = "dense", .hidden = H, .intermediate = I, .num_experts = E, .top_k = 1};
-  const ExpertsSpec spec = shape.spec();
-  Tensor gu = Tensor::empty({E, 2 * I, H}, dtype), down = Tensor::empty({E, H, I}, dtype);
-  Tensor x = Tensor::empty({T, H}, dtype), out = Tensor::empty({T, H}, dtype);
-  Tensor idx = Tensor::empty({T, 1}, DType::i32), w = Tensor::empty({T, 1}, dtype);
-  auto fill = [](Tensor& t, float scale, uint64_t seed) {
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      const float v = scale * normal_at(seed, uint64_t(i));
-      if (t.dtype() == DType::f32)
-        t.ptr<float>()[i] = v;
-      else
-        t.ptr<uint16_t>()[i] = f32_to_bf16(v);
-    }
-  };
-  fill(gu, 0.02f, 31);
-  fill(down, 0.02f, 32);
-  fill(x, 1.0f, 33);
-  for (int64_t i = 0; i < T; ++i) {
-    idx.ptr<int32_t>()[i] = int32_t(i % E);
-    if (dtype == DType::f32)
-      w.ptr<float>()[i] = 1.0f;
-    else
-      w.ptr<uint16_t>()[i] = f32_to_bf16(1.0f);
-  }
-  ExpertsWeights weights;
-  weights.gate_up_proj = gu;
-  weights.down_proj = down;
+  const ShapePreset shape{.name = "dense", .hidden = H, .intermediate = I, .num_experts = E, .top_k = 1};
   try {
-    Experts experts(spec, weights, "grouped_mm");
-    const ExpertsCall call{x.view(), idx.view(), w.view(), out.view(), nullptr};
+    const Experts experts = make_random_experts(shape, dtype, Device::cpu(), 31);
+    const InputSet set = make_input_set(shape, T, dtype, DType::i32, Routing::uniform, {}, Device::cpu(), 33, false);
+    for (int64_t t = 0; t < T; ++t) set.top_k_index.ptr<int32_t>()[t] = int32_t(t % E);  // K = 1: weights are 1
+    const ExpertsCall call = set.call(nullptr);
     double best = 0;
     for (int rep = 0; rep < reps; ++rep) {
       const auto t0 = Clock::now();
