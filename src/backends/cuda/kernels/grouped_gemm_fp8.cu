@@ -10,6 +10,9 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "backends/cuda/kernels/fp8_epilogue.cuh"
 #include "backends/cuda/kernels/grouped_gemm_common.cuh"
@@ -85,6 +88,79 @@ __global__ void quantize_fp8_rows_kernel(const T* __restrict__ x, int64_t ldx, c
   }
   *reinterpret_cast<uint32_t*>(q + row * ldq + k0) = word;  // k0 < ldq: rows padded to whole groups
   if (lane == 0) scale[row * lds + g] = s;
+}
+
+// The same quantisation with 16 lanes per (row, group of 128 inputs), eight inputs per lane (16-byte loads where
+// the row allows them) and the hardware's e4m3 conversion (sm_89+: round to nearest even, saturated to +-448,
+// subnormals kept: to_e4m3 above, NaN excepted, which is mapped to 0x7f as there). The division by the scale
+// stays correctly rounded, so the codes are the host's bit for bit. Two (row, group) items per warp: no lane
+// leaves before the shuffles.
+__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(d) : "f"(hi), "f"(lo));
+  uint32_t r = d;
+  if (isnan(lo)) r = (r & 0xff00u) | 0x7fu;
+  if (isnan(hi)) r = (r & 0x00ffu) | 0x7f00u;
+  return r;
+#else
+  return uint32_t(to_e4m3(lo)) | (uint32_t(to_e4m3(hi)) << 8);
+#endif
+}
+
+template <class T>
+__global__ void quantize_fp8_rows_wide_kernel(const T* __restrict__ x, int64_t ldx, const int32_t* __restrict__ src_rows,
+                                              int src_div, int64_t rows, int64_t k,
+                                              const int32_t* __restrict__ valid_rows, int pow2, bool vec,
+                                              uint8_t* __restrict__ q, int64_t ldq, float* __restrict__ scale,
+                                              int64_t lds) {
+  const int64_t groups = (k + 127) / 128;
+  const int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
+  const int l = threadIdx.x % 16;
+  const int64_t row = item / groups, g = item % groups;
+  const bool active = row < rows && (!valid_rows || row < __ldg(valid_rows));
+  const int64_t k0 = g * 128 + l * 8;
+  float v[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+  if (active) {
+    const T* xr = x + (src_rows ? int64_t(__ldg(src_rows + row) / src_div) : row) * ldx + k0;
+    if (vec && k0 + 8 <= k) {
+      if constexpr (sizeof(T) == 4) {
+        const float4 a = __ldg(reinterpret_cast<const float4*>(xr)), b = __ldg(reinterpret_cast<const float4*>(xr) + 1);
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+      } else {
+        const uint4 a = __ldg(reinterpret_cast<const uint4*>(xr));
+        const T* h = reinterpret_cast<const T*>(&a);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = to_f32(h[i]);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = k0 + i < k ? to_f32(xr[i]) : 0.0f;
+    }
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+  for (int o = 8; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (!active) return;
+  float s = __fdiv_rn(amax, 448.0f);
+  if (pow2 && s > 0.0f) s = pow2_ceil(s);
+  uint32_t w[2] = {0, 0};
+  if (s > 0.0f) {
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+      const uint32_t c = e4m3x2(__fdiv_rn(v[i], s), __fdiv_rn(v[i + 1], s));
+      const uint32_t m = (k0 + i < k ? 0x00ffu : 0u) | (k0 + i + 1 < k ? 0xff00u : 0u);  // padding: zero codes
+      w[i / 4] |= (c & m) << (8 * (i % 4));
+    }
+  }
+  uint32_t* out = reinterpret_cast<uint32_t*>(q + row * ldq + k0);  // k0 + 8 <= ldq: rows padded to whole groups
+  out[0] = w[0];
+  out[1] = w[1];
+  if (l == 0) scale[row * lds + g] = s;
 }
 
 // ---- weight quantisation in 128 x 128 blocks (moekit/quant.h quantize_fp8 with f32 scales), one block each ----
@@ -335,10 +411,21 @@ cudaError_t quantize_fp8_rows(Elem type, const void* x, int64_t ldx, const int32
   const int64_t groups = (k + 127) / 128;
   if (rows == 0 || k == 0) return cudaSuccess;
   if (ldq < groups * 128 || ldq % 4 || lds < groups || (src_rows && src_div < 1)) return cudaErrorInvalidValue;
-  const int64_t threads = rows * groups * 32;
-  const unsigned blocks = unsigned((threads + 255) / 256);
+  static const bool wide = [] {  // MOEKIT_FP8_QUANT_NARROW=1: the one-warp-per-group kernel (for comparisons)
+    const char* v = std::getenv("MOEKIT_FP8_QUANT_NARROW");
+    return !(v && std::strcmp(v, "1") == 0);
+  }();
   return with_elem(type, [&](auto tag) {
     using T = decltype(tag);
+    if (wide) {
+      const bool vec = (reinterpret_cast<uintptr_t>(x) % 16) == 0 && (ldx * int64_t(sizeof(T))) % 16 == 0;
+      const unsigned blocks = unsigned((rows * groups * 16 + 255) / 256);
+      quantize_fp8_rows_wide_kernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(x), ldx, src_rows, src_div,
+                                                                   rows, k, valid_rows, pow2_scales ? 1 : 0, vec, q,
+                                                                   ldq, scale, lds);
+      return cudaGetLastError();
+    }
+    const unsigned blocks = unsigned((rows * groups * 32 + 255) / 256);
     quantize_fp8_rows_kernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(x), ldx, src_rows, src_div, rows,
                                                             k, valid_rows,
                                                             pow2_scales ? 1 : 0, q, ldq, scale, lds);

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 
 #include "backends/cuda/kernels/fp8_epilogue.cuh"
 #include "backends/cuda/kernels/grouped_gemm_sm90.cuh"
@@ -139,6 +140,13 @@ __device__ __forceinline__ void store_value(const Fp8GemmArgs& args, const T* bi
   }
 }
 
+// Two adjacent 16-bit outputs (4-byte aligned) in one store.
+template <class T>
+__device__ __forceinline__ void store_pair(T* out, float x0, float x1) {
+  if constexpr (std::is_same_v<T, bf16>) *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(x0, x1);
+  else *reinterpret_cast<__half2*>(out) = __floats2half2_rn(x0, x1);
+}
+
 template <class T, int EPI>
 __device__ __forceinline__ void epilogue(const Fp8GemmArgs& args, const Work& t, int c, int warp, int lane,
                                          const float (&acc)[64]) {
@@ -150,13 +158,26 @@ __device__ __forceinline__ void epilogue(const Fp8GemmArgs& args, const Work& t,
     if (row >= t.m_end) continue;
     if constexpr (EPI == kEpiGated) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 8; ++j) {
+        const int64_t col = col0 + 8 * j + 2 * (lane & 3);
+        if constexpr (!std::is_same_v<T, float>) {
+          if (col + 1 < args.n && (args.ldo & 1) == 0) {  // both columns: one 4-byte store
+            float v[2];
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const int64_t col = col0 + 8 * j + 2 * (lane & 3) + q;
-          if (col < args.n)
-            store_value<T, EPI>(args, bias, row, col, acc[4 * j + 2 * half + q], acc[4 * (j + 8) + 2 * half + q]);
+            for (int q = 0; q < 2; ++q) {
+              const float bg = bias ? to_f32(bias[col + q]) : 0.0f, bu = bias ? to_f32(bias[args.inter + col + q]) : 0.0f;
+              v[q] = fp8_gated<T>(args.gate, acc[4 * j + 2 * half + q], acc[4 * (j + 8) + 2 * half + q],
+                                  bias != nullptr, bg, bu);
+            }
+            store_pair(static_cast<T*>(args.out) + row * args.ldo + col, v[0], v[1]);
+            continue;
+          }
         }
+#pragma unroll
+        for (int q = 0; q < 2; ++q)
+          if (col + q < args.n)
+            store_value<T, EPI>(args, bias, row, col + q, acc[4 * j + 2 * half + q], acc[4 * (j + 8) + 2 * half + q]);
+      }
     } else if constexpr (EPI == kEpiF32) {
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
