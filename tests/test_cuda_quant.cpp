@@ -1,6 +1,6 @@
 // FP8 block-scaled experts on the GPU: the activation quantisation kernel bit for bit against the host's
 // quantize_activations_fp8 (every dtype, partial and all-zero groups, saturating and subnormal values, UE8M0
-// scales), and grouped_mm, batched_mm and deepgemm on FP8 experts against the f64 reference over a sweep (K not a
+// scales; rows gathered through sorted pairs up to a device count, as the experts run it), and grouped_mm, batched_mm and deepgemm on FP8 experts against the f64 reference over a sweep (K not a
 // multiple of 128 nor of 16, odd E, sentinels, empty experts, biases, row tiles of 32 and 128, decode sizes on the
 // FP8 GEMV, which is also forced on beyond its reach and off below it), each output poisoned first; the backends
 // without a quantized path refused with the reason. FP4 experts (MXFP4 with float activations, FP4 with UE8M0
@@ -86,6 +86,61 @@ TEST(CudaQuant, ActivationQuantisationIsBitwiseTheHosts) {
           }
         }
       }
+}
+
+// The quantisation as the experts run it on the sm90 path: rows gathered through the sorted pairs (row r reads token
+// row src[r] / top_k), only the first valid_rows (a device count) written, the rest left as they were; a token row
+// length whose rows allow 16-byte loads (264 bf16, 264 f32) and one whose rows do not (300 bf16).
+TEST(CudaQuant, ActivationQuantisationGathersSortedRows) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  std::mt19937_64 rng(23);
+  for (const auto& [dt, k] : {std::pair{DType::bf16, int64_t(264)}, std::pair{DType::f32, int64_t(264)},
+                              std::pair{DType::bf16, int64_t(300)}}) {
+    const int64_t T = 23, top_k = 3, rows = T * top_k, valid = 50, groups = fp8_blocks(k), ldq = groups * 128;
+    const Tensor xd = test::randn({T, k}, DType::f32, rng, 2.0).to(dt);
+    const Tensor xf = xd.to(DType::f32);
+    Tensor src = Tensor::empty({rows}, DType::i32);
+    std::uniform_int_distribution<int32_t> pick(0, int32_t(rows - 1));
+    for (int64_t r = 0; r < rows; ++r) src.ptr<int32_t>()[r] = pick(rng);
+    Tensor count = Tensor::empty({1}, DType::i32);
+    count.ptr<int32_t>()[0] = int32_t(valid);
+    Tensor qp = Tensor::empty({rows, ldq}, DType::f8e4m3), sp = Tensor::empty({rows, groups}, DType::f32);
+    std::memset(qp.data(), 0x55, qp.nbytes());
+    std::memset(sp.data(), 0x55, sp.nbytes());
+    const Tensor xg = xd.to(Device::cuda(0)), srcg = src.to(Device::cuda(0)), countg = count.to(Device::cuda(0));
+    Tensor q = qp.to(Device::cuda(0)), s = sp.to(Device::cuda(0));
+    const auto type = dt == DType::f32 ? cuda::kernels::Elem::f32 : cuda::kernels::Elem::bf16;
+    ASSERT_EQ(cuda::kernels::quantize_fp8_rows(type, xg.data(), k, srcg.ptr<int32_t>(), int(top_k), rows, k,
+                                               countg.ptr<int32_t>(), false, q.ptr<uint8_t>(), ldq, s.ptr<float>(),
+                                               groups, nullptr),
+              cudaSuccess);
+    stream_synchronize(nullptr, Device::cuda(0));
+    const Tensor qh = q.to(Device::cpu()), sh = s.to(Device::cpu());
+    std::vector<float> hq(static_cast<size_t>(k)), hs(static_cast<size_t>(groups));
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t* code = qh.ptr<uint8_t>() + r * ldq;
+      const uint8_t* scale = reinterpret_cast<const uint8_t*>(sh.ptr<float>() + r * groups);
+      if (r >= valid) {  // past the count: untouched
+        for (int64_t i = 0; i < ldq; ++i) ASSERT_EQ(code[i], 0x55) << "row " << r << " past the count, byte " << i;
+        for (int64_t i = 0; i < groups * 4; ++i) ASSERT_EQ(scale[i], 0x55) << "row " << r << " past the count";
+        continue;
+      }
+      const int64_t token = src.ptr<int32_t>()[r] / top_k;
+      quantize_activations_fp8(xf.ptr<float>() + token * k, k, false, hq.data(), hs.data());
+      for (int64_t g = 0; g < groups; ++g)
+        ASSERT_EQ(std::memcmp(&hs[size_t(g)], sh.ptr<float>() + r * groups + g, 4), 0)
+            << dtype_name(dt) << " k=" << k << " scale (" << r << ", " << g << ")";
+      for (int64_t i = 0; i < ldq; ++i) {
+        if (i >= k) {
+          ASSERT_EQ(code[i], 0) << "padding (" << r << ", " << i << ")";
+          continue;
+        }
+        const float hv = hq[size_t(i)];
+        const uint8_t expect = hv == 0.0f ? code[i] & 0x80 : f32_to_f8e4m3(hv);
+        ASSERT_EQ(code[i], expect) << dtype_name(dt) << " k=" << k << " (" << r << ", " << i << ")";
+      }
+    }
+  }
 }
 #endif
 
