@@ -6,7 +6,6 @@
 //   cuda_grouped_bench [check] [time] [--reps N]
 //   cuda_grouped_bench profile [--tokens T]   (one launch of each TMA projection per form: for ncu)
 //   cuda_grouped_bench time --quick [--reps N] [--runs T:tile,...]  (the TMA projections only)
-//   (MOEKIT_TMA_SKIP_EMPTY=0 in the environment: the cooperative form multiplies whole-padding halves too)
 //
 // Build (sm_90a): see bench/README.md. Timing: CUDA events around each launch, median of N after
 // warm-up; inputs are random (never zero); the weights of every shape timed exceed L2 by far.

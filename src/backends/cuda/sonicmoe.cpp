@@ -11,8 +11,6 @@
 //   4. sum_slots: each token's K rows (found through pair_row) summed in f32 in slot order and rounded once. No
 //      atomics: the same bits on every run.
 // No host synchronisation and no allocation: capturable in a CUDA graph.
-#include <cstdlib>
-
 #include "backends/backends.h"
 #include "backends/cuda/state.h"
 
@@ -75,13 +73,6 @@ void run_sonicmoe(const CallContext& c) {
   g2.row_pair = r.sorted_pair;
   g2.row_weights = c.call.top_k_weights.data;
   g2.weight_type = c.weight_type;
-  // The down projection reads contiguous rows: over route tiles of 128 it may run the ping-pong form on their
-  // 64-row halves (MOEKIT_SONIC_DOWN_PINGPONG=1; a measurement knob, off by default).
-  static const bool down_pingpong = [] {
-    const char* e = std::getenv("MOEKIT_SONIC_DOWN_PINGPONG");
-    return e && e[0] == '1';
-  }();
-  g2.items64 = kTile == 128 && down_pingpong;
   MOEKIT_CHECK_CODE(k::grouped_gemm_tma_ok(g1, c.device->arch()) && k::grouped_gemm_tma_ok(g2, c.device->arch()),
                     not_supported,
                     "experts implementation 'sonicmoe': the TMA grouped kernel does not serve these arguments "

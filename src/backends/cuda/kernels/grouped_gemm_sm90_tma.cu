@@ -133,8 +133,7 @@ template <class T, int EPI>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                             const __grid_constant__ CUtensorMap map_out, const bool use_tma_store,
-                            const bool pingpong, const bool split_out, const bool skip_empty,
-                            const GroupedGemmArgs args) {
+                            const bool pingpong, const bool split_out, const GroupedGemmArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char tma_smem[];
   const uint32_t base = (smem_u32(tma_smem) + 1023) & ~1023u;          // swizzled tiles: 1024-byte aligned
@@ -276,20 +275,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int64_t row = r0 + warp * 16 + (lane >> 2) + half * 8;
         if (row < t.m_end) wr[half] = load_weight(args.row_weights, args.weight_type, __ldg(args.row_pair + row));
       }
-    }
-    if (skip_empty && !pingpong && !has_rows) {
-      // Cooperative tile whose 64 rows of this warpgroup lie past the expert's end (the expert's last route
-      // tile holds at most 64 rows): no MMAs, the stages released as they land, so the other warpgroup has
-      // the tensor pipe to itself. A loop of its own, so that the main loop's wgmma stays unconditional.
-      for (int kt = 0; kt < ktiles; ++kt) {
-        mbar_wait(full(s), phase);  // this item's fill of the stage (the arrival belongs to its phase)
-        if (lane == 0) mbar_arrive(empty(s));
-        if (++s == kStages) {
-          s = 0;
-          phase ^= 1;
-        }
-      }
-      continue;
     }
 #pragma unroll
     for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
@@ -662,25 +647,11 @@ bool split_out_on() {
   return v == 1;
 }
 
-// Cooperative form: a warpgroup whose 64 rows of a tile lie past the expert's end skips its MMAs (on), or
-// multiplies the padding like the rest (set_grouped_gemm_tma_skip_empty(false), or MOEKIT_TMA_SKIP_EMPTY=0).
-std::atomic<int> g_skip_empty{-1};
-bool skip_empty_on() {
-  int v = g_skip_empty.load();
-  if (v < 0) {
-    const char* e = std::getenv("MOEKIT_TMA_SKIP_EMPTY");
-    v = e && e[0] == '0' ? 0 : 1;
-    int expected = -1;
-    if (!g_skip_empty.compare_exchange_strong(expected, v)) v = expected;
-  }
-  return v == 1;
-}
-
 template <class T, int EPI>
 cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
   const auto encode = encode_fn();
   if (!encode) return cudaErrorNotSupported;
-  const bool pp = a.tile_m == 64 || a.items64;
+  const bool pp = a.tile_m == 64;
   const int rows = pp ? 64 : kBM;
   const CUtensorMapDataType dt =
       std::is_same_v<T, bf16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
@@ -727,8 +698,7 @@ cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
   const int64_t cols = EPI == kEpiGated ? kBN / 2 : kBN;
   const int64_t work = grouped_max_tiles(a.max_rows, a.experts, rows) * ((a.n + cols - 1) / cols);
   const int grid = int(std::min<int64_t>(work, sm_count()));
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(map_a, map_b, map_out, tma_store, pp, split_out_on(), skip_empty_on(),
-                                                 a);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(map_a, map_b, map_out, tma_store, pp, split_out_on(), a);
   return cudaGetLastError();
 }
 
@@ -763,11 +733,6 @@ bool grouped_gemm_tma_ok(const GroupedGemmArgs& a, int arch) {
 bool grouped_gemm_tma_built_for(int arch) { return tma_compiled_for(arch); }
 
 bool grouped_gemm_tma_pingpong() { return pingpong_on(); }
-bool set_grouped_gemm_tma_skip_empty(bool on) {
-  const bool was = skip_empty_on();
-  g_skip_empty.store(on ? 1 : 0);
-  return was;
-}
 bool set_grouped_gemm_tma_split_out(bool on) {
   const bool was = split_out_on();
   g_split_out.store(on ? 1 : 0);

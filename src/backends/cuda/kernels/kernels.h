@@ -103,7 +103,6 @@ struct GroupedGemmArgs {
   const int32_t* offsets = nullptr;       // [E + 1] device
   const int32_t* tile_offsets = nullptr;  // [E + 1] device, for tile_m
   int tile_m = 128;  // the TMA kernel's route tile (128, or 64: its ping-pong form); the others take a parameter
-  bool items64 = false;  // TMA kernel with tile_m 128: ping-pong over the 64-row halves of the route tiles
   int experts = 0;
   int64_t max_rows = 0;  // upper bound on the sorted rows (sizes the grid)
   int64_t n = 0;         // output columns: I for kEpiGated, else weight rows
@@ -159,9 +158,6 @@ int grouped_tma_tile_m(int64_t pairs, int experts, bool gathered_a);
 // halves of the staging buffer (on), or two boxes per round (off). Returns the previous setting.
 bool set_grouped_gemm_tma_split_out(bool on);
 bool set_grouped_gemm_tma_pingpong(bool on);  // returns the previous setting
-// Cooperative form: a consumer warpgroup whose 64 rows of a tile lie wholly past the expert's end skips its
-// MMAs (on by default; MOEKIT_TMA_SKIP_EMPTY=0 in the environment switches it off). Returns the previous setting.
-bool set_grouped_gemm_tma_skip_empty(bool on);
 // The three cp.async kernels, for tests and measurements.
 cudaError_t grouped_gemm_wgmma(const GroupedGemmArgs& a, int tile_m, bool wide, cudaStream_t stream);
 cudaError_t grouped_gemm_mma(const GroupedGemmArgs& a, int tile_m, cudaStream_t stream);
