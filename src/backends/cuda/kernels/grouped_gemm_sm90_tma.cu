@@ -24,6 +24,7 @@
 //   - kEpiWeighted (sonicmoe's second projection): w[row_pair[r]] * (acc + bias) rounded to 16 bits in
 //     registers, staged in two rounds of 128 columns as 64 x 64 boxes and written like the gated path
 //     (bulk tensor stores for 64-row blocks inside the expert, masked 16-byte stores otherwise), sorted rows.
+//     Without row weights (w = 1): grouped_mm's and deepgemm's second projection in 16-bit rows.
 // The work list comes from the device offsets (no host synchronisation; capturable in a CUDA graph).
 //
 // Gathered A (a_rows set, sonicmoe's first projection): sm_90's copy engine has no row gather, so the

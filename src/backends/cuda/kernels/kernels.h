@@ -34,7 +34,8 @@ constexpr int kGateActMul = 0, kGateClampedSwiglu = 1, kGateActOnly = 2;
 //   kEpiActOnly: out[r, c] = act(acc(row c) + bias), dtype of A
 //   kEpiF32:     out[r, c] = acc(row c) in f32 (second projection; its bias is added by combine)
 //   kEpiWeighted: out[r, c] = w[row_pair[r]] * (acc(row c) + bias), dtype of A (sonicmoe's second
-//                projection: the routing weight of the row's pair applied; TMA kernel only)
+//                projection: the routing weight of the row's pair applied; TMA kernel only). Without row_pair
+//                and row_weights w = 1: the accumulators rounded to 16 bits (grouped_mm's and deepgemm's rows)
 constexpr int kEpiGated = 0, kEpiActOnly = 1, kEpiF32 = 2, kEpiWeighted = 3;
 
 // ---- routing (routing.cu) ----
