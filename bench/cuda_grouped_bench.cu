@@ -379,10 +379,14 @@ void time_shape(const char* name, int64_t T, int K, int E, int64_t H, int64_t I,
     const double tgu = median_us([&] { return k::grouped_gemm_tma(tg, nullptr); }, reps);
     const double t1u = median_us([&] { return k::grouped_gemm_tma(t1, nullptr); }, reps);
     const double t2u = median_us([&] { return k::grouped_gemm_tma(t2, nullptr); }, reps);
+    k::GroupedGemmArgs t16 = t2;  // down in 16-bit rows (kEpiWeighted without weights: grouped_mm / deepgemm)
+    t16.epilogue = k::kEpiWeighted;
+    t16.out = cb.p;
+    const double t16u = median_us([&] { return k::grouped_gemm_tma(t16, nullptr); }, reps);
     std::printf("%-11s %3d %-14s T=%-6ld %-7s check %s (%.1e %.1e) | gate/up gathered %7.0f us %4.0f TF/s | gate/up "
-                "%7.0f us %4.0f | down %7.0f us %4.0f\n",
+                "%7.0f us %4.0f | down %7.0f us %4.0f | down 16-bit %7.0f us %4.0f\n",
                 form_name(), g_tile, name, long(T), skewed ? "skewed" : "uniform", pass ? "ok" : "FAIL", e1, e2, tgu,
-                tf(f1, tgu), t1u, tf(f1, t1u), t2u, tf(f2, t2u));
+                tf(f1, tgu), t1u, tf(f1, t1u), t2u, tf(f2, t2u), t16u, tf(f2, t16u));
     std::fflush(stdout);
     return;
   }

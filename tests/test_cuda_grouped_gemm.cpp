@@ -36,8 +36,8 @@ void skew(ExpertsProblem& p, std::mt19937_64& rng) {
 
 // Every backend on cuda:0 (the TMA engine in the form its route tile picks: ping-pong up to ~128 rows per
 // expert, else cooperative), the three engine backends once more with ping-pong switched off (cooperative
-// throughout) and the epilogues' other staging schedule, and grouped_mm once more with the TMA kernel
-// switched off.
+// throughout) and the epilogues' other staging schedule, grouped_mm and deepgemm once more so with f32
+// second-projection rows, and grouped_mm once more with the TMA kernel switched off.
 void check_problem(const ExpertsProblem& p) {
   Outcome outcome;
   check_backends_on(p, Device::cuda(0), outcome);
@@ -51,6 +51,12 @@ void check_problem(const ExpertsProblem& p) {
   for (const char* name : {"grouped_mm", "deepgemm", "sonicmoe"})
     if (ExpertsInterface::global().get(name)->supports(on_gpu, p.config.act))
       check_backend(p, on_gpu, name, std::string(name) + " (cooperative)", outcome);
+  // the second projection in f32 rows (the combine over them) instead of 16-bit ones
+  const bool rows16 = cuda::set_grouped_down_rows16(false);
+  for (const char* name : {"grouped_mm", "deepgemm"})
+    if (ExpertsInterface::global().get(name)->supports(on_gpu, p.config.act))
+      check_backend(p, on_gpu, name, std::string(name) + " (cooperative, f32 rows)", outcome);
+  cuda::set_grouped_down_rows16(rows16);
   cuda::kernels::set_grouped_gemm_tma_pingpong(pp);
   cuda::kernels::set_grouped_gemm_tma_split_out(split);
 #endif

@@ -75,12 +75,21 @@ void run_deepgemm(const CallContext& c) {
   // Every expert's block ends where the next one starts: whole tiles, so row_base serves as the offsets.
   Projections pr = grouped_projections(c, xl, nullptr, 1, row_base, r.tile_offsets, rows, act, y);
   pr.first.tile_m = pr.second.tile_m = kTile;
-  const k::GroupedGemmArgs &g1 = pr.first, &g2 = pr.second;
+  const k::GroupedGemmArgs& g1 = pr.first;
+  k::GroupedGemmArgs g2 = pr.second;
+  const bool rows16 = grouped_down_rows16();  // 16-bit rows in y (sized for f32 ones)
+  if (rows16) second_projection_rows16(g2);
   MOEKIT_CHECK_CODE(k::grouped_gemm_tma_ok(g1, c.device->arch()) && k::grouped_gemm_tma_ok(g2, c.device->arch()),
                     not_supported, "deepgemm: this build has no sm_90a code for the TMA grouped kernel");
   check_launch(k::grouped_gemm_tma(g1, c.stream), "grouped_gemm_tma (first projection)");
   check_launch(k::grouped_gemm_tma(g2, c.stream), "grouped_gemm_tma (second projection)");
 
+  if (rows16) {
+    check_launch(k::combine_rows16(c.type, c.weight_type, y, pair_row_l, r.pair_expert, c.call.top_k_weights.data, c.b2,
+                                   c.tokens, int(c.top_k), c.hidden, int(E), c.call.out.data, c.stream),
+                 "combine_rows16");
+    return;
+  }
   check_launch(k::combine(c.type, c.weight_type, y, pair_row_l, r.pair_expert, c.call.top_k_weights.data, c.b2,
                           c.tokens, int(c.top_k), c.hidden, int(E), c.call.out.data, c.stream),
                "combine");

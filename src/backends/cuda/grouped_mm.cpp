@@ -10,6 +10,7 @@
 // mma.sync otherwise); else the CUDA-core kernel, which takes any dtype, layout and size.
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 
 #include "backends/cuda/state.h"
 
@@ -17,9 +18,32 @@ namespace moekit::cuda {
 
 namespace {
 std::atomic<bool> g_tma{true};
+std::atomic<int> g_rows16{-1};  // -1: not read yet
 }  // namespace
 bool grouped_tma_enabled() { return g_tma.load(); }
 bool set_grouped_tma_enabled(bool enabled) { return g_tma.exchange(enabled); }
+bool grouped_down_rows16() {
+  int v = g_rows16.load();
+  if (v < 0) {
+    const char* e = std::getenv("MOEKIT_DOWN_ROWS16");
+    v = e && e[0] == '0' ? 0 : 1;
+    int expected = -1;
+    if (!g_rows16.compare_exchange_strong(expected, v)) v = expected;
+  }
+  return v == 1;
+}
+bool set_grouped_down_rows16(bool on) {
+  const bool was = grouped_down_rows16();
+  g_rows16.store(on ? 1 : 0);
+  return was;
+}
+
+void second_projection_rows16(kernels::GroupedGemmArgs& g2) {
+  g2.epilogue = kernels::kEpiWeighted;  // no row weights: the accumulators rounded to the activations' dtype
+  g2.row_pair = nullptr;
+  g2.row_weights = nullptr;
+  g2.bias = nullptr;  // added by combine
+}
 
 Projections grouped_projections(const CallContext& c, const void* a, const int32_t* a_rows, int a_row_div,
                                 const int32_t* offsets, const int32_t* tile_offsets, int64_t max_rows, void* act,
@@ -108,7 +132,11 @@ void run_grouped_mm(const CallContext& c) {
   Projections pr = grouped_projections(c, c.call.hidden_states.data, r.sorted_pair, int(c.top_k), r.offsets,
                                        r.tile_offsets, P, act, y);
   pr.first.tile_m = pr.second.tile_m = tile_m;
-  const k::GroupedGemmArgs &g1 = pr.first, &g2 = pr.second;
+  const k::GroupedGemmArgs& g1 = pr.first;
+  k::GroupedGemmArgs g2 = pr.second;
+  // The TMA path's second projection in 16-bit rows (y holds room for f32 ones: the other kernels' form).
+  const bool rows16 = use_tma && grouped_down_rows16();
+  if (rows16) second_projection_rows16(g2);
 
   k::GroupedGemmArgs t1 = g1;  // the first projection over the gathered rows
   t1.a = xs;
@@ -120,9 +148,15 @@ void run_grouped_mm(const CallContext& c) {
                  "gather_rows");
     check_launch(k::grouped_gemm_tma(t1, c.stream), "grouped_gemm_tma (first projection)");
     check_launch(k::grouped_gemm_tma(g2, c.stream), "grouped_gemm_tma (second projection)");
+    if (rows16) {
+      check_launch(k::combine_rows16(c.type, c.weight_type, y, r.pair_row, r.pair_expert, c.call.top_k_weights.data,
+                                     c.b2, c.tokens, int(c.top_k), c.hidden, int(E), c.call.out.data, c.stream),
+                   "combine_rows16");
+      return;
+    }
   } else {
-    check_launch(k::grouped_gemm(g1, tile_m, arch, wide, c.stream), "grouped_gemm (first projection)");
-    check_launch(k::grouped_gemm(g2, tile_m, arch, wide, c.stream), "grouped_gemm (second projection)");
+    check_launch(k::grouped_gemm(pr.first, tile_m, arch, wide, c.stream), "grouped_gemm (first projection)");
+    check_launch(k::grouped_gemm(pr.second, tile_m, arch, wide, c.stream), "grouped_gemm (second projection)");
   }
 
   check_launch(k::combine(c.type, c.weight_type, y, r.pair_row, r.pair_expert, c.call.top_k_weights.data, c.b2,

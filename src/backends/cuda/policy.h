@@ -29,6 +29,12 @@ bool set_grouped_wgmma_wide_enabled(bool enabled);
 // first) where it serves; on by default. Off: the cp.async kernels above.
 bool grouped_tma_enabled();
 bool set_grouped_tma_enabled(bool enabled);
+// Whether grouped_mm and deepgemm on that kernel write their second projection's rows in the activations' dtype
+// (rounded once, as transformers' grouped_mm materialises them) for a combine reading 16-bit rows, instead of
+// f32 rows (half the bytes written and read back); on by default, MOEKIT_DOWN_ROWS16=0 in the environment at
+// first use switches it off. Setting it returns the previous value (process-wide).
+bool grouped_down_rows16();
+bool set_grouped_down_rows16(bool on);
 
 // Largest number of pairs for which FP8 experts (grouped_mm, batched_mm, deepgemm) run the weight-streaming GEMV
 // (kernels/gemv_quant.cu) instead of the tiled projections: 64 by default, MOEKIT_FP8_GEMV_MAX_PAIRS in the

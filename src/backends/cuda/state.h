@@ -171,6 +171,9 @@ struct Projections {
 Projections grouped_projections(const CallContext& c, const void* a, const int32_t* a_rows, int a_row_div,
                                 const int32_t* offsets, const int32_t* tile_offsets, int64_t max_rows, void* act,
                                 float* y);
+// grouped_mm's and deepgemm's second projection on the TMA kernel in 16-bit rows (kEpiWeighted without row
+// weights; the down bias and the routing weights are applied by combine_rows16).
+void second_projection_rows16(kernels::GroupedGemmArgs& g2);
 
 // Whether batched_mm runs its per-pair GEMV kernels for this call (else the grouped kernels).
 bool batched_uses_gemv(const CallContext& c);

@@ -123,7 +123,76 @@ __global__ void __launch_bounds__(kSumThreads)
   }
 }
 
+// combine over 16-bit rows: one thread per 8 columns (16-byte pieces when `vec`) of one token, the K slots'
+// w * (y + bias) summed in f32 in slot order and rounded once (combine_kernel's arithmetic on rounded rows).
+template <class T, class W>
+__global__ void __launch_bounds__(kSumThreads)
+    combine_rows16_kernel(const T* y, const int32_t* pair_row, const int32_t* pair_expert, const W* weights,
+                          const T* bias2, int top_k, int64_t hidden, int experts, T* out, bool vec) {
+  const int64_t t = blockIdx.x;
+  const int64_t h0 = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * 8;
+  if (h0 >= hidden) return;
+  float acc[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+  for (int k = 0; k < top_k; ++k) {  // slot order: deterministic
+    const int64_t p = t * top_k + k;
+    const int e = pair_expert[p];
+    if (e >= experts) continue;  // sentinel or bad id: exactly zero contribution
+    const float w = to_f32(weights[p]);
+    const T* row = y + int64_t(pair_row ? pair_row[p] : p) * hidden + h0;
+    const T* br = bias2 ? bias2 + int64_t(e) * hidden + h0 : nullptr;
+    if (vec) {
+      alignas(16) T v[8];
+      *reinterpret_cast<uint4*>(v) = __ldcs(reinterpret_cast<const uint4*>(row));
+      if (br) {
+        alignas(16) T b[8];
+        *reinterpret_cast<uint4*>(b) = __ldg(reinterpret_cast<const uint4*>(br));
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] += w * (to_f32(v[j]) + to_f32(b[j]));
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] += w * (to_f32(v[j]) + 0.0f);
+      }
+    } else {
+      for (int j = 0; j < 8 && h0 + j < hidden; ++j) acc[j] += w * (to_f32(row[j]) + (br ? to_f32(br[j]) : 0.0f));
+    }
+  }
+  T* o = out + t * hidden + h0;
+  if (vec) {
+    alignas(16) T v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = from_f32<T>(acc[j]);
+    *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(v);
+  } else {
+    for (int j = 0; j < 8 && h0 + j < hidden; ++j) o[j] = from_f32<T>(acc[j]);
+  }
+}
+
 }  // namespace
+
+cudaError_t combine_rows16(Elem type, Elem weight_type, const void* y, const int32_t* pair_row,
+                           const int32_t* pair_expert, const void* weights, const void* bias2, int64_t tokens,
+                           int top_k, int64_t hidden, int experts, void* out, cudaStream_t stream) {
+  if (tokens == 0 || hidden == 0) return cudaSuccess;
+  if (type == Elem::f32) return cudaErrorInvalidValue;  // 16-bit rows only
+  const bool vec = hidden % 8 == 0 && (reinterpret_cast<uintptr_t>(y) & 15) == 0 &&
+                   (reinterpret_cast<uintptr_t>(out) & 15) == 0 && (reinterpret_cast<uintptr_t>(bias2) & 15) == 0;
+  const int64_t pieces = (hidden + 7) / 8;
+  const int threads = int(pieces >= kSumThreads ? kSumThreads : (pieces + 31) / 32 * 32);
+  const dim3 grid(unsigned(tokens), unsigned((pieces + threads - 1) / threads));
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    return with_elem(weight_type, [&](auto wtag) {
+      using W = decltype(wtag);
+      combine_rows16_kernel<T, W><<<grid, threads, 0, stream>>>(
+          static_cast<const T*>(y), pair_row, pair_expert, static_cast<const W*>(weights), static_cast<const T*>(bias2),
+          top_k, hidden, experts, static_cast<T*>(out), vec);
+      return cudaGetLastError();
+    });
+  };
+  return type == Elem::bf16 ? launch(bf16{}) : launch(f16{});
+}
 
 cudaError_t sum_slots(Elem type, const void* yw, const int32_t* pair_row, const int32_t* pair_expert,
                       int64_t tokens, int top_k, int64_t hidden, int experts, void* out, cudaStream_t stream) {

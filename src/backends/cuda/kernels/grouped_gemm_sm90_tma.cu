@@ -24,6 +24,7 @@
 //   - kEpiWeighted (sonicmoe's second projection): w[row_pair[r]] * (acc + bias) rounded to 16 bits in
 //     registers, staged in two rounds of 128 columns as 64 x 64 boxes and written like the gated path
 //     (bulk tensor stores for 64-row blocks inside the expert, masked 16-byte stores otherwise), sorted rows.
+//     Without row weights (w = 1): grouped_mm's and deepgemm's second projection in 16-bit rows.
 // The work list comes from the device offsets (no host synchronisation; capturable in a CUDA graph).
 //
 // Gathered A (a_rows set, sonicmoe's first projection): sm_90's copy engine has no row gather, so the
@@ -266,8 +267,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_wait(turn(c), turns & 1);
       ++turns;
     }
-    float wr[2] = {0.0f, 0.0f};  // kEpiWeighted: routing weights of this thread's two rows, loaded under the MMAs
-    if constexpr (EPI == kEpiWeighted) {
+    // kEpiWeighted: routing weights of this thread's two rows, loaded under the MMAs (1 without row_weights:
+    // plain 16-bit rows, grouped_mm's and deepgemm's second projection)
+    float wr[2] = {1.0f, 1.0f};
+    if (EPI == kEpiWeighted && args.row_weights) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int64_t row = r0 + warp * 16 + (lane >> 2) + half * 8;
@@ -721,7 +724,7 @@ bool grouped_gemm_tma_ok(const GroupedGemmArgs& a, int arch) {
   if (a.type != Elem::bf16 && a.type != Elem::f16) return false;
   if (a.b_stride_k != 1 || (a.a_rows && a.a_row_div < 1)) return false;
   if (a.tile_m != 128 && a.tile_m != 64) return false;
-  if (a.epilogue == kEpiWeighted && (!a.row_pair || !a.row_weights)) return false;
+  if (a.epilogue == kEpiWeighted && !a.row_pair != !a.row_weights) return false;
   if (a.k % 8 || a.lda % 8 || a.b_stride_n % 8 || a.b_expert_stride % 8 || a.k > a.b_stride_n) return false;
   if (!aligned16(a.a) || !aligned16(a.b)) return false;
   if (a.experts <= 0 || a.max_rows >= (int64_t(1) << 31) || weight_rows(a) >= (int64_t(1) << 31)) return false;

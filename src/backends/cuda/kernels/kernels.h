@@ -34,7 +34,8 @@ constexpr int kGateActMul = 0, kGateClampedSwiglu = 1, kGateActOnly = 2;
 //   kEpiActOnly: out[r, c] = act(acc(row c) + bias), dtype of A
 //   kEpiF32:     out[r, c] = acc(row c) in f32 (second projection; its bias is added by combine)
 //   kEpiWeighted: out[r, c] = w[row_pair[r]] * (acc(row c) + bias), dtype of A (sonicmoe's second
-//                projection: the routing weight of the row's pair applied; TMA kernel only)
+//                projection: the routing weight of the row's pair applied; TMA kernel only). Without row_pair
+//                and row_weights w = 1: the accumulators rounded to 16 bits (grouped_mm's and deepgemm's rows)
 constexpr int kEpiGated = 0, kEpiActOnly = 1, kEpiF32 = 2, kEpiWeighted = 3;
 
 // ---- routing (routing.cu) ----
@@ -112,7 +113,8 @@ struct GroupedGemmArgs {
   GateParams gate;
   void* out = nullptr;  // [max_rows, ldo]
   int64_t ldo = 0;
-  // kEpiWeighted: the pair of each sorted row and the routing weights [pairs] of `weight_type`
+  // kEpiWeighted: the pair of each sorted row and the routing weights [pairs] of `weight_type`; both null:
+  // plain 16-bit rows (w = 1)
   const int32_t* row_pair = nullptr;
   const void* row_weights = nullptr;
   Elem weight_type = Elem::f32;
@@ -168,6 +170,11 @@ cudaError_t grouped_gemm_simt(const GroupedGemmArgs& a, int tile_m, cudaStream_t
 // same bits on every run).
 cudaError_t sum_slots(Elem type, const void* yw, const int32_t* pair_row, const int32_t* pair_expert,
                       int64_t tokens, int top_k, int64_t hidden, int experts, void* out, cudaStream_t stream);
+// combine over 16-bit second-projection rows y [rows, hidden] of `type` (kEpiWeighted without weights):
+// out[t, :] = round( sum over k in slot order of w[p] * (y[row(p), :] + bias2[e(p), :]) ), f32, as combine.
+cudaError_t combine_rows16(Elem type, Elem weight_type, const void* y, const int32_t* pair_row,
+                           const int32_t* pair_expert, const void* weights, const void* bias2, int64_t tokens,
+                           int top_k, int64_t hidden, int experts, void* out, cudaStream_t stream);
 
 // ---- DeepGEMM's contiguous layout (expert_layout.cu) ----
 
