@@ -3,7 +3,8 @@
 # the fused kernel against the unfused ops, the fixture models against transformers with the decode step fused
 # and unfused), then the decode step of a 4-layer Qwen3-30B-A3B-shaped bf16 checkpoint (scripts/model_bench.py's
 # make_checkpoint) timed with `moekit run --cuda-graph`: fused (default), fused one step at a time
-# (MOEKIT_DECODE_AHEAD=0), fused with plain launches (MOEKIT_PDL=0) and unfused (MOEKIT_FUSED_DECODE=0).
+# (MOEKIT_DECODE_AHEAD=0), fused with plain launches (MOEKIT_PDL=0), fused with the first forms of the GEMV kernels
+# (MOEKIT_GEMV_STREAM=0 MOEKIT_PAIR_GEMV_EARLY=0 MOEKIT_COMBINE_STREAM=0) and unfused (MOEKIT_FUSED_DECODE=0).
 # The test log's "decode step kernels" lines count the kernel nodes of one recorded decode step per fixture model.
 #
 #   scripts/decode_gpu_check.sh BUILD_DIR      (needs BUILD_DIR/bin/test_cuda_model and BUILD_DIR/bin/moekit;
@@ -59,7 +60,8 @@ fi
 VOCAB=$(python3 -c "import json, sys; c = json.load(open(sys.argv[1])); print(c.get('text_config', c)['vocab_size'])" "$CKPT/config.json" 2>/dev/null || echo 32000)
 IDS=$(python3 -c "import random, sys; r = random.Random(1); print(','.join(str(r.randrange(int(sys.argv[1]))) for _ in range(128)))" "$VOCAB")
 # label and environment of each run
-for run in "1 MOEKIT_FUSED_DECODE=1" "1_step MOEKIT_DECODE_AHEAD=0" "1_plain MOEKIT_PDL=0" "0 MOEKIT_FUSED_DECODE=0"; do
+for run in "1 MOEKIT_FUSED_DECODE=1" "1_step MOEKIT_DECODE_AHEAD=0" "1_plain MOEKIT_PDL=0" \
+  "1_first MOEKIT_GEMV_STREAM=0 MOEKIT_PAIR_GEMV_EARLY=0 MOEKIT_COMBINE_STREAM=0" "0 MOEKIT_FUSED_DECODE=0"; do
   fused=${run%% *}
   s=$SECONDS
   env ${run#* } timeout 60 "$B/moekit" run --model "$CKPT" --device "$DEVICE" --dtype bf16 \
@@ -73,7 +75,7 @@ python3 - "$LOG" <<'EOF'
 import json, sys
 log = sys.argv[1]
 runs = {}
-for f in ("1", "1_step", "1_plain", "0"):
+for f in ("1", "1_step", "1_plain", "1_first", "0"):
     try:
         runs[f] = json.loads(open(f"{log}/run_fused{f}.json").read().strip().splitlines()[-1])
     except Exception as e:
@@ -83,7 +85,7 @@ for f, j in runs.items():
     n = len(j["generated_ids"])
     print(f"decode fused={f}: {t['tokens_per_s']:.1f} tok/s, {t['decode_ms'] / max(1, n - 1) * 1e3:.0f} us per step, "
           f"prefill {t['prefill_ms']:.1f} ms, graph replays {j.get('cuda_graph', {}).get('replays')}")
-for other in ("1_step", "1_plain"):
+for other in ("1_step", "1_plain", "1_first"):
     if "1" in runs and other in runs:
         same = runs["1"]["generated_ids"] == runs[other]["generated_ids"]
         print(f"greedy tokens fused={other} {'==' if same else '!='} fused=1")

@@ -7,6 +7,7 @@
 #ifdef MOEKIT_WITH_CUDA
 #include <cuda_runtime_api.h>
 
+#include "backends/cuda/kernels/kernels.h"
 #include "base/cuda_pdl.cuh"
 #endif
 
@@ -241,32 +242,42 @@ TEST(CudaGraph, CaptureOnAStreamThatNeverRanAForward) {
 }
 
 // batched_mm's small-T path with Programmatic Dependent Launch (the second projection starts while the first
-// runs and prefetches its weight rows into L2): replays with PDL on, with the prefetch forced on and off, and
-// with PDL off are bit-identical to each other and match the reference; odd sizes (the unaligned kernels),
-// sentinels in top_k_index, T = 1, 3 and 8 with 8 of 128 experts (the GEMVs serve pairs < experts).
+// runs and prefetches its weight rows into L2) and in both forms of its kernels (the first projection's early
+// weight loads, the streaming combine; and the first forms): replays with PDL on, with the prefetch forced on and
+// off, with PDL off and with the first forms are bit-identical to each other and match the reference; odd sizes
+// (the unaligned kernels), sentinels in top_k_index, T = 1, 3 and 8 with 8 of 128 experts (the GEMVs serve
+// pairs < experts), and wider rows of 32 experts, where a block of the streaming combine takes several column
+// groups (and a warp several units) unevenly.
 TEST(CudaGraph, ProgrammaticDependentLaunchKeepsTheSmallTPathExact) {
   MOEKIT_SKIP_WITHOUT_CUDA();
 #ifdef MOEKIT_WITH_CUDA
   const bool pdl_was = cuda::pdl_enabled();
   const int64_t prefetch_was = cuda::pdl_prefetch_bytes();
+  const bool early_was = cuda::kernels::pair_gemv_early(), stream_was = cuda::kernels::combine_stream();
   struct Mode {
     bool pdl;
     int64_t prefetch;
+    bool new_forms;
     const char* name;
   };
-  const Mode modes[] = {{false, 0, "plain"}, {true, int64_t(1) << 40, "pdl+prefetch"}, {true, 0, "pdl"}};
+  const Mode modes[] = {{false, 0, true, "plain"},
+                        {true, int64_t(1) << 40, true, "pdl+prefetch"},
+                        {true, 0, true, "pdl"},
+                        {true, 0, false, "pdl, first forms"},
+                        {false, 0, false, "plain, first forms"}};
   struct Shape {
     DType dtype;
-    int64_t T, H, I;
+    int64_t T, H, I, E;
   };
-  const Shape shapes[] = {{DType::bf16, 1, 96, 40}, {DType::bf16, 3, 256, 72}, {DType::f32, 8, 64, 48},
-                          {DType::bf16, 8, 100, 36}, {DType::f16, 5, 98, 40}};
+  const Shape shapes[] = {{DType::bf16, 1, 96, 40, 128},  {DType::bf16, 3, 256, 72, 128},  {DType::f32, 8, 64, 48, 128},
+                          {DType::bf16, 8, 100, 36, 128}, {DType::f16, 5, 98, 40, 128},    {DType::bf16, 1, 1032, 392, 32},
+                          {DType::bf16, 3, 520, 1048, 32}, {DType::f16, 2, 2056, 264, 32}};
   std::mt19937_64 rng(77);
   for (const Shape& sh : shapes) {
     ProblemConfig cfg = cuda_case();
     cfg.act = cfg.wdt = sh.dtype;
-    cfg.E = 128;
-    cfg.used = 128;
+    cfg.E = sh.E;
+    cfg.used = sh.E;
     cfg.H = sh.H;
     cfg.I = sh.I;
     cfg.has_bias = true;
@@ -291,6 +302,8 @@ TEST(CudaGraph, ProgrammaticDependentLaunchKeepsTheSmallTPathExact) {
                                   std::to_string(round);
         cuda::set_pdl_enabled(m.pdl);
         cuda::set_pdl_prefetch_bytes(m.prefetch);
+        cuda::kernels::set_pair_gemv_early(m.new_forms);
+        cuda::kernels::set_combine_stream(m.new_forms);
         ExpertsGraph g(dev, shape, "batched_mm");  // recorded under this mode
         g.hidden_states().copy_from(p.hidden_states.view());
         g.top_k_index().copy_from(p.top_k_index.view());
@@ -314,5 +327,7 @@ TEST(CudaGraph, ProgrammaticDependentLaunchKeepsTheSmallTPathExact) {
   }
   cuda::set_pdl_enabled(pdl_was);
   cuda::set_pdl_prefetch_bytes(prefetch_was);
+  cuda::kernels::set_pair_gemv_early(early_was);
+  cuda::kernels::set_combine_stream(stream_was);
 #endif
 }

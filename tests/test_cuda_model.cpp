@@ -12,6 +12,7 @@
 #include "model/ops.h"
 #ifdef MOEKIT_WITH_CUDA
 #include "base/cuda_pdl.cuh"
+#include "model/kernels/layer_kernels.h"
 #endif
 #include "moekit/model.h"
 #include "moekit/safetensors.h"
@@ -116,6 +117,55 @@ TEST_F(CudaModelOps, DecodeGemvMatchesCpuForFewRows) {
   }
   model::set_gemv_max_rows(saved);
   EXPECT_THROW(model::set_gemv_max_rows(9), Error);
+}
+
+// The decode GEMV's two forms (the streaming one: one wave, the weights split evenly over the warps, partial sums
+// met in shared memory in warp order; the first one: a fixed set of columns per block) against the CPU, on shapes
+// where the streaming form's spans start and end inside column groups and inside K (K not a multiple of a step,
+// N not a multiple of 4), a grid of fewer blocks than multiprocessors (small N) and several column groups per
+// warp (large N); M = 1..8; each form bit-identical run to run.
+TEST_F(CudaModelOps, DecodeGemvFormsMatchCpuAndRepeatExactly) {
+#ifdef MOEKIT_WITH_CUDA
+  struct Case {
+    int64_t K, N;
+  };
+  const int64_t saved_rows = model::gemv_max_rows();
+  model::set_gemv_max_rows(8);
+  const bool saved_form = model::kernels::gemv_stream();
+  const Case cases[] = {{8, 1}, {264, 37}, {1000, 5}, {4104, 2051}, {2048, 129}, {4096, 515}, {520, 12289}};
+  for (const Case c : cases) {
+    for (int64_t M = 1; M <= 8; ++M) {
+      const DType xt = M % 3 == 2 ? DType::f16 : DType::bf16;
+      for (DType wt : {xt, DType::f32}) {
+        if (wt == DType::f32 && c.N > 2051) continue;  // the router's sizes
+        SCOPED_TRACE(::testing::Message() << "M=" << M << " K=" << c.K << " N=" << c.N << " x " << dtype_name(xt)
+                                          << " w " << dtype_name(wt));
+        Tensor x = test::randn({M, c.K}, xt, rng);
+        Tensor w = test::randn({c.N, c.K}, wt, rng, 0.2), b = test::randn({c.N}, xt, rng);
+        Tensor gx = on_gpu(x), gw = on_gpu(w), gb = on_gpu(b);
+        Tensor y = poisoned({M, c.N}, xt, Device::cpu());
+        cpu().linear(x.view(), w.view(), b.view(), y.view());
+        for (bool streaming : {true, false}) {
+          model::kernels::set_gemv_stream(streaming);
+          Tensor first;
+          for (int rep = 0; rep < 2; ++rep) {
+            Tensor gy = poisoned({M, c.N}, xt, kDev);
+            gpu().linear(gx.view(), gw.view(), gb.view(), gy.view());
+            const Tensor got = on_cpu(gy);
+            EXPECT_LT(dist(got, y), tol(DType::bf16)) << (streaming ? "streaming" : "first") << " form";
+            if (rep == 0)
+              first = got;
+            else
+              EXPECT_EQ(std::memcmp(first.data(), got.data(), got.nbytes()), 0)
+                  << (streaming ? "streaming" : "first") << " form differs run to run";
+          }
+        }
+      }
+    }
+  }
+  model::kernels::set_gemv_stream(saved_form);
+  model::set_gemv_max_rows(saved_rows);
+#endif
 }
 
 // The decode step's greedy choice on the device: the host sampler's id on every finite row (ties, -inf,

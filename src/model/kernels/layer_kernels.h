@@ -42,6 +42,10 @@ constexpr int kGemvMaxM = 8;
 bool gemv_ok(const void* x, int xt, int64_t ldx, const void* w, int wt, int M, int64_t K);
 cudaError_t gemv(const void* x, int xt, int64_t ldx, const void* w, int wt, const void* bias, int bt, void* y, int yt,
                  int M, int64_t N, int64_t K, int sms, cudaStream_t s);
+// Which form gemv runs: the streaming one (one wave, even split; default) or the first one (MOEKIT_GEMV_STREAM=0 in
+// the environment, read once). set_gemv_stream returns the previous setting.
+bool gemv_stream();
+bool set_gemv_stream(bool on);
 
 constexpr int kMaxRopeHalf = 256;
 struct RopeArgs {

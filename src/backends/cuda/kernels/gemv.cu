@@ -12,6 +12,8 @@
 // word, as route_validate does, and contribute nothing; E is the dropped-pair sentinel). Both launch with
 // Programmatic Dependent Launch (base/cuda_pdl.cuh): the second projection's blocks are placed while the first
 // runs, read their slots' ids (and optionally prefetch their weight rows) and then wait for it.
+#include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdlib>
 
@@ -111,6 +113,49 @@ __device__ __forceinline__ void stream_rows(const T* (&rows)[ROWS], const T* a, 
   }
 }
 
+// stream_round split in two, so that a round's weight loads can be issued before something the activations wait
+// for (the PDL wait, the staging of the activation row): load_round loads the round's weight pieces (zero past k),
+// fma_round loads the activation pieces and multiplies in stream_round's order (the same sums, bit for bit).
+template <class T, int VEC, int ROWS, bool GUARD, int U0 = 0, int U1 = kUnroll>
+__device__ __forceinline__ void load_round(const T* (&rows)[ROWS], int64_t base, int64_t k, uint4 (&w)[kUnroll][ROWS]) {
+  constexpr int64_t kStep = 32 * VEC;
+#pragma unroll
+  for (int u = U0; u < U1; ++u) {  // pieces [U0, U1) of the round
+    const bool in = !GUARD || base + u * kStep < k;
+    const int64_t i = in ? base + u * kStep : base;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      w[u][r] = *reinterpret_cast<const uint4*>(rows[r] + i);
+      if (!in) w[u][r] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+template <class T, int VEC, int ROWS, bool GUARD, int U0 = 0, int U1 = kUnroll>
+__device__ __forceinline__ void fma_round(const uint4 (&w)[kUnroll][ROWS], const T* a, int64_t base, int64_t k,
+                                          float (&acc)[ROWS]) {
+  constexpr int64_t kStep = 32 * VEC;
+  uint4 av[kUnroll];
+#pragma unroll
+  for (int u = U0; u < U1; ++u) {
+    const bool in = !GUARD || base + u * kStep < k;
+    const int64_t i = in ? base + u * kStep : base;
+    av[u] = *reinterpret_cast<const uint4*>(a + i);
+    if (!in) av[u] = make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int u = U0; u < U1; ++u) {
+    float af[VEC];
+    to_floats<T, VEC>(av[u], af);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      float wf[VEC];
+      to_floats<T, VEC>(w[u][r], wf);
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[r] = fmaf(af[v], wf[v], acc[r]);
+    }
+  }
+}
+
 template <int ROWS>
 __device__ __forceinline__ void warp_sum(float (&acc)[ROWS]) {
 #pragma unroll
@@ -119,51 +164,10 @@ __device__ __forceinline__ void warp_sum(float (&acc)[ROWS]) {
     for (int d = 16; d > 0; d /= 2) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], d);
 }
 
-// ---- first projection: one block per (pair, kGemvWarps * columns-per-warp columns) ----
-
-template <class T, int VEC, int EPI, int MINB>
-__global__ void __launch_bounds__(kGemvThreads, MINB) pair_gemv_kernel(PairGemvArgs args) {
-  extern __shared__ __align__(16) unsigned char gemv_smem[];
-  T* a_s = reinterpret_cast<T*>(gemv_smem);  // [k]
-  // Everything here reads what the kernels before wrote (the ids, the activations): wait first, then let the
-  // second projection start (it reads top_k_index before its own wait: done by the time any block gets here).
-  pdl_wait();
-  pdl_trigger();
-  const int64_t p = blockIdx.x;
-  const int e = pair_expert_of(args.index, args.index_type, p, args.top_k, args.experts, args.error);
-  if (e >= args.experts) return;  // sentinel or bad id: the row is never read
-  const int64_t k = args.k;
-  const T* a_row = static_cast<const T*>(args.a) + (p / args.a_row_div) * args.lda;
-  if constexpr (VEC > 1) {
-    for (int64_t i = threadIdx.x; i < k / VEC; i += kGemvThreads)
-      reinterpret_cast<uint4*>(a_s)[i] = reinterpret_cast<const uint4*>(a_row)[i];
-  } else {
-    for (int64_t i = threadIdx.x; i < k; i += kGemvThreads) a_s[i] = a_row[i];
-  }
-  __syncthreads();
-
-  constexpr int kCols = EPI == kEpiGated ? kRowsPerWarp / 2 : kRowsPerWarp;  // output columns per warp
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t col0 = (int64_t(blockIdx.y) * kGemvWarps + warp) * kCols;
-  if (col0 >= args.n) return;
-  const T* w_expert = static_cast<const T*>(args.b) + int64_t(e) * args.b_expert_stride;
-  const T* rows[kRowsPerWarp];
-#pragma unroll
-  for (int j = 0; j < kCols; ++j) {
-    const int64_t c = min(col0 + j, args.n - 1);  // columns past n recompute the last one, never stored
-    if constexpr (EPI == kEpiGated) {
-      rows[2 * j] = w_expert + gate_row(args.gate, c) * k;
-      rows[2 * j + 1] = w_expert + up_row(args.gate, c, args.inter) * k;
-    } else {
-      rows[j] = w_expert + c * k;
-    }
-  }
-  float acc[kRowsPerWarp];
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) acc[r] = 0.0f;
-  stream_rows<T, VEC, kRowsPerWarp>(rows, a_s, k, lane, acc);
-  warp_sum(acc);
-
+// The first projection's epilogue: lane j < kCols of the warp stores column col0 + j (bias, gate, activation).
+template <class T, int EPI, int kCols>
+__device__ __forceinline__ void pair_gemv_store(const PairGemvArgs& args, const float (&acc)[kRowsPerWarp], int64_t p,
+                                                int e, int64_t col0, int lane) {
   if (lane >= kCols) return;
   const int64_t c = col0 + lane;
   if (c >= args.n) return;
@@ -195,6 +199,111 @@ __global__ void __launch_bounds__(kGemvThreads, MINB) pair_gemv_kernel(PairGemvA
   }
 }
 
+// ---- first projection: one block per (pair, kGemvWarps * columns-per-warp columns) ----
+
+// EARLY (16-byte pieces only): the warp's first round of weight loads is issued before the activation row is
+// staged, so that the staging's round trip overlaps them; the same sums as without.
+template <class T, int VEC, int EPI, int MINB, bool EARLY>
+__global__ void __launch_bounds__(kGemvThreads, EARLY ? 3 : MINB) pair_gemv_kernel(PairGemvArgs args) {
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  T* a_s = reinterpret_cast<T*>(gemv_smem);  // [k]
+  // Everything here reads what the kernels before wrote (the ids, the activations): wait first, then let the
+  // second projection start (it reads top_k_index before its own wait: done by the time any block gets here).
+  pdl_wait();
+  pdl_trigger();
+  const int64_t p = blockIdx.x;
+  const int e = pair_expert_of(args.index, args.index_type, p, args.top_k, args.experts, args.error);
+  if (e >= args.experts) return;  // sentinel or bad id: the row is never read
+  const int64_t k = args.k;
+  const T* a_row = static_cast<const T*>(args.a) + (p / args.a_row_div) * args.lda;
+  constexpr int kCols = EPI == kEpiGated ? kRowsPerWarp / 2 : kRowsPerWarp;  // output columns per warp
+  if constexpr (EARLY && VEC > 1) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t col0 = (int64_t(blockIdx.y) * kGemvWarps + warp) * kCols;
+    const bool active = col0 < args.n;
+    const T* w_expert = static_cast<const T*>(args.b) + int64_t(e) * args.b_expert_stride;
+    const T* rows[kRowsPerWarp];
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      const int64_t c = min(col0 + j, args.n - 1);
+      if constexpr (EPI == kEpiGated) {
+        rows[2 * j] = w_expert + gate_row(args.gate, c) * k;
+        rows[2 * j + 1] = w_expert + up_row(args.gate, c, args.inter) * k;
+      } else {
+        rows[j] = w_expert + c * k;
+      }
+    }
+    constexpr int64_t kStep = 32 * VEC;
+    const int64_t base0 = int64_t(lane) * VEC;
+    const bool full0 = base0 + (kUnroll - 1) * kStep < k;
+    // The first half of the first round before the staging (the whole round would not fit three blocks'
+    // registers per multiprocessor), the second half after.
+    constexpr int kHalf = kUnroll / 2;
+    uint4 w0[kUnroll][kRowsPerWarp];
+    if (active && base0 < k) {
+      if (full0)
+        load_round<T, VEC, kRowsPerWarp, false, 0, kHalf>(rows, base0, k, w0);
+      else
+        load_round<T, VEC, kRowsPerWarp, true, 0, kHalf>(rows, base0, k, w0);
+    }
+    for (int64_t i = threadIdx.x; i < k / VEC; i += kGemvThreads)
+      reinterpret_cast<uint4*>(a_s)[i] = reinterpret_cast<const uint4*>(a_row)[i];
+    __syncthreads();
+    if (!active) return;
+    float acc[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) acc[r] = 0.0f;
+    // The first round in two halves (each acc[r] still adds the pieces in order: the same sums as stream_round).
+    if (base0 < k) {
+      if (full0) {
+        fma_round<T, VEC, kRowsPerWarp, false, 0, kHalf>(w0, a_s, base0, k, acc);
+        load_round<T, VEC, kRowsPerWarp, false, kHalf, kUnroll>(rows, base0, k, w0);
+        fma_round<T, VEC, kRowsPerWarp, false, kHalf, kUnroll>(w0, a_s, base0, k, acc);
+        int64_t base = base0 + kStep * kUnroll;  // then stream_rows' remaining rounds
+        for (; base + (kUnroll - 1) * kStep < k; base += kStep * kUnroll)
+          stream_round<T, VEC, kRowsPerWarp, false>(rows, a_s, base, k, acc);
+        if (base < k) stream_round<T, VEC, kRowsPerWarp, true>(rows, a_s, base, k, acc);
+      } else {
+        fma_round<T, VEC, kRowsPerWarp, true, 0, kHalf>(w0, a_s, base0, k, acc);
+        load_round<T, VEC, kRowsPerWarp, true, kHalf, kUnroll>(rows, base0, k, w0);
+        fma_round<T, VEC, kRowsPerWarp, true, kHalf, kUnroll>(w0, a_s, base0, k, acc);
+      }
+    }
+    warp_sum(acc);
+    pair_gemv_store<T, EPI, kCols>(args, acc, p, e, col0, lane);
+    return;
+  }
+  if constexpr (VEC > 1) {
+    for (int64_t i = threadIdx.x; i < k / VEC; i += kGemvThreads)
+      reinterpret_cast<uint4*>(a_s)[i] = reinterpret_cast<const uint4*>(a_row)[i];
+  } else {
+    for (int64_t i = threadIdx.x; i < k; i += kGemvThreads) a_s[i] = a_row[i];
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t col0 = (int64_t(blockIdx.y) * kGemvWarps + warp) * kCols;
+  if (col0 >= args.n) return;
+  const T* w_expert = static_cast<const T*>(args.b) + int64_t(e) * args.b_expert_stride;
+  const T* rows[kRowsPerWarp];
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) {
+    const int64_t c = min(col0 + j, args.n - 1);  // columns past n recompute the last one, never stored
+    if constexpr (EPI == kEpiGated) {
+      rows[2 * j] = w_expert + gate_row(args.gate, c) * k;
+      rows[2 * j + 1] = w_expert + up_row(args.gate, c, args.inter) * k;
+    } else {
+      rows[j] = w_expert + c * k;
+    }
+  }
+  float acc[kRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) acc[r] = 0.0f;
+  stream_rows<T, VEC, kRowsPerWarp>(rows, a_s, k, lane, acc);
+  warp_sum(acc);
+  pair_gemv_store<T, EPI, kCols>(args, acc, p, e, col0, lane);
+}
+
 // Blocks per multiprocessor the kernels are compiled for: 0 (no bound) lets the compiler take the registers it
 // wants (72-76 for the 16-byte kernels: three blocks of 256 threads per multiprocessor), 4 caps them at 64 (24-60
 // bytes of spills) so that four blocks fit (qwen3-30b-a3b's second projection at T = 1, 512 blocks, in one wave
@@ -214,7 +323,25 @@ int pair_combine_min_blocks() {
   return v;
 }
 
-template <class T, int VEC, int MINB>
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long r = std::strtol(v, &end, 10);
+  return end != v && r >= 0 && r < 1000 ? int(r) : fallback;
+}
+std::atomic<int> g_pair_gemv_early{-1}, g_combine_stream{-1};
+bool switch_from_env(std::atomic<int>& s, const char* name) {
+  int v = s.load(std::memory_order_relaxed);
+  if (v < 0) {
+    int expected = -1;
+    s.compare_exchange_strong(expected, env_int(name, 1) != 0 ? 1 : 0);
+    v = s.load(std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+template <class T, int VEC, int MINB, bool EARLY>
 cudaError_t launch_gemv_mb(const PairGemvArgs& a, cudaStream_t stream) {
   const int cols_per_warp = a.epilogue == kEpiGated ? kRowsPerWarp / 2 : kRowsPerWarp;
   const int64_t cols_per_block = int64_t(kGemvWarps) * cols_per_warp;
@@ -223,10 +350,11 @@ cudaError_t launch_gemv_mb(const PairGemvArgs& a, cudaStream_t stream) {
   const bool pdl = pdl_enabled();
   switch (a.epilogue) {
     case kEpiGated:
-      return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiGated, MINB>, grid, kGemvThreads, smem, stream, a);
+      return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiGated, MINB, EARLY>, grid, kGemvThreads, smem, stream, a);
     case kEpiActOnly:
-      return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiActOnly, MINB>, grid, kGemvThreads, smem, stream, a);
-    case kEpiF32: return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiF32, MINB>, grid, kGemvThreads, smem, stream, a);
+      return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiActOnly, MINB, EARLY>, grid, kGemvThreads, smem, stream, a);
+    case kEpiF32:
+      return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiF32, MINB, EARLY>, grid, kGemvThreads, smem, stream, a);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -234,9 +362,10 @@ cudaError_t launch_gemv_mb(const PairGemvArgs& a, cudaStream_t stream) {
 template <class T, int VEC>
 cudaError_t launch_gemv(const PairGemvArgs& a, cudaStream_t stream) {
   if constexpr (VEC > 1) {
-    if (pair_gemv_min_blocks() == 4) return launch_gemv_mb<T, VEC, 4>(a, stream);
+    if (pair_gemv_min_blocks() == 4) return launch_gemv_mb<T, VEC, 4, false>(a, stream);
+    if (pair_gemv_early()) return launch_gemv_mb<T, VEC, 0, true>(a, stream);
   }
-  return launch_gemv_mb<T, VEC, 0>(a, stream);
+  return launch_gemv_mb<T, VEC, 0, false>(a, stream);
 }
 
 // ---- second projection with the combine: one block per (token, group of columns) ----
@@ -316,6 +445,93 @@ __global__ void __launch_bounds__(kGemvThreads, MINB)
   }
 }
 
+// The streaming form of the second projection with the combine (16-byte pieces): one wave of blocks. Token t's
+// column groups (kRowsPerWarp columns each) are split evenly over gridDim.y blocks, block (t, b) taking the groups
+// [b * G / gridDim.y, (b + 1) * G / gridDim.y) for all K slots; its warps take the (slot, group) units in turn,
+// each streamed as in the first form (same per-unit sums, so the same output bit for bit). The slots' expert ids
+// come from top_k_index before the PDL wait (written two launches back), and so does the first round of each
+// warp's first unit: those weight loads are in flight while the first projection finishes.
+template <class T, class W, int VEC>
+__global__ void __launch_bounds__(kGemvThreads, 2)
+    pair_combine_stream_kernel(PairGemvArgs args, int groups, int max_cols) {
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  float* part = reinterpret_cast<float*>(gemv_smem);                // [K, max_cols]
+  int* slot_e = reinterpret_cast<int*>(part + args.top_k * max_cols);  // [K]
+  const int64_t t = blockIdx.x;
+  const int K = args.top_k;
+  const int g0 = int(int64_t(groups) * blockIdx.y / gridDim.y), g1 = int(int64_t(groups) * (blockIdx.y + 1) / gridDim.y);
+  const int ng = g1 - g0;
+  const int64_t col_base = int64_t(g0) * kRowsPerWarp;
+  for (int s = threadIdx.x; s < K; s += kGemvThreads)
+    slot_e[s] = pair_expert_of(args.index, args.index_type, t * K + s, K, args.experts, args.error);
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t k = args.k;
+  constexpr int64_t kStep = 32 * VEC;
+  bool waited = false;
+#pragma unroll 1
+  for (int unit = warp; unit < K * ng; unit += kGemvWarps) {
+    const int s = unit / ng;
+    const int64_t c0 = col_base + int64_t(unit % ng) * kRowsPerWarp;
+    const int e = slot_e[s];
+    if (e >= args.experts) continue;  // dropped slot: its part is never read
+    const T* w_expert = static_cast<const T*>(args.b) + int64_t(e) * args.b_expert_stride;
+    const T* rows[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = w_expert + min(c0 + r, args.n - 1) * k;
+    const T* a_row = static_cast<const T*>(args.a) + (t * K + s) * args.lda;
+    float acc[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) acc[r] = 0.0f;
+    int64_t base = int64_t(lane) * VEC;
+    uint4 w[kUnroll][kRowsPerWarp];
+#pragma unroll 1
+    for (; base + (kUnroll - 1) * kStep < k; base += kStep * kUnroll) {
+      load_round<T, VEC, kRowsPerWarp, false>(rows, base, k, w);
+      if (!waited) {  // the activations are the first projection's output
+        pdl_wait();
+        pdl_trigger();
+        waited = true;
+      }
+      fma_round<T, VEC, kRowsPerWarp, false>(w, a_row, base, k, acc);
+    }
+    if (base < k) {
+      load_round<T, VEC, kRowsPerWarp, true>(rows, base, k, w);
+      if (!waited) {
+        pdl_wait();
+        pdl_trigger();
+        waited = true;
+      }
+      fma_round<T, VEC, kRowsPerWarp, true>(w, a_row, base, k, acc);
+    }
+    warp_sum(acc);
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) part[s * max_cols + (c0 - col_base) + r] = acc[r];
+    }
+  }
+  if (!waited) {
+    pdl_wait();
+    pdl_trigger();
+  }
+  __syncthreads();
+
+  const W* weights = static_cast<const W*>(args.routing_weights);
+  const T* bias2 = static_cast<const T*>(args.bias);
+  for (int64_t j = threadIdx.x; j < int64_t(ng) * kRowsPerWarp; j += kGemvThreads) {
+    const int64_t c = col_base + j;
+    if (c >= args.n) break;
+    float acc = 0.0f;
+    for (int s = 0; s < K; ++s) {  // slot order: deterministic
+      const int e = slot_e[s];
+      if (e >= args.experts) continue;
+      const float y = part[s * max_cols + j] + (bias2 ? to_f32(bias2[int64_t(e) * args.bias_expert_stride + c]) : 0.0f);
+      acc += to_f32(weights[t * K + s]) * y;
+    }
+    static_cast<T*>(args.out)[t * args.ldo + c] = from_f32<T>(acc);
+  }
+}
+
 bool aligned16(const PairGemvArgs& a) {
   const int64_t vec = 16 / elem_bytes(a.type);
   return a.k % vec == 0 && a.lda % vec == 0 && a.b_expert_stride % vec == 0 &&
@@ -338,6 +554,19 @@ cudaError_t pair_gemv(const PairGemvArgs& a, cudaStream_t stream) {
   });
 }
 
+bool pair_gemv_early() { return switch_from_env(g_pair_gemv_early, "MOEKIT_PAIR_GEMV_EARLY"); }
+bool set_pair_gemv_early(bool on) {
+  const bool was = pair_gemv_early();
+  g_pair_gemv_early.store(on ? 1 : 0);
+  return was;
+}
+bool combine_stream() { return switch_from_env(g_combine_stream, "MOEKIT_COMBINE_STREAM"); }
+bool set_combine_stream(bool on) {
+  const bool was = combine_stream();
+  g_combine_stream.store(on ? 1 : 0);
+  return was;
+}
+
 bool pair_gemv_combine_ok(int top_k) { return top_k >= 1 && top_k <= kCombineMaxSlots; }
 
 cudaError_t pair_gemv_combine(const PairGemvArgs& a, int64_t tokens, cudaStream_t stream) {
@@ -356,6 +585,35 @@ cudaError_t pair_gemv_combine(const PairGemvArgs& a, int64_t tokens, cudaStream_
   // launch's rows fit the prefetch budget (they would be evicted before use otherwise).
   const bool pdl = pdl_enabled();
   const int prefetch = pdl_prefetch(int64_t(tokens) * a.top_k * a.n * a.k * int64_t(elem_bytes(a.type))) ? 1 : 0;
+  if (aligned && combine_stream() && pair_combine_min_blocks() != 4) {
+    // One wave: about blocks_per_sm blocks per multiprocessor over all tokens (MOEKIT_COMBINE_BLOCKS_PER_SM in the
+    // environment, read once; 2 by default: with 3 the column groups of qwen3-30b-a3b's T = 1 split unevenly).
+    static const int per_sm = std::max(1, std::min(8, env_int("MOEKIT_COMBINE_BLOCKS_PER_SM", 2)));
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+      return cudaErrorInvalidValue;
+    const int64_t col_groups = (a.n + kRowsPerWarp - 1) / kRowsPerWarp;
+    if (col_groups > INT_MAX / 2) return cudaErrorInvalidValue;
+    int64_t by = std::max<int64_t>(1, std::min<int64_t>(col_groups, (int64_t(sms) * per_sm + tokens - 1) / tokens));
+    int64_t max_cols = 0;
+    size_t smem2 = 0;
+    for (;;) {  // more blocks when a block's partial sums would not fit in shared memory
+      max_cols = (col_groups + by - 1) / by * kRowsPerWarp;
+      smem2 = size_t(a.top_k) * size_t(max_cols) * sizeof(float) + size_t(a.top_k) * sizeof(int);
+      if (smem2 <= kGemvMaxSmem || by == col_groups) break;
+      by = std::min(col_groups, by * 2);
+    }
+    if (smem2 > kGemvMaxSmem || by > 65535) return cudaErrorInvalidValue;
+    const dim3 grid2{unsigned(tokens), unsigned(by)};
+    return with_elem(a.type, [&](auto tag) {
+      using T = decltype(tag);
+      return with_elem(a.routing_weight_type, [&](auto wtag) {
+        using W = decltype(wtag);
+        return launch_pdl(pdl, pair_combine_stream_kernel<T, W, 16 / sizeof(T)>, grid2, kGemvThreads, smem2, stream, a,
+                          int(groups), int(max_cols));
+      });
+    });
+  }
   return with_elem(a.type, [&](auto tag) {
     using T = decltype(tag);
     return with_elem(a.routing_weight_type, [&](auto wtag) {
