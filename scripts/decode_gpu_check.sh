@@ -4,7 +4,7 @@
 # and unfused), then the decode step of a 4-layer Qwen3-30B-A3B-shaped bf16 checkpoint (scripts/model_bench.py's
 # make_checkpoint) timed with `moekit run --cuda-graph`: fused (default), fused one step at a time
 # (MOEKIT_DECODE_AHEAD=0), fused with plain launches (MOEKIT_PDL=0), fused with the first forms of the GEMV kernels
-# (MOEKIT_GEMV_STREAM=0 MOEKIT_PAIR_GEMV_EARLY=0 MOEKIT_COMBINE_STREAM=0) and unfused (MOEKIT_FUSED_DECODE=0).
+# (MOEKIT_GEMV_STREAM=0 MOEKIT_PAIR_GEMV_DIRECT=0 MOEKIT_COMBINE_STREAM=0) and unfused (MOEKIT_FUSED_DECODE=0).
 # The test log's "decode step kernels" lines count the kernel nodes of one recorded decode step per fixture model.
 #
 #   scripts/decode_gpu_check.sh BUILD_DIR      (needs BUILD_DIR/bin/test_cuda_model and BUILD_DIR/bin/moekit;
@@ -61,7 +61,7 @@ VOCAB=$(python3 -c "import json, sys; c = json.load(open(sys.argv[1])); print(c.
 IDS=$(python3 -c "import random, sys; r = random.Random(1); print(','.join(str(r.randrange(int(sys.argv[1]))) for _ in range(128)))" "$VOCAB")
 # label and environment of each run
 for run in "1 MOEKIT_FUSED_DECODE=1" "1_step MOEKIT_DECODE_AHEAD=0" "1_plain MOEKIT_PDL=0" \
-  "1_first MOEKIT_GEMV_STREAM=0 MOEKIT_PAIR_GEMV_EARLY=0 MOEKIT_COMBINE_STREAM=0" "0 MOEKIT_FUSED_DECODE=0"; do
+  "1_first MOEKIT_GEMV_STREAM=0 MOEKIT_PAIR_GEMV_DIRECT=0 MOEKIT_COMBINE_STREAM=0" "0 MOEKIT_FUSED_DECODE=0"; do
   fused=${run%% *}
   s=$SECONDS
   env ${run#* } timeout 60 "$B/moekit" run --model "$CKPT" --device "$DEVICE" --dtype bf16 \

@@ -242,8 +242,8 @@ TEST(CudaGraph, CaptureOnAStreamThatNeverRanAForward) {
 }
 
 // batched_mm's small-T path with Programmatic Dependent Launch (the second projection starts while the first
-// runs and prefetches its weight rows into L2) and in both forms of its kernels (the first projection's early
-// weight loads, the streaming combine; and the first forms): replays with PDL on, with the prefetch forced on and
+// runs and prefetches its weight rows into L2) and in both forms of its kernels (the first projection reading its
+// activation row in place, the streaming combine; and the first forms): replays with PDL on, with the prefetch forced on and
 // off, with PDL off and with the first forms are bit-identical to each other and match the reference; odd sizes
 // (the unaligned kernels), sentinels in top_k_index, T = 1, 3 and 8 with 8 of 128 experts (the GEMVs serve
 // pairs < experts), and wider rows of 32 experts, where a block of the streaming combine takes several column
@@ -253,7 +253,7 @@ TEST(CudaGraph, ProgrammaticDependentLaunchKeepsTheSmallTPathExact) {
 #ifdef MOEKIT_WITH_CUDA
   const bool pdl_was = cuda::pdl_enabled();
   const int64_t prefetch_was = cuda::pdl_prefetch_bytes();
-  const bool early_was = cuda::kernels::pair_gemv_early(), stream_was = cuda::kernels::combine_stream();
+  const bool direct_was = cuda::kernels::pair_gemv_direct(), stream_was = cuda::kernels::combine_stream();
   struct Mode {
     bool pdl;
     int64_t prefetch;
@@ -302,7 +302,7 @@ TEST(CudaGraph, ProgrammaticDependentLaunchKeepsTheSmallTPathExact) {
                                   std::to_string(round);
         cuda::set_pdl_enabled(m.pdl);
         cuda::set_pdl_prefetch_bytes(m.prefetch);
-        cuda::kernels::set_pair_gemv_early(m.new_forms);
+        cuda::kernels::set_pair_gemv_direct(m.new_forms);
         cuda::kernels::set_combine_stream(m.new_forms);
         ExpertsGraph g(dev, shape, "batched_mm");  // recorded under this mode
         g.hidden_states().copy_from(p.hidden_states.view());
@@ -327,7 +327,7 @@ TEST(CudaGraph, ProgrammaticDependentLaunchKeepsTheSmallTPathExact) {
   }
   cuda::set_pdl_enabled(pdl_was);
   cuda::set_pdl_prefetch_bytes(prefetch_was);
-  cuda::kernels::set_pair_gemv_early(early_was);
+  cuda::kernels::set_pair_gemv_direct(direct_was);
   cuda::kernels::set_combine_stream(stream_was);
 #endif
 }

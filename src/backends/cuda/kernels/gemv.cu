@@ -113,14 +113,14 @@ __device__ __forceinline__ void stream_rows(const T* (&rows)[ROWS], const T* a, 
   }
 }
 
-// stream_round split in two, so that a round's weight loads can be issued before something the activations wait
-// for (the PDL wait, the staging of the activation row): load_round loads the round's weight pieces (zero past k),
-// fma_round loads the activation pieces and multiplies in stream_round's order (the same sums, bit for bit).
-template <class T, int VEC, int ROWS, bool GUARD, int U0 = 0, int U1 = kUnroll>
+// stream_round split in two, so that a round's weight loads can be issued before the PDL wait that the activations
+// need: load_round loads the round's weight pieces (zero past k), fma_round loads the activation pieces and
+// multiplies in stream_round's order (the same sums, bit for bit).
+template <class T, int VEC, int ROWS, bool GUARD>
 __device__ __forceinline__ void load_round(const T* (&rows)[ROWS], int64_t base, int64_t k, uint4 (&w)[kUnroll][ROWS]) {
   constexpr int64_t kStep = 32 * VEC;
 #pragma unroll
-  for (int u = U0; u < U1; ++u) {  // pieces [U0, U1) of the round
+  for (int u = 0; u < kUnroll; ++u) {
     const bool in = !GUARD || base + u * kStep < k;
     const int64_t i = in ? base + u * kStep : base;
 #pragma unroll
@@ -130,20 +130,20 @@ __device__ __forceinline__ void load_round(const T* (&rows)[ROWS], int64_t base,
     }
   }
 }
-template <class T, int VEC, int ROWS, bool GUARD, int U0 = 0, int U1 = kUnroll>
+template <class T, int VEC, int ROWS, bool GUARD>
 __device__ __forceinline__ void fma_round(const uint4 (&w)[kUnroll][ROWS], const T* a, int64_t base, int64_t k,
                                           float (&acc)[ROWS]) {
   constexpr int64_t kStep = 32 * VEC;
   uint4 av[kUnroll];
 #pragma unroll
-  for (int u = U0; u < U1; ++u) {
+  for (int u = 0; u < kUnroll; ++u) {
     const bool in = !GUARD || base + u * kStep < k;
     const int64_t i = in ? base + u * kStep : base;
     av[u] = *reinterpret_cast<const uint4*>(a + i);
     if (!in) av[u] = make_uint4(0, 0, 0, 0);
   }
 #pragma unroll
-  for (int u = U0; u < U1; ++u) {
+  for (int u = 0; u < kUnroll; ++u) {
     float af[VEC];
     to_floats<T, VEC>(av[u], af);
 #pragma unroll
@@ -201,10 +201,11 @@ __device__ __forceinline__ void pair_gemv_store(const PairGemvArgs& args, const 
 
 // ---- first projection: one block per (pair, kGemvWarps * columns-per-warp columns) ----
 
-// EARLY (16-byte pieces only): the warp's first round of weight loads is issued before the activation row is
-// staged, so that the staging's round trip overlaps them; the same sums as without.
-template <class T, int VEC, int EPI, int MINB, bool EARLY>
-__global__ void __launch_bounds__(kGemvThreads, EARLY ? 3 : MINB) pair_gemv_kernel(PairGemvArgs args) {
+// DIRECT (16-byte pieces only): the warps read the activation row in place (the block's warps share it through
+// L1) instead of staging it in shared memory first, so that their first weight loads go out with it rather than
+// after the staging's round trip and the barrier; the same sums as the staged form, bit for bit.
+template <class T, int VEC, int EPI, int MINB, bool DIRECT>
+__global__ void __launch_bounds__(kGemvThreads, MINB) pair_gemv_kernel(PairGemvArgs args) {
   extern __shared__ __align__(16) unsigned char gemv_smem[];
   T* a_s = reinterpret_cast<T*>(gemv_smem);  // [k]
   // Everything here reads what the kernels before wrote (the ids, the activations): wait first, then let the
@@ -217,69 +218,16 @@ __global__ void __launch_bounds__(kGemvThreads, EARLY ? 3 : MINB) pair_gemv_kern
   const int64_t k = args.k;
   const T* a_row = static_cast<const T*>(args.a) + (p / args.a_row_div) * args.lda;
   constexpr int kCols = EPI == kEpiGated ? kRowsPerWarp / 2 : kRowsPerWarp;  // output columns per warp
-  if constexpr (EARLY && VEC > 1) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int64_t col0 = (int64_t(blockIdx.y) * kGemvWarps + warp) * kCols;
-    const bool active = col0 < args.n;
-    const T* w_expert = static_cast<const T*>(args.b) + int64_t(e) * args.b_expert_stride;
-    const T* rows[kRowsPerWarp];
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) {
-      const int64_t c = min(col0 + j, args.n - 1);
-      if constexpr (EPI == kEpiGated) {
-        rows[2 * j] = w_expert + gate_row(args.gate, c) * k;
-        rows[2 * j + 1] = w_expert + up_row(args.gate, c, args.inter) * k;
-      } else {
-        rows[j] = w_expert + c * k;
-      }
+  constexpr bool direct = DIRECT && VEC > 1;
+  if constexpr (!direct) {
+    if constexpr (VEC > 1) {
+      for (int64_t i = threadIdx.x; i < k / VEC; i += kGemvThreads)
+        reinterpret_cast<uint4*>(a_s)[i] = reinterpret_cast<const uint4*>(a_row)[i];
+    } else {
+      for (int64_t i = threadIdx.x; i < k; i += kGemvThreads) a_s[i] = a_row[i];
     }
-    constexpr int64_t kStep = 32 * VEC;
-    const int64_t base0 = int64_t(lane) * VEC;
-    const bool full0 = base0 + (kUnroll - 1) * kStep < k;
-    // The first half of the first round before the staging (the whole round would not fit three blocks'
-    // registers per multiprocessor), the second half after.
-    constexpr int kHalf = kUnroll / 2;
-    uint4 w0[kUnroll][kRowsPerWarp];
-    if (active && base0 < k) {
-      if (full0)
-        load_round<T, VEC, kRowsPerWarp, false, 0, kHalf>(rows, base0, k, w0);
-      else
-        load_round<T, VEC, kRowsPerWarp, true, 0, kHalf>(rows, base0, k, w0);
-    }
-    for (int64_t i = threadIdx.x; i < k / VEC; i += kGemvThreads)
-      reinterpret_cast<uint4*>(a_s)[i] = reinterpret_cast<const uint4*>(a_row)[i];
     __syncthreads();
-    if (!active) return;
-    float acc[kRowsPerWarp];
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) acc[r] = 0.0f;
-    // The first round in two halves (each acc[r] still adds the pieces in order: the same sums as stream_round).
-    if (base0 < k) {
-      if (full0) {
-        fma_round<T, VEC, kRowsPerWarp, false, 0, kHalf>(w0, a_s, base0, k, acc);
-        load_round<T, VEC, kRowsPerWarp, false, kHalf, kUnroll>(rows, base0, k, w0);
-        fma_round<T, VEC, kRowsPerWarp, false, kHalf, kUnroll>(w0, a_s, base0, k, acc);
-        int64_t base = base0 + kStep * kUnroll;  // then stream_rows' remaining rounds
-        for (; base + (kUnroll - 1) * kStep < k; base += kStep * kUnroll)
-          stream_round<T, VEC, kRowsPerWarp, false>(rows, a_s, base, k, acc);
-        if (base < k) stream_round<T, VEC, kRowsPerWarp, true>(rows, a_s, base, k, acc);
-      } else {
-        fma_round<T, VEC, kRowsPerWarp, true, 0, kHalf>(w0, a_s, base0, k, acc);
-        load_round<T, VEC, kRowsPerWarp, true, kHalf, kUnroll>(rows, base0, k, w0);
-        fma_round<T, VEC, kRowsPerWarp, true, kHalf, kUnroll>(w0, a_s, base0, k, acc);
-      }
-    }
-    warp_sum(acc);
-    pair_gemv_store<T, EPI, kCols>(args, acc, p, e, col0, lane);
-    return;
   }
-  if constexpr (VEC > 1) {
-    for (int64_t i = threadIdx.x; i < k / VEC; i += kGemvThreads)
-      reinterpret_cast<uint4*>(a_s)[i] = reinterpret_cast<const uint4*>(a_row)[i];
-  } else {
-    for (int64_t i = threadIdx.x; i < k; i += kGemvThreads) a_s[i] = a_row[i];
-  }
-  __syncthreads();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t col0 = (int64_t(blockIdx.y) * kGemvWarps + warp) * kCols;
@@ -299,7 +247,7 @@ __global__ void __launch_bounds__(kGemvThreads, EARLY ? 3 : MINB) pair_gemv_kern
   float acc[kRowsPerWarp];
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) acc[r] = 0.0f;
-  stream_rows<T, VEC, kRowsPerWarp>(rows, a_s, k, lane, acc);
+  stream_rows<T, VEC, kRowsPerWarp>(rows, direct ? a_row : a_s, k, lane, acc);
   warp_sum(acc);
   pair_gemv_store<T, EPI, kCols>(args, acc, p, e, col0, lane);
 }
@@ -330,7 +278,7 @@ int env_int(const char* name, int fallback) {
   const long r = std::strtol(v, &end, 10);
   return end != v && r >= 0 && r < 1000 ? int(r) : fallback;
 }
-std::atomic<int> g_pair_gemv_early{-1}, g_combine_stream{-1};
+std::atomic<int> g_pair_gemv_direct{-1}, g_combine_stream{-1};
 bool switch_from_env(std::atomic<int>& s, const char* name) {
   int v = s.load(std::memory_order_relaxed);
   if (v < 0) {
@@ -341,20 +289,20 @@ bool switch_from_env(std::atomic<int>& s, const char* name) {
   return v == 1;
 }
 
-template <class T, int VEC, int MINB, bool EARLY>
+template <class T, int VEC, int MINB, bool DIRECT>
 cudaError_t launch_gemv_mb(const PairGemvArgs& a, cudaStream_t stream) {
   const int cols_per_warp = a.epilogue == kEpiGated ? kRowsPerWarp / 2 : kRowsPerWarp;
   const int64_t cols_per_block = int64_t(kGemvWarps) * cols_per_warp;
   const dim3 grid(unsigned(a.pairs), unsigned((a.n + cols_per_block - 1) / cols_per_block));
-  const size_t smem = size_t(a.k) * sizeof(T);
+  const size_t smem = DIRECT ? 0 : size_t(a.k) * sizeof(T);
   const bool pdl = pdl_enabled();
   switch (a.epilogue) {
     case kEpiGated:
-      return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiGated, MINB, EARLY>, grid, kGemvThreads, smem, stream, a);
+      return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiGated, MINB, DIRECT>, grid, kGemvThreads, smem, stream, a);
     case kEpiActOnly:
-      return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiActOnly, MINB, EARLY>, grid, kGemvThreads, smem, stream, a);
+      return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiActOnly, MINB, DIRECT>, grid, kGemvThreads, smem, stream, a);
     case kEpiF32:
-      return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiF32, MINB, EARLY>, grid, kGemvThreads, smem, stream, a);
+      return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiF32, MINB, DIRECT>, grid, kGemvThreads, smem, stream, a);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -363,7 +311,7 @@ template <class T, int VEC>
 cudaError_t launch_gemv(const PairGemvArgs& a, cudaStream_t stream) {
   if constexpr (VEC > 1) {
     if (pair_gemv_min_blocks() == 4) return launch_gemv_mb<T, VEC, 4, false>(a, stream);
-    if (pair_gemv_early()) return launch_gemv_mb<T, VEC, 0, true>(a, stream);
+    if (pair_gemv_direct()) return launch_gemv_mb<T, VEC, 0, true>(a, stream);
   }
   return launch_gemv_mb<T, VEC, 0, false>(a, stream);
 }
@@ -554,10 +502,10 @@ cudaError_t pair_gemv(const PairGemvArgs& a, cudaStream_t stream) {
   });
 }
 
-bool pair_gemv_early() { return switch_from_env(g_pair_gemv_early, "MOEKIT_PAIR_GEMV_EARLY"); }
-bool set_pair_gemv_early(bool on) {
-  const bool was = pair_gemv_early();
-  g_pair_gemv_early.store(on ? 1 : 0);
+bool pair_gemv_direct() { return switch_from_env(g_pair_gemv_direct, "MOEKIT_PAIR_GEMV_DIRECT"); }
+bool set_pair_gemv_direct(bool on) {
+  const bool was = pair_gemv_direct();
+  g_pair_gemv_direct.store(on ? 1 : 0);
   return was;
 }
 bool combine_stream() { return switch_from_env(g_combine_stream, "MOEKIT_COMBINE_STREAM"); }
@@ -610,7 +558,7 @@ cudaError_t pair_gemv_combine(const PairGemvArgs& a, int64_t tokens, cudaStream_
       return with_elem(a.routing_weight_type, [&](auto wtag) {
         using W = decltype(wtag);
         return launch_pdl(pdl, pair_combine_stream_kernel<T, W, 16 / sizeof(T)>, grid2, kGemvThreads, smem2, stream, a,
-                          int(groups), int(max_cols));
+                          int(col_groups), int(max_cols));
       });
     });
   }

@@ -219,12 +219,12 @@ cudaError_t pair_gemv(const PairGemvArgs& a, cudaStream_t stream);
 // w[t * K + s] * (W[e] A[t * K + s] + bias[e]), in f32, rounded once to `type` (K = top_k, e the slot's expert).
 bool pair_gemv_combine_ok(int top_k);
 cudaError_t pair_gemv_combine(const PairGemvArgs& a, int64_t tokens, cudaStream_t stream);
-// The small-T kernels' forms (A/B switches, same results bit for bit): pair_gemv issues each warp's first weight
-// loads before staging the activation row (default; MOEKIT_PAIR_GEMV_EARLY=0 in the environment, read once: after);
+// The small-T kernels' forms (A/B switches, same results bit for bit): pair_gemv reads the activation row in place
+// (default) or stages it in shared memory first (MOEKIT_PAIR_GEMV_DIRECT=0 in the environment, read once);
 // pair_gemv_combine runs one wave of blocks that split the columns evenly and load their first weights before the
 // PDL wait (default; MOEKIT_COMBINE_STREAM=0: one block per group of columns). The setters return the previous value.
-bool pair_gemv_early();
-bool set_pair_gemv_early(bool on);
+bool pair_gemv_direct();
+bool set_pair_gemv_direct(bool on);
 bool combine_stream();
 bool set_combine_stream(bool on);
 
