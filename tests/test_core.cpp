@@ -2,7 +2,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <utility>
+#include <vector>
 
+#include "base/env.h"
 #include "test_util.h"
 
 using namespace moekit;
@@ -92,4 +96,28 @@ TEST(Registry, ListsEveryBackendAndRejectsUnknownNames) {
     Support s = b->available(Device::cpu());
     if (!s) EXPECT_FALSE(s.reason.empty()) << b->name();
   }
+}
+
+// Settings read from the environment (base/env.h): integers, fallbacks, a switch read once and overridden.
+TEST(Env, IntegersSwitchesAndFallbacks) {
+  const char* name = "MOEKIT_TEST_ENV_SETTING";
+  ::unsetenv(name);
+  EXPECT_EQ(env_int(name, 7), 7);
+  for (const auto& [value, want] : std::vector<std::pair<const char*, int64_t>>{
+           {"", 7}, {"12", 12}, {"-3", -3}, {"0", 0}, {"4x", 7}, {"x4", 7}, {" ", 7}}) {
+    ::setenv(name, value, 1);
+    EXPECT_EQ(env_int(name, 7), want) << "'" << value << "'";
+  }
+  ::setenv(name, "0", 1);
+  EnvSwitch off{name, true};
+  EXPECT_FALSE(off.on());
+  ::setenv(name, "1", 1);
+  EXPECT_FALSE(off.on());  // read once
+  EXPECT_FALSE(off.set(true));
+  EXPECT_TRUE(off.on());
+  ::setenv(name, "junk", 1);
+  EnvSwitch fallback_on{name, true}, fallback_off{name, false};
+  EXPECT_TRUE(fallback_on.on());
+  EXPECT_FALSE(fallback_off.on());
+  ::unsetenv(name);
 }

@@ -14,30 +14,18 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <utility>
+
+#include "base/env.h"
 
 namespace moekit::cuda {
 
-inline std::atomic<int> g_pdl_enabled{-1};            // -1: not read yet
+inline EnvSwitch g_pdl_enabled{"MOEKIT_PDL", true};
 inline std::atomic<int64_t> g_pdl_prefetch_bytes{-1};  // -1: not read yet
 
-inline bool pdl_enabled() {
-  int on = g_pdl_enabled.load(std::memory_order_relaxed);
-  if (on < 0) {
-    const char* v = std::getenv("MOEKIT_PDL");
-    int expected = -1;
-    g_pdl_enabled.compare_exchange_strong(expected, (v && v[0] == '0') ? 0 : 1);
-    on = g_pdl_enabled.load(std::memory_order_relaxed);
-  }
-  return on == 1;
-}
+inline bool pdl_enabled() { return g_pdl_enabled.on(); }
 // Returns the previous setting.
-inline bool set_pdl_enabled(bool on) {
-  const bool was = pdl_enabled();
-  g_pdl_enabled.store(on ? 1 : 0);
-  return was;
-}
+inline bool set_pdl_enabled(bool on) { return g_pdl_enabled.set(on); }
 
 // The most weight bytes one launch prefetches into L2 before its pdl_wait() (larger launches prefetch nothing:
 // the lines would be evicted before use). MOEKIT_PDL_PREFETCH_MB in the environment (read once), 0 (never) by
@@ -46,12 +34,8 @@ inline bool set_pdl_enabled(bool on) {
 inline int64_t pdl_prefetch_bytes() {
   int64_t b = g_pdl_prefetch_bytes.load(std::memory_order_relaxed);
   if (b < 0) {
-    int64_t want = 0;
-    if (const char* v = std::getenv("MOEKIT_PDL_PREFETCH_MB")) {
-      char* end = nullptr;
-      const long long mb = std::strtoll(v, &end, 10);
-      if (end != v && mb >= 0) want = int64_t(mb) << 20;
-    }
+    const int64_t mb = env_int("MOEKIT_PDL_PREFETCH_MB", 0);
+    const int64_t want = mb > 0 && mb < (int64_t(1) << 40) ? mb << 20 : 0;
     int64_t expected = -1;
     g_pdl_prefetch_bytes.compare_exchange_strong(expected, want);
     b = g_pdl_prefetch_bytes.load(std::memory_order_relaxed);

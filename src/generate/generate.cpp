@@ -7,6 +7,7 @@
 #include <sstream>
 #include <string>
 
+#include "base/env.h"
 #include "core/checked.h"
 #include "generate/sampling.h"
 #include "model/model_impl.h"
@@ -76,8 +77,7 @@ std::vector<float> row(const Tensor& logits, int64_t r, int64_t position) {
 // a repetition penalty, at most DeviceOps::kMaxSuppress EOS ids, unless MOEKIT_DEVICE_GREEDY=0.
 bool device_greedy(const GenerationConfig& gc, size_t eos_ids) {
   if (gc.do_sample || gc.repetition_penalty != 1.0f || eos_ids > model::DeviceOps::kMaxSuppress) return false;
-  const char* v = std::getenv("MOEKIT_DEVICE_GREEDY");
-  return !(v && std::string(v) == "0");
+  return env_int("MOEKIT_DEVICE_GREEDY", 1) != 0;
 }
 // The decode steps' map: decode_experts_implementation over the prefill map (validated by a trial switch,
 // then back to the prefill map), else decode_switch's rule.

@@ -13,30 +13,18 @@
 #include <cstdlib>
 
 #include "backends/cuda/state.h"
+#include "base/env.h"
 
 namespace moekit::cuda {
 
 namespace {
 std::atomic<bool> g_tma{true};
-std::atomic<int> g_rows16{-1};  // -1: not read yet
+EnvSwitch g_rows16{"MOEKIT_DOWN_ROWS16", true};
 }  // namespace
 bool grouped_tma_enabled() { return g_tma.load(); }
 bool set_grouped_tma_enabled(bool enabled) { return g_tma.exchange(enabled); }
-bool grouped_down_rows16() {
-  int v = g_rows16.load();
-  if (v < 0) {
-    const char* e = std::getenv("MOEKIT_DOWN_ROWS16");
-    v = e && e[0] == '0' ? 0 : 1;
-    int expected = -1;
-    if (!g_rows16.compare_exchange_strong(expected, v)) v = expected;
-  }
-  return v == 1;
-}
-bool set_grouped_down_rows16(bool on) {
-  const bool was = grouped_down_rows16();
-  g_rows16.store(on ? 1 : 0);
-  return was;
-}
+bool grouped_down_rows16() { return g_rows16.on(); }
+bool set_grouped_down_rows16(bool on) { return g_rows16.set(on); }
 
 void second_projection_rows16(kernels::GroupedGemmArgs& g2) {
   g2.epilogue = kernels::kEpiWeighted;  // no row weights: the accumulators rounded to the activations' dtype

@@ -29,16 +29,14 @@
 #include "backends/cuda/kernels/quant_fp4.h"
 #include "backends/cuda/policy.h"
 #include "backends/cuda/state.h"
+#include "base/env.h"
 #include "moekit/quant.h"
 
 namespace moekit::cuda {
 
 namespace {
 bool wgmma_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("MOEKIT_FP8_WGMMA");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
+  static const bool on = env_int("MOEKIT_FP8_WGMMA", 1) != 0;
   return on;
 }
 
@@ -52,16 +50,12 @@ constexpr int kFp8GemvTile = 64;
 // FP4: 64 as well. Measured on gpt-oss-20b MXFP4 at T = 64 (256 pairs, 8 rows per expert): 723 us on the tiled
 // kernel, 1447 us on the GEMV in four-row passes (docs/perf.md).
 constexpr int64_t kFp4GemvMaxPairs = 64;
-int64_t env_or(const char* name, int64_t fallback) {
-  const char* e = std::getenv(name);
-  return e && *e ? int64_t(std::strtoll(e, nullptr, 10)) : fallback;
-}
 std::atomic<int64_t>& fp8_gemv_limit() {
-  static std::atomic<int64_t> v{env_or("MOEKIT_FP8_GEMV_MAX_PAIRS", kFp8GemvMaxPairs)};
+  static std::atomic<int64_t> v{env_int("MOEKIT_FP8_GEMV_MAX_PAIRS", kFp8GemvMaxPairs)};
   return v;
 }
 std::atomic<int64_t>& fp4_gemv_limit() {
-  static std::atomic<int64_t> v{env_or("MOEKIT_FP4_GEMV_MAX_PAIRS", kFp4GemvMaxPairs)};
+  static std::atomic<int64_t> v{env_int("MOEKIT_FP4_GEMV_MAX_PAIRS", kFp4GemvMaxPairs)};
   return v;
 }
 }  // namespace

@@ -10,6 +10,7 @@
 #include <cstdlib>
 
 #include "base/cuda_pdl.cuh"
+#include "base/env.h"
 #include "model/kernels/layer_device.cuh"
 
 namespace moekit::model::kernels {
@@ -48,29 +49,39 @@ struct Piece {
   __device__ __forceinline__ float operator[](int i) const { return Elem<T>::f(raw.v[i]); }
 };
 
-// One round: U pieces of every weight row and x row loaded, then multiplied.
+// One round: U pieces of every weight row loaded, then (after the PDL wait, on the first round of a kernel that has
+// not waited yet) the x pieces, then the multiplies. Pieces past k_end are zeroed after their loads, so that the
+// loads stay unconditional.
 template <class XT, class WT, int MR, int U, bool GUARD>
-__device__ __forceinline__ void gemv_round(const WT* (&rows)[kGemvRows], const XT* (&xr)[MR], int64_t base,
-                                           int64_t k_end, float (&acc)[MR][kGemvRows]) {
+__device__ __forceinline__ void stream_gemv_round(const WT* (&rows)[kGemvRows], const XT* (&xr)[MR], int64_t base,
+                                                  int64_t k_end, float (&acc)[MR][kGemvRows], bool& waited) {
   constexpr int VEC = 16 / sizeof(WT);
   constexpr int64_t kStep = 32 * VEC;
   Piece<WT, VEC> wp[U][kGemvRows];
   Piece<XT, VEC> xp[U][MR];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    // Guarded: a piece past k_end loads the round's first piece (in range) and is zeroed, so that the loads
-    // stay unconditional.
     const bool in = !GUARD || base + u * kStep < k_end;
     const int64_t i = in ? base + u * kStep : base;
 #pragma unroll
-    for (int r = 0; r < kGemvRows; ++r) {
-      wp[u][r].load(rows[r] + i);
-      if (!in) wp[u][r].zero();
-    }
+    for (int r = 0; r < kGemvRows; ++r) wp[u][r].load(rows[r] + i);
+  }
+  if (!waited) {  // x is written by the kernel before: wait for it after the first weight loads
+    cuda::pdl_wait();
+    cuda::pdl_trigger();
+    waited = true;
+  }
 #pragma unroll
-    for (int m = 0; m < MR; ++m) {
-      xp[u][m].load(xr[m] + i);
-      if (!in) xp[u][m].zero();
+  for (int u = 0; u < U; ++u) {
+    const bool in = !GUARD || base + u * kStep < k_end;
+    const int64_t i = in ? base + u * kStep : base;
+#pragma unroll
+    for (int m = 0; m < MR; ++m) xp[u][m].load(xr[m] + i);
+    if (!in) {
+#pragma unroll
+      for (int r = 0; r < kGemvRows; ++r) wp[u][r].zero();
+#pragma unroll
+      for (int m = 0; m < MR; ++m) xp[u][m].zero();
     }
   }
 #pragma unroll
@@ -122,9 +133,10 @@ __global__ void __launch_bounds__(kThreads)
   cuda::pdl_wait();
   cuda::pdl_trigger();
   int64_t base = ks * slice + int64_t(lane) * VEC;
+  bool waited = true;  // the rounds (stream_gemv_round below) run after the wait above
   for (; base + (U - 1) * kStep < k_end; base += kStep * U)  // full rounds: unguarded loads, all issued at once
-    gemv_round<XT, WT, MR, U, false>(rows, xr, base, k_end, acc);
-  if (base < k_end) gemv_round<XT, WT, MR, U, true>(rows, xr, base, k_end, acc);
+    stream_gemv_round<XT, WT, MR, U, false>(rows, xr, base, k_end, acc, waited);
+  if (base < k_end) stream_gemv_round<XT, WT, MR, U, true>(rows, xr, base, k_end, acc, waited);
 #pragma unroll
   for (int m = 0; m < MR; ++m)
 #pragma unroll
@@ -164,50 +176,6 @@ struct StreamSpan {
 };
 __device__ __forceinline__ StreamSpan stream_span(int steps, int warp) {
   return {int(int64_t(steps) * warp / kWarps), int(int64_t(steps) * (warp + 1) / kWarps)};
-}
-
-template <class XT, class WT, int MR, int U, bool GUARD>
-__device__ __forceinline__ void stream_gemv_round(const WT* (&rows)[kGemvRows], const XT* (&xr)[MR], int64_t base,
-                                                  int64_t k_end, float (&acc)[MR][kGemvRows], bool& waited) {
-  constexpr int VEC = 16 / sizeof(WT);
-  constexpr int64_t kStep = 32 * VEC;
-  Piece<WT, VEC> wp[U][kGemvRows];
-  Piece<XT, VEC> xp[U][MR];
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const bool in = !GUARD || base + u * kStep < k_end;
-    const int64_t i = in ? base + u * kStep : base;
-#pragma unroll
-    for (int r = 0; r < kGemvRows; ++r) wp[u][r].load(rows[r] + i);
-  }
-  if (!waited) {  // x is written by the kernel before: wait for it after the first weight loads
-    cuda::pdl_wait();
-    cuda::pdl_trigger();
-    waited = true;
-  }
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const bool in = !GUARD || base + u * kStep < k_end;
-    const int64_t i = in ? base + u * kStep : base;
-#pragma unroll
-    for (int m = 0; m < MR; ++m) xp[u][m].load(xr[m] + i);
-    if (!in) {
-#pragma unroll
-      for (int r = 0; r < kGemvRows; ++r) wp[u][r].zero();
-#pragma unroll
-      for (int m = 0; m < MR; ++m) xp[u][m].zero();
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-#pragma unroll
-    for (int r = 0; r < kGemvRows; ++r)
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) {
-        const float wv = wp[u][r][v];
-#pragma unroll
-        for (int m = 0; m < MR; ++m) acc[m][r] = fmaf(xp[u][m][v], wv, acc[m][r]);
-      }
 }
 
 // part (dynamic shared memory): [kWarps][jmax][MR][kGemvRows], jmax >= the column groups any warp's span meets.
@@ -283,14 +251,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const long r = std::strtol(v, &end, 10);
-  return end != v && r >= 0 && r < 1000 ? int(r) : fallback;
-}
-std::atomic<int> g_gemv_stream{-1};
+EnvSwitch g_gemv_stream{"MOEKIT_GEMV_STREAM", true};
 
 // The streaming form's launch: grid = the blocks that fit at once (MOEKIT_GEMV_BLOCKS_PER_SM in the environment,
 // read once, caps the blocks per multiprocessor; 0 or unset: the occupancy, three blocks of about 80 registers),
@@ -310,7 +271,7 @@ cudaError_t launch_stream_mr(bool pdl, const XT* x, int64_t ldx, const WT* w, co
     }
     return b > 0 ? b : 1;
   }();
-  static const int cap = env_int("MOEKIT_GEMV_BLOCKS_PER_SM", 0);
+  static const int cap = int(std::min<int64_t>(64, env_int("MOEKIT_GEMV_BLOCKS_PER_SM", 0)));
   const int per_sm = cap > 0 ? std::min(cap, occupancy) : occupancy;
   const int64_t ksteps = (K + kStep - 1) / kStep, groups = (N + kGemvRows - 1) / kGemvRows;
   int64_t grid = std::min<int64_t>(int64_t(std::max(sms, 1)) * per_sm, (groups * ksteps + kWarps - 1) / kWarps);
@@ -410,20 +371,7 @@ cudaError_t gemv(const void* x, int xt, int64_t ldx, const void* w, int wt, cons
   return launch<f16, float>(x, ldx, w, bias, bt, y, yt, M, N, K, sms, s);
 }
 
-bool gemv_stream() {
-  int v = g_gemv_stream.load(std::memory_order_relaxed);
-  if (v < 0) {
-    int expected = -1;
-    g_gemv_stream.compare_exchange_strong(expected, env_int("MOEKIT_GEMV_STREAM", 1) != 0 ? 1 : 0);
-    v = g_gemv_stream.load(std::memory_order_relaxed);
-  }
-  return v == 1;
-}
-
-bool set_gemv_stream(bool on) {
-  const bool was = gemv_stream();
-  g_gemv_stream.store(on ? 1 : 0);
-  return was;
-}
+bool gemv_stream() { return g_gemv_stream.on(); }
+bool set_gemv_stream(bool on) { return g_gemv_stream.set(on); }
 
 }  // namespace moekit::model::kernels

@@ -88,6 +88,33 @@ cudaError_t combine_typed(const float* y, const int32_t* pair_row, const int32_t
 
 // One thread per 8 columns (16-byte pieces when `vec`) of one token: the K weighted rows of the token summed
 // in f32 in slot order, rounded once.
+// 8 columns of a 16-bit row (fewer where `left` < 8, the rest zero) as floats; STREAM: read once (evict first),
+// otherwise through the read-only cache (bias rows, read by every token).
+template <bool STREAM, class T>
+__device__ __forceinline__ void load_piece(const T* row, float (&v)[8], int64_t left, bool vec) {
+  if (vec) {
+    alignas(16) T r[8];
+    const uint4* q = reinterpret_cast<const uint4*>(row);
+    *reinterpret_cast<uint4*>(r) = STREAM ? __ldcs(q) : __ldg(q);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = to_f32(r[j]);
+  } else {
+    for (int j = 0; j < 8; ++j) v[j] = j < left ? to_f32(row[j]) : 0.0f;
+  }
+}
+// acc rounded to T into the 8 columns at o (fewer where `left` < 8).
+template <class T>
+__device__ __forceinline__ void store_piece(T* o, const float (&acc)[8], int64_t left, bool vec) {
+  if (vec) {
+    alignas(16) T v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = from_f32<T>(acc[j]);
+    *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(v);
+  } else {
+    for (int j = 0; j < 8 && j < left; ++j) o[j] = from_f32<T>(acc[j]);
+  }
+}
+
 constexpr int kSumThreads = 256;
 template <class T>
 __global__ void __launch_bounds__(kSumThreads)
@@ -102,25 +129,12 @@ __global__ void __launch_bounds__(kSumThreads)
   for (int k = 0; k < top_k; ++k) {  // slot order: deterministic
     const int64_t p = t * top_k + k;
     if (pair_expert[p] >= experts) continue;  // sentinel or bad id: exactly zero contribution
-    const T* row = yw + int64_t(pair_row ? pair_row[p] : p) * hidden + h0;
-    if (vec) {
-      alignas(16) T v[8];
-      *reinterpret_cast<uint4*>(v) = __ldcs(reinterpret_cast<const uint4*>(row));
+    float v[8];
+    load_piece<true>(yw + int64_t(pair_row ? pair_row[p] : p) * hidden + h0, v, hidden - h0, vec);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] += to_f32(v[j]);
-    } else {
-      for (int j = 0; j < 8 && h0 + j < hidden; ++j) acc[j] += to_f32(row[j]);
-    }
+    for (int j = 0; j < 8; ++j) acc[j] += v[j];
   }
-  T* o = out + t * hidden + h0;
-  if (vec) {
-    alignas(16) T v[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = from_f32<T>(acc[j]);
-    *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(v);
-  } else {
-    for (int j = 0; j < 8 && h0 + j < hidden; ++j) o[j] = from_f32<T>(acc[j]);
-  }
+  store_piece(out + t * hidden + h0, acc, hidden - h0, vec);
 }
 
 // combine over 16-bit rows: one thread per 8 columns (16-byte pieces when `vec`) of one token, the K slots'
@@ -142,31 +156,13 @@ __global__ void __launch_bounds__(kSumThreads)
     const float w = to_f32(weights[p]);
     const T* row = y + int64_t(pair_row ? pair_row[p] : p) * hidden + h0;
     const T* br = bias2 ? bias2 + int64_t(e) * hidden + h0 : nullptr;
-    if (vec) {
-      alignas(16) T v[8];
-      *reinterpret_cast<uint4*>(v) = __ldcs(reinterpret_cast<const uint4*>(row));
-      if (br) {
-        alignas(16) T b[8];
-        *reinterpret_cast<uint4*>(b) = __ldg(reinterpret_cast<const uint4*>(br));
+    float v[8], b[8] = {};
+    load_piece<true>(row, v, hidden - h0, vec);
+    if (br) load_piece<false>(br, b, hidden - h0, vec);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] += w * (to_f32(v[j]) + to_f32(b[j]));
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] += w * (to_f32(v[j]) + 0.0f);
-      }
-    } else {
-      for (int j = 0; j < 8 && h0 + j < hidden; ++j) acc[j] += w * (to_f32(row[j]) + (br ? to_f32(br[j]) : 0.0f));
-    }
+    for (int j = 0; j < 8; ++j) acc[j] += w * (v[j] + b[j]);
   }
-  T* o = out + t * hidden + h0;
-  if (vec) {
-    alignas(16) T v[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = from_f32<T>(acc[j]);
-    *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(v);
-  } else {
-    for (int j = 0; j < 8 && h0 + j < hidden; ++j) o[j] = from_f32<T>(acc[j]);
-  }
+  store_piece(out + t * hidden + h0, acc, hidden - h0, vec);
 }
 
 }  // namespace

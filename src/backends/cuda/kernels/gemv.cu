@@ -21,6 +21,7 @@
 
 #include "backends/cuda/kernels/device_math.cuh"
 #include "base/cuda_pdl.cuh"
+#include "base/env.h"
 
 namespace moekit::cuda::kernels {
 namespace {
@@ -57,67 +58,10 @@ __device__ __forceinline__ void to_floats(const uint4& raw, float (&v)[VEC]) {
   for (int i = 0; i < VEC; ++i) v[i] = to_f32(e[i]);
 }
 
-// acc[r] += dot(rows[r][0, k), a[0, k)) over this lane's pieces: VEC elements per piece (16 bytes when
-// VEC > 1, single elements otherwise), kUnroll pieces of every row loaded before the first multiply. The
-// warp's lanes cover interleaved pieces; the caller reduces over the lanes.
-template <class T, int VEC, int ROWS, bool GUARD>
-__device__ __forceinline__ void stream_round(const T* (&rows)[ROWS], const T* a, int64_t base, int64_t k,
-                                             float (&acc)[ROWS]) {
-  constexpr int64_t kStep = 32 * VEC;
-  uint4 w[kUnroll][ROWS];
-  uint4 av[kUnroll];
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {  // every load of the round before the first multiply
-    // Guarded: a piece past k loads the round's first piece (in range) and is zeroed, so that the loads
-    // stay unconditional.
-    const bool in = !GUARD || base + u * kStep < k;
-    const int64_t i = in ? base + u * kStep : base;
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      w[u][r] = *reinterpret_cast<const uint4*>(rows[r] + i);
-      if (!in) w[u][r] = make_uint4(0, 0, 0, 0);
-    }
-    av[u] = *reinterpret_cast<const uint4*>(a + i);
-    if (!in) av[u] = make_uint4(0, 0, 0, 0);
-  }
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    float af[VEC];
-    to_floats<T, VEC>(av[u], af);
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      float wf[VEC];
-      to_floats<T, VEC>(w[u][r], wf);
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) acc[r] = fmaf(af[v], wf[v], acc[r]);
-    }
-  }
-}
-
-// acc[r] += dot(rows[r][0, k), a[0, k)) over this lane's pieces: VEC elements per piece (16 bytes when
-// VEC > 1, single elements otherwise), kUnroll pieces of every row loaded before the first multiply (full
-// rounds unguarded, so that the compiler issues all of their loads at once; then one guarded round). The
-// warp's lanes cover interleaved pieces; the caller reduces over the lanes.
-template <class T, int VEC, int ROWS>
-__device__ __forceinline__ void stream_rows(const T* (&rows)[ROWS], const T* a, int64_t k, int lane,
-                                            float (&acc)[ROWS]) {
-  constexpr int64_t kStep = 32 * VEC;
-  if constexpr (VEC > 1) {
-    int64_t base = int64_t(lane) * VEC;
-    for (; base + (kUnroll - 1) * kStep < k; base += kStep * kUnroll) stream_round<T, VEC, ROWS, false>(rows, a, base, k, acc);
-    if (base < k) stream_round<T, VEC, ROWS, true>(rows, a, base, k, acc);
-  } else {
-    for (int64_t i = lane; i < k; i += 32) {
-      const float av = to_f32(a[i]);
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) acc[r] = fmaf(av, to_f32(rows[r][i]), acc[r]);
-    }
-  }
-}
-
-// stream_round split in two, so that a round's weight loads can be issued before the PDL wait that the activations
-// need: load_round loads the round's weight pieces (zero past k), fma_round loads the activation pieces and
-// multiplies in stream_round's order (the same sums, bit for bit).
+// One round of kUnroll pieces per row in two halves, so that a round's weight loads can be issued before the PDL
+// wait that the activations need: load_round loads the round's weight pieces (zero past k; guarded pieces load the
+// round's first piece, in range, so that the loads stay unconditional), fma_round loads the activation pieces and
+// multiplies.
 template <class T, int VEC, int ROWS, bool GUARD>
 __device__ __forceinline__ void load_round(const T* (&rows)[ROWS], int64_t base, int64_t k, uint4 (&w)[kUnroll][ROWS]) {
   constexpr int64_t kStep = 32 * VEC;
@@ -154,6 +98,36 @@ __device__ __forceinline__ void fma_round(const uint4 (&w)[kUnroll][ROWS], const
       to_floats<T, VEC>(w[u][r], wf);
 #pragma unroll
       for (int v = 0; v < VEC; ++v) acc[r] = fmaf(af[v], wf[v], acc[r]);
+    }
+  }
+}
+
+// acc[r] += dot(rows[r][0, k), a[0, k)) over this lane's pieces for one round: every load before the first multiply.
+template <class T, int VEC, int ROWS, bool GUARD>
+__device__ __forceinline__ void stream_round(const T* (&rows)[ROWS], const T* a, int64_t base, int64_t k,
+                                             float (&acc)[ROWS]) {
+  uint4 w[kUnroll][ROWS];
+  load_round<T, VEC, ROWS, GUARD>(rows, base, k, w);
+  fma_round<T, VEC, ROWS, GUARD>(w, a, base, k, acc);
+}
+
+// acc[r] += dot(rows[r][0, k), a[0, k)) over this lane's pieces: VEC elements per piece (16 bytes when
+// VEC > 1, single elements otherwise), kUnroll pieces of every row loaded before the first multiply (full
+// rounds unguarded, so that the compiler issues all of their loads at once; then one guarded round). The
+// warp's lanes cover interleaved pieces; the caller reduces over the lanes.
+template <class T, int VEC, int ROWS>
+__device__ __forceinline__ void stream_rows(const T* (&rows)[ROWS], const T* a, int64_t k, int lane,
+                                            float (&acc)[ROWS]) {
+  constexpr int64_t kStep = 32 * VEC;
+  if constexpr (VEC > 1) {
+    int64_t base = int64_t(lane) * VEC;
+    for (; base + (kUnroll - 1) * kStep < k; base += kStep * kUnroll) stream_round<T, VEC, ROWS, false>(rows, a, base, k, acc);
+    if (base < k) stream_round<T, VEC, ROWS, true>(rows, a, base, k, acc);
+  } else {
+    for (int64_t i = lane; i < k; i += 32) {
+      const float av = to_f32(a[i]);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) acc[r] = fmaf(av, to_f32(rows[r][i]), acc[r]);
     }
   }
 }
@@ -260,10 +234,7 @@ __global__ void __launch_bounds__(kGemvThreads, MINB) pair_gemv_kernel(PairGemvA
 // on 132 multiprocessors). MOEKIT_PAIR_GEMV_BLOCKS=4 / MOEKIT_PAIR_COMBINE_BLOCKS=4 in the environment (read
 // once) pick 4 for the first / second projection. Off by default: on the H200 both at 4 ran qwen3-30b-a3b at
 // T = 1 / 8 in 31.5 / 152.3 us against 29.3 / 140.5.
-int min_blocks_from_env(const char* name) {
-  const char* e = std::getenv(name);
-  return e && e[0] == '4' ? 4 : 0;
-}
+int min_blocks_from_env(const char* name) { return env_int(name, 0) == 4 ? 4 : 0; }
 int pair_gemv_min_blocks() {
   static const int v = min_blocks_from_env("MOEKIT_PAIR_GEMV_BLOCKS");
   return v;
@@ -273,23 +244,7 @@ int pair_combine_min_blocks() {
   return v;
 }
 
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const long r = std::strtol(v, &end, 10);
-  return end != v && r >= 0 && r < 1000 ? int(r) : fallback;
-}
-std::atomic<int> g_pair_gemv_direct{-1}, g_combine_stream{-1};
-bool switch_from_env(std::atomic<int>& s, const char* name) {
-  int v = s.load(std::memory_order_relaxed);
-  if (v < 0) {
-    int expected = -1;
-    s.compare_exchange_strong(expected, env_int(name, 1) != 0 ? 1 : 0);
-    v = s.load(std::memory_order_relaxed);
-  }
-  return v == 1;
-}
+EnvSwitch g_pair_gemv_direct{"MOEKIT_PAIR_GEMV_DIRECT", true}, g_combine_stream{"MOEKIT_COMBINE_STREAM", true};
 
 template <class T, int VEC, int MINB, bool DIRECT>
 cudaError_t launch_gemv_mb(const PairGemvArgs& a, cudaStream_t stream) {
@@ -504,18 +459,10 @@ cudaError_t pair_gemv(const PairGemvArgs& a, cudaStream_t stream) {
   });
 }
 
-bool pair_gemv_direct() { return switch_from_env(g_pair_gemv_direct, "MOEKIT_PAIR_GEMV_DIRECT"); }
-bool set_pair_gemv_direct(bool on) {
-  const bool was = pair_gemv_direct();
-  g_pair_gemv_direct.store(on ? 1 : 0);
-  return was;
-}
-bool combine_stream() { return switch_from_env(g_combine_stream, "MOEKIT_COMBINE_STREAM"); }
-bool set_combine_stream(bool on) {
-  const bool was = combine_stream();
-  g_combine_stream.store(on ? 1 : 0);
-  return was;
-}
+bool pair_gemv_direct() { return g_pair_gemv_direct.on(); }
+bool set_pair_gemv_direct(bool on) { return g_pair_gemv_direct.set(on); }
+bool combine_stream() { return g_combine_stream.on(); }
+bool set_combine_stream(bool on) { return g_combine_stream.set(on); }
 
 bool pair_gemv_combine_ok(int top_k) { return top_k >= 1 && top_k <= kCombineMaxSlots; }
 
@@ -539,7 +486,7 @@ cudaError_t pair_gemv_combine(const PairGemvArgs& a, int64_t tokens, cudaStream_
     // One wave: about blocks_per_sm blocks per multiprocessor over all tokens (MOEKIT_COMBINE_BLOCKS_PER_SM in the
     // environment, read once; 2 by default: the kernel's 124 registers fit two blocks of 256 threads, and one block
     // per multiprocessor ran qwen3-30b-a3b at T = 1 / 8 in 27.9 / 150.5 us against 25.7 / 127.2 on the H200).
-    static const int per_sm = std::max(1, std::min(8, env_int("MOEKIT_COMBINE_BLOCKS_PER_SM", 2)));
+    static const int per_sm = int(std::max<int64_t>(1, std::min<int64_t>(8, env_int("MOEKIT_COMBINE_BLOCKS_PER_SM", 2))));
     int dev = 0, sms = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
       return cudaErrorInvalidValue;

@@ -16,6 +16,7 @@
 
 #include "backends/cuda/kernels/fp8_epilogue.cuh"
 #include "backends/cuda/kernels/grouped_gemm_common.cuh"
+#include "base/env.h"
 
 namespace moekit::cuda::kernels {
 
@@ -411,10 +412,8 @@ cudaError_t quantize_fp8_rows(Elem type, const void* x, int64_t ldx, const int32
   const int64_t groups = (k + 127) / 128;
   if (rows == 0 || k == 0) return cudaSuccess;
   if (ldq < groups * 128 || ldq % 4 || lds < groups || (src_rows && src_div < 1)) return cudaErrorInvalidValue;
-  static const bool wide = [] {  // MOEKIT_FP8_QUANT_NARROW=1: the one-warp-per-group kernel (for comparisons)
-    const char* v = std::getenv("MOEKIT_FP8_QUANT_NARROW");
-    return !(v && std::strcmp(v, "1") == 0);
-  }();
+  // MOEKIT_FP8_QUANT_NARROW=1: the one-warp-per-group kernel (for comparisons)
+  static const bool wide = env_int("MOEKIT_FP8_QUANT_NARROW", 0) != 1;
   return with_elem(type, [&](auto tag) {
     using T = decltype(tag);
     if (wide) {

@@ -46,6 +46,7 @@
 #include <mutex>
 
 #include "backends/cuda/kernels/grouped_gemm_sm90.cuh"
+#include "base/env.h"
 
 namespace moekit::cuda::kernels {
 namespace {
@@ -623,9 +624,8 @@ std::atomic<int> g_pingpong{-1};  // 0: off; 1: the limits above; N >= 2: limit 
 int pingpong_setting() {
   int v = g_pingpong.load();
   if (v < 0) {
-    const char* e = std::getenv("MOEKIT_TMA_PINGPONG");
-    const long n = e ? std::strtol(e, nullptr, 10) : -1;
-    v = e && e[0] == '0' ? 0 : (n >= 2 && n < (1L << 30) ? int(n) : 1);
+    const int64_t n = env_int("MOEKIT_TMA_PINGPONG", 1);
+    v = n == 0 ? 0 : (n >= 2 && n < (int64_t(1) << 30) ? int(n) : 1);
     int expected = -1;
     if (!g_pingpong.compare_exchange_strong(expected, v)) v = expected;
   }
@@ -636,17 +636,8 @@ bool pingpong_on() { return pingpong_setting() > 0; }
 // The weighted and f32 epilogues' staging schedule (see the kernel): rounds of one box alternating between
 // the buffer's halves (default), or rounds of two boxes (set_grouped_gemm_tma_split_out(false), or
 // MOEKIT_TMA_SPLIT_OUT=0 in the environment).
-std::atomic<int> g_split_out{-1};
-bool split_out_on() {
-  int v = g_split_out.load();
-  if (v < 0) {
-    const char* e = std::getenv("MOEKIT_TMA_SPLIT_OUT");
-    v = e && e[0] == '0' ? 0 : 1;
-    int expected = -1;
-    if (!g_split_out.compare_exchange_strong(expected, v)) v = expected;
-  }
-  return v == 1;
-}
+EnvSwitch g_split_out{"MOEKIT_TMA_SPLIT_OUT", true};
+bool split_out_on() { return g_split_out.on(); }
 
 template <class T, int EPI>
 cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
@@ -734,11 +725,7 @@ bool grouped_gemm_tma_ok(const GroupedGemmArgs& a, int arch) {
 bool grouped_gemm_tma_built_for(int arch) { return tma_compiled_for(arch); }
 
 bool grouped_gemm_tma_pingpong() { return pingpong_on(); }
-bool set_grouped_gemm_tma_split_out(bool on) {
-  const bool was = split_out_on();
-  g_split_out.store(on ? 1 : 0);
-  return was;
-}
+bool set_grouped_gemm_tma_split_out(bool on) { return g_split_out.set(on); }
 int grouped_tma_tile_m(int64_t pairs, int experts, bool gathered_a) {
   const int v = pingpong_setting();
   const int64_t limit = v == 1 ? (gathered_a ? 128 : 384) : v;

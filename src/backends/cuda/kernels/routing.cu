@@ -13,6 +13,7 @@
 #include <cstdlib>
 
 #include "backends/cuda/kernels/device_math.cuh"
+#include "base/env.h"
 
 namespace moekit::cuda::kernels {
 namespace {
@@ -149,8 +150,7 @@ constexpr int64_t kOneBlockPairs = 16384;  // the most the kernel takes
 // (16 chunks one after the other).
 int64_t one_block_pairs() {
   static const int64_t limit = [] {
-    const char* e = std::getenv("MOEKIT_ROUTE_ONE_BLOCK");
-    const long long n = e ? std::strtoll(e, nullptr, 10) : 4096;
+    const int64_t n = env_int("MOEKIT_ROUTE_ONE_BLOCK", 4096);
     return n < 0 ? int64_t(0) : (n > kOneBlockPairs ? kOneBlockPairs : int64_t(n));
   }();
   return limit;
