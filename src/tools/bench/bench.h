@@ -43,6 +43,9 @@ Ceilings measure_ceilings(Device device, const std::string& quant = "");
 double matrix_peak_tflops(const Ceilings& c, const std::string& quant);
 // Reads only the card name and cache size; `peak_tflops` and `bandwidth_gbps` are taken as given.
 Ceilings given_ceilings(Device device, double peak_tflops, double bandwidth_gbps);
+// Two measurements of one machine's ceilings (e.g. at the start and at the end of a run) as one: each number the
+// higher of the two (a ceiling is the most the machine did; a lower reading is a busy moment), the method naming both.
+Ceilings best_ceilings(const Ceilings& first, const Ceilings& again);
 
 // ---- the roofline of one forward ----
 // 2 * T * K * (H * N1 + I * H), N1 = 2I for gated experts, I otherwise.
@@ -111,7 +114,15 @@ struct BenchReport {
   Ceilings ceilings;
   std::vector<BenchRecord> records;
   std::vector<BenchSkip> skipped;
+  std::vector<std::string> warnings;  // ceiling_warnings
 };
+
+// One line per record that ran faster than a ceiling allows: more GB/s than the bandwidth or more TFLOP/s than the
+// peak (its floor ratio below 1: the ceiling was measured too low, or its experts were partly in the cache between
+// calls, which the line says when all the shape's experts fit in 4x the cache).
+std::vector<std::string> ceiling_warnings(const BenchReport& report, const BenchOptions& options);
+// Sets report.ceilings, recomputes every record's floor and ratio from them, then report.warnings.
+void set_ceilings(BenchReport& report, const Ceilings& c, const BenchOptions& options);
 
 struct BenchProgress {
   int done = 0, total = 0;
