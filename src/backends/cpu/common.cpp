@@ -1,5 +1,9 @@
 #include "backends/cpu/common.h"
 
+#include <sys/mman.h>
+
+#include <cstdlib>
+
 #include <algorithm>
 #include <cmath>
 #include <mutex>
@@ -154,6 +158,28 @@ void prepare(const Experts& experts) {
   });
 }
 
+void* huge_page_alloc(size_t bytes) {
+  constexpr size_t kHuge = size_t(2) << 20;
+  static const bool huge = [] {
+    const char* v = std::getenv("MOEKIT_CPU_HUGEPAGES");
+    return !(v && v[0] == '0' && v[1] == 0);
+  }();
+  if (bytes < kHuge || !huge) {
+    void* p = std::aligned_alloc(64, (std::max<size_t>(bytes, 1) + 63) / 64 * 64);
+    MOEKIT_CHECK_CODE(p != nullptr, runtime, "out of host memory allocating ", bytes, " bytes");
+    return p;
+  }
+  const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+  void* p = std::aligned_alloc(kHuge, rounded);
+  MOEKIT_CHECK_CODE(p != nullptr, runtime, "out of host memory allocating ", bytes, " bytes");
+#ifdef MADV_HUGEPAGE
+  madvise(p, rounded, MADV_HUGEPAGE);  // advice only: without THP the pages stay plain
+#endif
+  return p;
+}
+
+void huge_page_free(void* p) noexcept { std::free(p); }
+
 // ---- scratch ----
 
 namespace {
@@ -236,30 +262,36 @@ Bf16Buffer gather_bf16_rows(const Plan& p, const ExpertsCall& call, const int64_
 
 Bf16Buffer gated_bf16_rows(const Plan& p, float* h, int64_t rows, const int64_t* row_expert, int64_t ld) {
   MOEKIT_CHECK(p.act == DType::bf16, "gated_bf16_rows takes bf16 activations, got ", dtype_name(p.act));
-  const int64_t I = p.I, N1 = p.N1;
+  const int64_t N1 = p.N1;
   size_t bytes = size_t(std::max<int64_t>(rows * ld, 1)) * sizeof(uint16_t);
   Bf16Buffer out(static_cast<uint16_t*>(scratch_alloc(bytes)), ScratchDeleter{bytes});
   // The common case (SiLU times up over [gate | up], no bias) in AVX-512, where the ISA has the bf16 tile.
-  const ExpertsSpec& s = *p.spec;
-  const bool fast = p.kernels->gemm_bf16_tile && !p.b1 && s.has_gate && s.is_concatenated &&
-                    s.gate == GateKind::act_mul && s.activation == Activation::silu;
-  parallel_for(rows, 8, rows * N1 * kGateCost, [&](int64_t i) {
-    float* row = h + i * N1;
-    uint16_t* d = out.get() + i * ld;
-    if (fast) {
-      silu_mul_bf16_row_avx512(row, I, d);
-      std::fill(d + I, d + ld, uint16_t(0));
-      return;
-    }
-    first_epilogue_row(p, row_expert[i], row);
-    for (int64_t j = 0; j < I; ++j) {  // the values are bf16 already: keep the top half (NaN made quiet)
-      uint32_t b;
-      __builtin_memcpy(&b, row + j, 4);
-      d[j] = uint16_t((b & 0x7fffffffu) > 0x7f800000u ? (b >> 16) | 0x40u : b >> 16);
-    }
-    std::fill(d + I, d + ld, uint16_t(0));
-  });
+  const bool fast = gated_bf16_fast(p);
+  parallel_for(rows, 8, rows * N1 * kGateCost,
+               [&](int64_t i) { gated_bf16_row(p, fast, h + i * N1, row_expert[i], out.get() + i * ld, ld); });
   return out;
+}
+
+bool gated_bf16_fast(const Plan& p) {
+  const ExpertsSpec& s = *p.spec;
+  return p.kernels->gemm_bf16_tile && !p.b1 && s.has_gate && s.is_concatenated && s.gate == GateKind::act_mul &&
+         s.activation == Activation::silu;
+}
+
+void gated_bf16_row(const Plan& p, bool fast, float* row, int64_t e, uint16_t* d, int64_t ld) {
+  const int64_t I = p.I;
+  if (fast) {
+    silu_mul_bf16_row_avx512(row, I, d);
+    std::fill(d + I, d + ld, uint16_t(0));
+    return;
+  }
+  first_epilogue_row(p, e, row);
+  for (int64_t j = 0; j < I; ++j) {  // the values are bf16 already: keep the top half (NaN made quiet)
+    uint32_t b;
+    __builtin_memcpy(&b, row + j, 4);
+    d[j] = uint16_t((b & 0x7fffffffu) > 0x7f800000u ? (b >> 16) | 0x40u : b >> 16);
+  }
+  std::fill(d + I, d + ld, uint16_t(0));
 }
 
 void for_each_token_chunk(const ExpertsCall& call, int64_t floats_per_pair,

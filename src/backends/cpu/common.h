@@ -21,10 +21,28 @@
 
 namespace moekit::cpu {
 
+// Memory for the packed experts: 2 MiB-aligned and in transparent huge pages where the kernel gives them
+// (madvise(MADV_HUGEPAGE): one TLB entry per 2 MiB of the weights' stream instead of per 4 KiB; the machine's
+// mode is "madvise" on common distributions, so plain allocations get none). MOEKIT_CPU_HUGEPAGES=0: plain pages
+// (A/B runs). Blocks below 2 MiB are plain.
+void* huge_page_alloc(size_t bytes);
+void huge_page_free(void* p) noexcept;
+template <class T>
+struct HugePageAllocator {
+  using value_type = T;
+  HugePageAllocator() = default;
+  template <class U>
+  HugePageAllocator(const HugePageAllocator<U>&) noexcept {}
+  T* allocate(size_t n) { return static_cast<T*>(huge_page_alloc(n * sizeof(T))); }
+  void deallocate(T* p, size_t) noexcept { huge_page_free(p); }
+  template <class U>
+  bool operator==(const HugePageAllocator<U>&) const noexcept { return true; }
+};
+
 // The experts' bf16 weights packed once for the dot-pair kernels (base/gemm.h PackedBf16), one copy per module
 // shared by the three CPU backends (state "cpu_packed"); made by prepare() where the CPU has a bf16 tile.
 struct PackedExperts : BackendState {
-  std::vector<uint16_t> w1, w2;  // expert e at e * per1 / e * per2
+  std::vector<uint16_t, HugePageAllocator<uint16_t>> w1, w2;  // expert e at e * per1 / e * per2
   int64_t per1 = 0, per2 = 0, kp1 = 0, kp2 = 0;
 };
 
@@ -120,6 +138,10 @@ Bf16Buffer gather_bf16_rows(const Plan& p, const ExpertsCall& call, const int64_
 // gated values written as bf16 rows of stride ld, zero past I (exact: the epilogue rounds them to bf16) (all threads).
 // h is left in an unspecified state (the SiLU [gate | up] case reads it without writing it).
 Bf16Buffer gated_bf16_rows(const Plan& p, float* h, int64_t rows, const int64_t* row_expert, int64_t ld);
+// Whether gated_bf16_row may take the AVX-512 SiLU [gate | up] path (no bias, SiLU times up, the bf16 tile's ISA).
+bool gated_bf16_fast(const Plan& p);
+// One row of gated_bf16_rows: row (N1 floats of expert e) -> d (ld bf16 values); `fast`: gated_bf16_fast(p).
+void gated_bf16_row(const Plan& p, bool fast, float* row, int64_t e, uint16_t* d, int64_t ld);
 
 // Rows for the quantized tiles: quantized to FP8 (base/gemm.h fp8_quantize_rows), or plain values for FP4 weights
 // with float activations (plain_rows): q [rows, ld] and scales s [rows, lds].
