@@ -351,11 +351,10 @@ TEST(Backends, DeterministicRunToRunAndAcrossThreadCounts) {
   }
 }
 
-// Decode sizes on the packed bf16 path (every expert below the AMX rows): the projections' panels are split over
-// the threads (by 128-column tasks, or evenly by bytes with MOEKIT_BF16_DECODE=1, which ctest runs as
-// backends.bf16_decode_region), so each thread count cuts them elsewhere: the same bits at 1, 2 and 3 threads, within
-// the tolerance of the reference; [gate | up] (the AVX-512 SiLU gate) and interleaved with biases; panel counts that
-// do not divide evenly (N1 = 272 and 144: 17 and 9 panels; H = 200: 13 panels, the last one of 8 columns).
+// Decode sizes on the packed bf16 path (every expert below the AMX rows): the projections' 128-column tasks go to
+// whichever thread is free, so each thread count splits the work differently: the same bits at 1, 2 and 3 threads,
+// within the tolerance of the reference; [gate | up] (the AVX-512 SiLU gate) and interleaved with biases; panel
+// counts that are not a multiple of 8 (N1 = 272 and 144: 17 and 9 panels; H = 200: 13 panels, the last of 8 columns).
 TEST(Backends, CpuBf16DecodeSameBitsAcrossThreadCounts) {
   const int threads = omp_get_max_threads();
   for (int i = 0; i < 4; ++i) {

@@ -2,10 +2,9 @@
 
 #include <sys/mman.h>
 
-#include <cstdlib>
-
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <mutex>
 #include <new>
 
@@ -262,36 +261,30 @@ Bf16Buffer gather_bf16_rows(const Plan& p, const ExpertsCall& call, const int64_
 
 Bf16Buffer gated_bf16_rows(const Plan& p, float* h, int64_t rows, const int64_t* row_expert, int64_t ld) {
   MOEKIT_CHECK(p.act == DType::bf16, "gated_bf16_rows takes bf16 activations, got ", dtype_name(p.act));
-  const int64_t N1 = p.N1;
+  const int64_t I = p.I, N1 = p.N1;
   size_t bytes = size_t(std::max<int64_t>(rows * ld, 1)) * sizeof(uint16_t);
   Bf16Buffer out(static_cast<uint16_t*>(scratch_alloc(bytes)), ScratchDeleter{bytes});
   // The common case (SiLU times up over [gate | up], no bias) in AVX-512, where the ISA has the bf16 tile.
-  const bool fast = gated_bf16_fast(p);
-  parallel_for(rows, 8, rows * N1 * kGateCost,
-               [&](int64_t i) { gated_bf16_row(p, fast, h + i * N1, row_expert[i], out.get() + i * ld, ld); });
-  return out;
-}
-
-bool gated_bf16_fast(const Plan& p) {
   const ExpertsSpec& s = *p.spec;
-  return p.kernels->gemm_bf16_tile && !p.b1 && s.has_gate && s.is_concatenated && s.gate == GateKind::act_mul &&
-         s.activation == Activation::silu;
-}
-
-void gated_bf16_row(const Plan& p, bool fast, float* row, int64_t e, uint16_t* d, int64_t ld) {
-  const int64_t I = p.I;
-  if (fast) {
-    silu_mul_bf16_row_avx512(row, I, d);
+  const bool fast = p.kernels->gemm_bf16_tile && !p.b1 && s.has_gate && s.is_concatenated &&
+                    s.gate == GateKind::act_mul && s.activation == Activation::silu;
+  parallel_for(rows, 8, rows * N1 * kGateCost, [&](int64_t i) {
+    float* row = h + i * N1;
+    uint16_t* d = out.get() + i * ld;
+    if (fast) {
+      silu_mul_bf16_row_avx512(row, I, d);
+      std::fill(d + I, d + ld, uint16_t(0));
+      return;
+    }
+    first_epilogue_row(p, row_expert[i], row);
+    for (int64_t j = 0; j < I; ++j) {  // the values are bf16 already: keep the top half (NaN made quiet)
+      uint32_t b;
+      __builtin_memcpy(&b, row + j, 4);
+      d[j] = uint16_t((b & 0x7fffffffu) > 0x7f800000u ? (b >> 16) | 0x40u : b >> 16);
+    }
     std::fill(d + I, d + ld, uint16_t(0));
-    return;
-  }
-  first_epilogue_row(p, e, row);
-  for (int64_t j = 0; j < I; ++j) {  // the values are bf16 already: keep the top half (NaN made quiet)
-    uint32_t b;
-    __builtin_memcpy(&b, row + j, 4);
-    d[j] = uint16_t((b & 0x7fffffffu) > 0x7f800000u ? (b >> 16) | 0x40u : b >> 16);
-  }
-  std::fill(d + I, d + ld, uint16_t(0));
+  });
+  return out;
 }
 
 void for_each_token_chunk(const ExpertsCall& call, int64_t floats_per_pair,

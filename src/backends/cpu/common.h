@@ -138,10 +138,6 @@ Bf16Buffer gather_bf16_rows(const Plan& p, const ExpertsCall& call, const int64_
 // gated values written as bf16 rows of stride ld, zero past I (exact: the epilogue rounds them to bf16) (all threads).
 // h is left in an unspecified state (the SiLU [gate | up] case reads it without writing it).
 Bf16Buffer gated_bf16_rows(const Plan& p, float* h, int64_t rows, const int64_t* row_expert, int64_t ld);
-// Whether gated_bf16_row may take the AVX-512 SiLU [gate | up] path (no bias, SiLU times up, the bf16 tile's ISA).
-bool gated_bf16_fast(const Plan& p);
-// One row of gated_bf16_rows: row (N1 floats of expert e) -> d (ld bf16 values); `fast`: gated_bf16_fast(p).
-void gated_bf16_row(const Plan& p, bool fast, float* row, int64_t e, uint16_t* d, int64_t ld);
 
 // Rows for the quantized tiles: quantized to FP8 (base/gemm.h fp8_quantize_rows), or plain values for FP4 weights
 // with float activations (plain_rows): q [rows, ld] and scales s [rows, lds].

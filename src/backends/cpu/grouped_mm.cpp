@@ -1,13 +1,10 @@
 // grouped_mm on the CPU: pairs sorted by expert (routing/), one grouped GEMM per projection over the sorted rows
 // (every (expert, column tile) is one task, all experts at once), then unsort and combine (common.h).
-#include <omp.h>
-
 #include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <exception>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -102,127 +99,10 @@ std::vector<Tile> bf16_tiles(const ExpertRouting& r, int64_t n) {
   return tiles;
 }
 
-// MOEKIT_BF16_DECODE=1: decode-sized calls (every active expert below kAmxMinRows rows, the AVX512-BF16 tile) run
-// grouped_bf16_decode; 0 (default): the per-phase task loops of grouped_bf16. MOEKIT_BF16_PF_DOWN=N (KiB, 0 to
-// 1024; default 0): in grouped_bf16_decode, each thread prefetches (into L2) the first N KiB of its down-projection
-// panels once its share of the first projection is done, before it waits for the others. Both for A/B runs.
-const int kDecodeMode = [] {
-  const char* v = std::getenv("MOEKIT_BF16_DECODE");
-  return v && (v[0] == '1' || v[0] == '2') && v[1] == 0 ? v[0] - '0' : 0;
-}();
-const int64_t kPfDownBytes = [] {
-  const char* v = std::getenv("MOEKIT_BF16_PF_DOWN");
-  const long n = v ? std::strtol(v, nullptr, 10) : 0;
-  return n >= 1 && n <= 1024 ? int64_t(n) * 1024 : int64_t(0);
-}();
-
-bool decode_sized(const ExpertRouting& r) {
-  for (const int64_t e : r.active_experts())
-    if (r.counts[size_t(e)] >= kAmxMinRows) return false;
-  return true;
-}
-
-// fn(expert, n0, n1) over thread t's share (of nt) of the panels (16 columns) of every expert in `experts`, each a
-// projection of n columns: the panels of all experts in one list, cut into nt equal runs (each thread streams the
-// same bytes, to one panel), one call per expert a run meets.
-template <class Fn>
-void for_thread_panels(const std::vector<int64_t>& experts, int64_t n, int t, int nt, Fn&& fn) {
-  const int64_t per = (n + 15) / 16, total = per * int64_t(experts.size());
-  const int64_t g1 = total * (t + 1) / nt;
-  for (int64_t g = total * t / nt; g < g1;) {
-    const int64_t q0 = g % per, q1 = std::min(per, q0 + (g1 - g));
-    fn(experts[size_t(g / per)], q0 * 16, std::min(n, q1 * 16));
-    g += q1 - q0;
-  }
-}
-
-// Decode sizes in one parallel region: the first projection, the gate and the down projection separated by
-// barriers (no fork and join per phase), each projection's panels split evenly over the threads by bytes instead of
-// handed out as 128-column tasks (the phase ends when the last thread's last task does: with few tasks per thread
-// one task is 5-15% of a phase). The same tile calls per column, so the same bits as grouped_bf16.
-void grouped_bf16_decode(const Plan& p, const ExpertsCall& call, const ExpertRouting& r, float* y, float* h1,
-                         const int64_t* row_expert) {
-  const int64_t rows = r.routed(), H = p.H, N1 = p.N1;
-  const GemmKernels& k = *p.kernels;
-  const int64_t ld1 = bf16_row_ld(p.packed->kp1), ld2 = bf16_row_ld(p.packed->kp2);
-  PhaseClock& pc = phase_clock();
-  pc.mark(0, rows);
-  const Bf16Buffer xa = gather_bf16_rows(p, call, r.sorted_pairs.data(), rows, ld1);
-  size_t bytes = size_t(std::max<int64_t>(rows * ld2, 1)) * sizeof(uint16_t);
-  const Bf16Buffer ha(static_cast<uint16_t*>(scratch_alloc(bytes)), ScratchDeleter{bytes});
-  const std::vector<int64_t> experts = r.active_experts();
-  const bool fast = gated_bf16_fast(p);
-  std::exception_ptr error;
-  std::mutex error_mutex;
-  auto guard = [&](auto&& body) {  // every thread reaches every barrier, whatever a phase throws
-    try {
-      body();
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(error_mutex);
-      if (!error) error = std::current_exception();
-    }
-  };
-  // Mode 2: the 128-column tasks of grouped_bf16, handed out dynamically within the region.
-  const std::vector<Tile> up = kDecodeMode == 2 ? bf16_tiles(r, N1) : std::vector<Tile>();
-  const std::vector<Tile> down = kDecodeMode == 2 ? bf16_tiles(r, H) : std::vector<Tile>();
-  auto first = [&](int64_t e, int64_t n0, int64_t n1) {
-    const int64_t r0 = r.offsets[size_t(e)];
-    k.gemm_bf16_tile(xa.get() + r0 * ld1, ld1, r.counts[size_t(e)], p.first_packed(e), n0, n1, h1 + r0 * N1, N1);
-  };
-  auto second = [&](int64_t e, int64_t n0, int64_t n1) {
-    const int64_t r0 = r.offsets[size_t(e)], m = r.counts[size_t(e)];
-    k.gemm_bf16_tile(ha.get() + r0 * ld2, ld2, m, p.down_packed(e), n0, n1, y + r0 * H, H);
-    down_epilogue(p, e, y + r0 * H, H, m, n0, n1);
-  };
-  auto dynamic = [&](const std::vector<Tile>& tiles, auto&& fn) {
-    const int64_t n = int64_t(tiles.size());
-#pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t i = 0; i < n; ++i) guard([&] { fn(tiles[size_t(i)].expert, tiles[size_t(i)].n0, tiles[size_t(i)].n1); });
-  };
-  pc.mark(1, rows);
-#pragma omp parallel
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    guard([&] {
-      if (kDecodeMode == 2) dynamic(up, first);
-      else for_thread_panels(experts, N1, t, nt, first);
-      if (kPfDownBytes > 0 && kDecodeMode == 1) {  // the start of this thread's first down panels (up to 8, read in lockstep), into L2
-        bool once = true;
-        for_thread_panels(experts, H, t, nt, [&](int64_t e, int64_t n0, int64_t n1) {
-          if (!once) return;
-          once = false;
-          const PackedBf16 w = p.down_packed(e);
-          const int64_t np = std::min<int64_t>(8, (n1 - n0 + 15) / 16), panel = w.kp * 16 * 2;
-          const int64_t each = std::min(panel, kPfDownBytes / np);
-          for (int64_t j = 0; j < np; ++j) {
-            const char* b = reinterpret_cast<const char*>(w.data + (n0 / 16 + j) * w.kp * 16);
-            for (int64_t off = 0; off < each; off += 64) __builtin_prefetch(b + off, 0, 2);
-          }
-        });
-      }
-    });
-#pragma omp barrier
-    if (t == 0) pc.mark(2, rows);
-    guard([&] {
-      for (int64_t i = rows * t / nt; i < rows * (t + 1) / nt; ++i)
-        gated_bf16_row(p, fast, h1 + i * N1, row_expert[i], ha.get() + i * ld2, ld2);
-    });
-#pragma omp barrier
-    if (t == 0) pc.mark(3, rows);
-    guard([&] {
-      if (kDecodeMode == 2) dynamic(down, second);
-      else for_thread_panels(experts, H, t, nt, second);
-    });
-  }
-  pc.mark(4, rows);
-  if (error) std::rethrow_exception(error);
-}
-
 // The two projections on the bf16 tile over packed weights (Plan::packed): bf16 input rows gathered as they are,
 // the gate's bf16 results written straight into the down projection's rows.
 void grouped_bf16(const Plan& p, const ExpertsCall& call, const ExpertRouting& r, float* y, float* h1,
                   const int64_t* row_expert) {
-  if (kDecodeMode != 0 && decode_sized(r)) return grouped_bf16_decode(p, call, r, y, h1, row_expert);
   const int64_t rows = r.routed(), H = p.H, N1 = p.N1;
   const GemmKernels& k = *p.kernels;
   const int64_t ld1 = bf16_row_ld(p.packed->kp1), ld2 = bf16_row_ld(p.packed->kp2);
