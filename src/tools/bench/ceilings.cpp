@@ -1,4 +1,5 @@
-// The two ceilings of the roofline, measured once at the start of a run.
+// The two ceilings of the roofline, measured at the start of a run (on the CPU again at its end, the better kept:
+// tools/moekit/bench.cpp, best_ceilings).
 #include <omp.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -238,11 +239,12 @@ std::string thp_mode() {
 
 // Read bandwidth: the best of several ways to read a buffer well beyond the cache with every thread (each on its own
 // region, whose pages it placed), so that no kernel reads faster than the ceiling:
-// - 1 to 16 streams per thread, prefetch 0 to 8 KiB ahead, 64-byte (AVX-512) loads;
+// - 1 to 16 streams per thread, prefetch 0 to 4 KiB ahead, 64-byte (AVX-512) loads;
 // - the experts' own decode pattern (one activation row times packed bf16 weight panels, base/gemm.h's bf16 tile,
 //   the thread's share of the panels);
-// - on two buffers: one in transparent huge pages (madvise, as the packed experts are: base/gemm.h
-//   huge_page_alloc) and one in plain pages (as tensors are), the ways that won on the 16-core host on both.
+// - on two buffers: one in transparent huge pages (madvise, as the packed experts are: backends/cpu/common.h
+//   huge_page_alloc) and one in plain pages (as tensors are); the plain one with the 4- and 8-stream ways and the
+//   decode pattern only.
 // A first pass over each buffer is not timed; then rounds over all variants (so that a noisy moment of the machine
 // costs one pass of each variant, not one variant), at least 3 and until ~1.5 s, each variant's best kept. `detail`
 // receives the best variant and the runners-up.
