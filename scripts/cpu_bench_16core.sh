@@ -22,7 +22,8 @@
 # prefetch distance in k pairs at decode sizes; default 32), MOEKIT_BF16_STREAMS=4|8 (its panels in lockstep at decode
 # sizes; default 8), MOEKIT_AMX_KC, MOEKIT_AMX_PF_PAIRS, MOEKIT_AMX_AHEAD_MEM, MOEKIT_BF16_TASKS (README).
 # deepseek-v3 for both engines in a ~4 minute call: SHAPES=deepseek-v3 BUDGET_S=200 (its 22.5 GB of experts take
-# about 10 s to create in each engine). MOEKIT_CPU_HUGEPAGES=0: the packed experts in plain pages (README).
+# about 10 s to create in each engine). MOEKIT_CPU_HUGEPAGES=0: the packed experts in plain pages;
+# MOEKIT_BF16_TAIL=N: the last decode tasks of each projection in quarters (README).
 # SUMMARY_ONLY=1: no runs, only the table of the records in OUT_DIR (ab-SHAPE--LABEL.json files included).
 # The table marks with "!" a cell that streamed more GB/s than the bandwidth ceiling (or ran above the peak).
 set -uo pipefail
