@@ -80,9 +80,10 @@ std::vector<Tile> grouped_tiles(const ExpertRouting& r, int64_t n, int64_t tile_
 
 // MOEKIT_BF16_TAIL=N (0 to 16; default 0, for A/B runs): the last N x threads tasks of decode-sized experts (below
 // the AMX rows, 128 columns each) are cut into quarters of 32 columns. A phase ends when the last thread's last task
-// does; on the 16-core host the threads stream at unequal rates (a fixed even split ran 1.36-1.51x slower than these
-// tasks handed out as threads come free), and a whole 128-column task is 75 us of qwen3-30b-a3b's 440 us first
-// projection at T = 1; quarters at the end of the list cut that wait (each reads 2 panels in lockstep instead of 8).
+// does; on the 16-core host a fixed even split ran 1.36-1.51x slower than these tasks handed out as threads come
+// free (its threads, it seems, stream at unequal rates), and a whole 128-column task is 75 us of qwen3-30b-a3b's
+// 440 us first projection at T = 1; quarters at the end of the list cut that wait (each reads 2 panels in lockstep
+// instead of 8).
 const int64_t kTailTasksPerThread = [] {
   const char* v = std::getenv("MOEKIT_BF16_TAIL");
   const long n = v ? std::strtol(v, nullptr, 10) : 0;
