@@ -22,7 +22,10 @@
 # prefetch distance in k pairs at decode sizes; default 32), MOEKIT_BF16_STREAMS=4|8 (its panels in lockstep at decode
 # sizes; default 8), MOEKIT_AMX_KC, MOEKIT_AMX_PF_PAIRS, MOEKIT_AMX_AHEAD_MEM, MOEKIT_BF16_TASKS (README).
 # deepseek-v3 for both engines in a ~4 minute call: SHAPES=deepseek-v3 BUDGET_S=200 (its 22.5 GB of experts take
-# about 10 s to create in each engine).
+# about 10 s to create in each engine). MOEKIT_CPU_HUGEPAGES=0: the packed experts in plain pages;
+# MOEKIT_BF16_TAIL=N: the last decode tasks of each projection in quarters (README).
+# SUMMARY_ONLY=1: no runs, only the table of the records in OUT_DIR (ab-SHAPE--LABEL.json files included).
+# The table marks with "!" a cell that streamed more GB/s than the bandwidth ceiling (or ran above the peak).
 set -uo pipefail
 BIN=${1:-build-gpu/bin}
 DIR=${2:-${OUT:-/tmp/cpu_bench}}
@@ -40,7 +43,10 @@ FP8=${FP8:-0}
 HF_RESERVE_S=${HF_RESERVE_S:-100}
 export OMP_NUM_THREADS=$THREADS OMP_PROC_BIND=close OMP_PLACES=cores
 echo "moekit CPU bench: $THREADS threads on $CORES cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
-echo "load: $(cut -d' ' -f1-3 /proc/loadavg); $(lscpu | grep -E '^(Thread|Core|Socket)' | tr -s ' ' | tr '\n' ';')"
+echo "load: $(cut -d' ' -f1-3 /proc/loadavg); $(lscpu | grep -E '^(Thread|Core|Socket|NUMA node\(s\))' | tr -s ' ' | tr '\n' ';')"
+echo "transparent huge pages: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null || echo unknown);" \
+     "defrag: $(cat /sys/kernel/mm/transparent_hugepage/defrag 2>/dev/null || echo unknown);" \
+     "numactl: $(command -v numactl >/dev/null && numactl -H 2>/dev/null | head -1 || echo absent)"
 if [ "$HF" = 1 ] && ! python3 -c 'import torch, transformers' 2>/dev/null; then
   echo "transformers: not installed here, skipped"; HF=0
 fi
@@ -67,6 +73,7 @@ hf() {  # hf SHAPE: transformers' backends on SHAPE, records in $DIR/hf-SHAPE.js
 }
 
 first=1
+[ "${SUMMARY_ONLY:-0}" = 1 ] && SHAPES=  # only the table of the records already in OUT_DIR
 for shape in ${SHAPES//,/ }; do
   if [ $first = 0 ] && [ $SECONDS -ge $((BUDGET_S - 50)) ]; then
     echo "$shape: skipped (time budget)"
@@ -77,6 +84,7 @@ for shape in ${SHAPES//,/ }; do
   run "$shape-bf16" --shape "$shape" --tokens "$TOKENS"
   if [ $first = 1 ] && [ -s "$DIR/$shape-bf16.json" ]; then
     # The later runs reuse the ceilings measured by the first (same floor for every row, no time spent on them).
+    # (Those of its end: the bench measures the CPU ceilings again after its run and keeps the better of the two.)
     read -r PEAK BW < <(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d["peak_tflops"], d["copy_tbps"] * 1000)' "$DIR/$shape-bf16.json")
     [ -n "${PEAK:-}" ] && CEIL=(--peak-tflops "$PEAK" --bandwidth-gbps "$BW")
     grep -m1 '^ceilings' "$DIR/$shape-bf16.txt"
@@ -124,33 +132,41 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
             best[key] = r
 if not best:
     sys.exit("no records")
-print(f"\n{meta['card']}; peak {meta['peak_tflops']:.2f} TFLOP/s, bandwidth {meta['copy_tbps'] * 1000:.0f} GB/s")
+print(f"\n{meta['card']}; peak {meta['peak_tflops']:.2f} TFLOP/s, bandwidth {meta['copy_tbps'] * 1000:.1f} GB/s")
 print(f"({meta.get('ceilings_method', '')})")
 # The floor's peak is the best bf16 GEMM measured on this host: moekit's or torch's (oneDNN), whichever is higher.
 peak = max(meta["peak_tflops"], torch_peak)
 bw = meta["copy_tbps"] * 1000
 if torch_peak:
-    print(f"torch bf16 GEMM {torch_peak:.2f} TFLOP/s; floor below with peak {peak:.2f} TFLOP/s, {bw:.0f} GB/s")
+    print(f"torch bf16 GEMM {torch_peak:.2f} TFLOP/s; floor below with peak {peak:.2f} TFLOP/s, {bw:.1f} GB/s")
 floor_us = lambda r: max(r["flops"] / (peak * 1e12), r["bytes"] / (bw * 1e9)) * 1e6
-print("| shape | T | moekit bf16 ms (backend) | x floor | floor ms | transformers best ms (impl) | speed-up | FP8 ms | FP8 x floor |")
-print("|---|---|---|---|---|---|---|---|---|")
+# A cell that streamed more GB/s than the bandwidth ceiling (or ran above the peak) is marked "!": its ratio is below
+# 1 and says that the ceiling was measured too low (or, for experts that fit in the cache, that they were partly there).
+over = lambda r: r["bytes"] / r["median_us"] / 1e3 > bw or r["flops"] / r["median_us"] / 1e6 > peak
+print("| shape | T | moekit bf16 ms (backend) | GB/s | TFLOP/s | x floor | floor ms | transformers best ms (impl) | speed-up | FP8 ms | FP8 x floor |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for shape, t in sorted({(k[0], k[1]) for k in best} | set(hf), key=lambda x: (x[0], x[1])):
     b, q, h = best.get((shape, t, "bf16")), best.get((shape, t, "fp8")), hf.get((shape, t))
     mk = f"{b['median_us'] / 1000:.3g} ({b['backend']})" if b else "-"
-    fr = f"{b['median_us'] / floor_us(b):.2f}" if b else "-"
+    gb = f"{b['bytes'] / b['median_us'] / 1e3:.1f}" if b else "-"
+    tf = f"{b['flops'] / b['median_us'] / 1e6:.2f}" if b else "-"
+    fr = f"{b['median_us'] / floor_us(b):.2f}{' !' if over(b) else ''}" if b else "-"
     fl = f"{floor_us(b) / 1000:.3g}" if b else "-"
     hs = f"{h['median_us'] / 1000:.3g} ({h['impl']})" if h else "-"
     sp = f"{h['median_us'] / b['median_us']:.2f}x" if b and h else "-"
     qs = f"{q['median_us'] / 1000:.3g}" if q else "-"
     qf = f"{q['median_us'] / floor_us(q):.2f}" if q else "-"
-    print(f"| {shape} | {t} | {mk} | {fr} | {fl} | {hs} | {sp} | {qs} | {qf} |")
+    print(f"| {shape} | {t} | {mk} | {gb} | {tf} | {fr} | {fl} | {hs} | {sp} | {qs} | {qf} |")
+n_over = sum(over(r) for r in best.values())
+print(f"cells above a ceiling (marked !): {n_over} of {len(best)}")
 if ab:
     print("\nAB_ENVS runs against the default, same call:")
-    print("| shape | T | default ms | run | ms | / default |")
-    print("|---|---|---|---|---|---|")
+    print("| shape | T | default ms | run | ms | / default | GB/s | x floor |")
+    print("|---|---|---|---|---|---|---|---|")
     for mode, r in sorted(ab, key=lambda x: (x[1]["shape"], x[1]["tokens"], x[0])):
         b = best.get((r["shape"], r["tokens"], "bf16"))
         on = f"{b['median_us'] / 1000:.3g}" if b else "-"
         ratio = f"{r['median_us'] / b['median_us']:.2f}" if b else "-"
-        print(f"| {r['shape']} | {r['tokens']} | {on} | {mode} | {r['median_us'] / 1000:.3g} | {ratio} |")
+        print(f"| {r['shape']} | {r['tokens']} | {on} | {mode} | {r['median_us'] / 1000:.3g} | {ratio} | "
+              f"{r['bytes'] / r['median_us'] / 1e3:.1f} | {r['median_us'] / floor_us(r):.2f}{' !' if over(r) else ''} |")
 EOF

@@ -351,6 +351,40 @@ TEST(Backends, DeterministicRunToRunAndAcrossThreadCounts) {
   }
 }
 
+// Decode sizes on the packed bf16 path (every expert below the AMX rows): the projections' 128-column tasks go to
+// whichever thread is free, so each thread count splits the work differently: the same bits at 1, 2 and 3 threads,
+// within the tolerance of the reference; [gate | up] (the AVX-512 SiLU gate) and interleaved with biases; panel
+// counts that are not a multiple of 8 (N1 = 272 and 144: 17 and 9 panels; H = 200: 13 panels, the last of 8 columns).
+TEST(Backends, CpuBf16DecodeSameBitsAcrossThreadCounts) {
+  const int threads = omp_get_max_threads();
+  for (int i = 0; i < 4; ++i) {
+    ProblemConfig c;
+    c.act = c.wdt = c.rwt = DType::bf16;
+    c.T = i % 2 ? 1 : 6;
+    c.E = i < 2 ? 8 : 60;
+    c.K = i < 2 ? 2 : 8;
+    c.H = 200;
+    c.I = i % 2 ? 136 : 72;
+    c.concatenated = i != 2;
+    c.has_bias = i == 2;
+    c.sentinels = i == 3;
+    const ExpertsProblem p = make_problem(c, 51 + uint64_t(i));
+    const auto ref = reference_forward(p.experts, p.hidden_states, p.top_k_index, p.top_k_weights);
+    for (const auto& name : {"grouped_mm", "batched_mm"}) {
+      std::vector<Tensor> outs;
+      for (const int n : {1, 2, 3}) {
+        omp_set_num_threads(n);
+        outs.push_back(run_backend(p.experts, name, p));
+      }
+      omp_set_num_threads(threads);
+      EXPECT_LE(relative_l2(outs[0].view(), ref), experts_tolerance(DType::bf16)) << name << " case " << i;
+      for (size_t run = 1; run < outs.size(); ++run)
+        EXPECT_EQ(std::memcmp(outs[0].data(), outs[run].data(), outs[0].nbytes()), 0)
+            << name << " case " << i << ": " << run + 1 << " threads differ from 1";
+    }
+  }
+}
+
 // transformers' batched_mm gathers gate_up_proj[expert_ids] (a weight copy per pair); moekit's reads in place.
 TEST(Backends, BatchedMmDoesNotCopyWeightsPerPair) {
   ProblemConfig c;

@@ -76,6 +76,44 @@ TEST(BenchRoofline, FloorOfAKnownCase) {
   EXPECT_THROW(floor_us(1, 1, c), Error);
 }
 
+// Two readings of the ceilings keep the higher of each; a record that ran above a ceiling is named by a warning (and
+// whether its experts fit in the cache); set_ceilings recomputes the floors.
+TEST(BenchCeilings, BestOfTwoReadingsAndRecordsAboveThem) {
+  Ceilings a, b;
+  a.peak_tflops = 2, a.bandwidth_gbps = 100, a.cache_bytes = 1 << 20, a.method = "A";
+  b.peak_tflops = 3, b.bandwidth_gbps = 80, b.cache_bytes = 1 << 20, b.method = "B";
+  const Ceilings c = best_ceilings(a, b);
+  EXPECT_DOUBLE_EQ(c.peak_tflops, 3);
+  EXPECT_DOUBLE_EQ(c.bandwidth_gbps, 100);
+  EXPECT_NE(c.method.find("A"), std::string::npos);
+  EXPECT_NE(c.method.find("B"), std::string::npos);
+
+  BenchOptions o;
+  o.shapes = {parse_dims("64,32,8,2"), find_shape_preset("mixtral-8x7b")};  // 24 KiB of bf16 experts; 2.8 GB
+  BenchReport r;
+  auto rec = [](const std::string& shape, int64_t T, double gbps, double tflops) {
+    BenchRecord x;
+    x.shape = shape, x.backend = "grouped_mm", x.tokens = T, x.median_us = 1000;
+    x.bytes = gbps * 1e6, x.flops = tflops * 1e9, x.gbps = gbps, x.tflops = tflops;
+    return x;
+  };
+  r.records = {rec("mixtral-8x7b", 1, 99, 0.1), rec("mixtral-8x7b", 8, 120, 0.2), rec("dims-64x32x8x2", 1, 101, 0.01),
+               rec("mixtral-8x7b", 2048, 50, 3.5)};
+  set_ceilings(r, c, o);
+  ASSERT_EQ(r.warnings.size(), 3u) << ::testing::PrintToString(r.warnings);
+  EXPECT_NE(r.warnings[0].find("mixtral-8x7b grouped_mm T=8: 120.0 GB/s, above the bandwidth ceiling 100.0"),
+            std::string::npos) << r.warnings[0];
+  EXPECT_EQ(r.warnings[0].find("cache"), std::string::npos) << r.warnings[0];  // 2.8 GB: not in a 1 MiB cache
+  EXPECT_NE(r.warnings[1].find("dims-64x32x8x2"), std::string::npos) << r.warnings[1];
+  EXPECT_NE(r.warnings[1].find("may be partly in the 1 MiB cache"), std::string::npos) << r.warnings[1];
+  EXPECT_NE(r.warnings[2].find("T=2048: 3.5 TFLOP/s, above the peak 3"), std::string::npos) << r.warnings[2];
+  // Floors from the new ceilings: 99 MB at 100 GB/s = 990 us; 3.5 GFLOP at 3 TFLOP/s = 1167 us.
+  EXPECT_NEAR(r.records[0].floor_us, 990.0, 1e-9);
+  EXPECT_NEAR(r.records[0].floor_ratio, 1000.0 / 990.0, 1e-12);
+  EXPECT_NEAR(r.records[3].floor_us, 3.5e9 / 3e12 * 1e6, 1e-6);
+  EXPECT_LT(r.records[3].floor_ratio, 1.0);
+}
+
 TEST(BenchCeilings, BlockedGemmMatchesNaive) {
   std::mt19937_64 rng(7);
   std::normal_distribution<float> d;

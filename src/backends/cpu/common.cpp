@@ -1,7 +1,10 @@
 #include "backends/cpu/common.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <mutex>
 #include <new>
 
@@ -153,6 +156,28 @@ void prepare(const Experts& experts) {
     return packed;
   });
 }
+
+void* huge_page_alloc(size_t bytes) {
+  constexpr size_t kHuge = size_t(2) << 20;
+  static const bool huge = [] {
+    const char* v = std::getenv("MOEKIT_CPU_HUGEPAGES");
+    return !(v && v[0] == '0' && v[1] == 0);
+  }();
+  if (bytes < kHuge || !huge) {
+    void* p = std::aligned_alloc(64, (std::max<size_t>(bytes, 1) + 63) / 64 * 64);
+    MOEKIT_CHECK_CODE(p != nullptr, runtime, "out of host memory allocating ", bytes, " bytes");
+    return p;
+  }
+  const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+  void* p = std::aligned_alloc(kHuge, rounded);
+  MOEKIT_CHECK_CODE(p != nullptr, runtime, "out of host memory allocating ", bytes, " bytes");
+#ifdef MADV_HUGEPAGE
+  madvise(p, rounded, MADV_HUGEPAGE);  // advice only: without THP the pages stay plain
+#endif
+  return p;
+}
+
+void huge_page_free(void* p) noexcept { std::free(p); }
 
 // ---- scratch ----
 

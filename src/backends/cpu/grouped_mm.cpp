@@ -1,5 +1,7 @@
 // grouped_mm on the CPU: pairs sorted by expert (routing/), one grouped GEMM per projection over the sorted rows
 // (every (expert, column tile) is one task, all experts at once), then unsort and combine (common.h).
+#include <omp.h>
+
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -76,6 +78,18 @@ std::vector<Tile> grouped_tiles(const ExpertRouting& r, int64_t n, int64_t tile_
   return tiles;
 }
 
+// MOEKIT_BF16_TAIL=N (0 to 16; default 0, for A/B runs): the last N x threads tasks of decode-sized experts (below
+// the AMX rows, 128 columns each) are cut into quarters of 32 columns. A phase ends when the last thread's last task
+// does; on the 16-core host a fixed even split ran 1.36-1.51x slower than these tasks handed out as threads come
+// free (its threads, it seems, stream at unequal rates), and a whole 128-column task is 75 us of qwen3-30b-a3b's
+// 440 us first projection at T = 1; quarters at the end of the list cut that wait (each reads 2 panels in lockstep
+// instead of 8).
+const int64_t kTailTasksPerThread = [] {
+  const char* v = std::getenv("MOEKIT_BF16_TAIL");
+  const long n = v ? std::strtol(v, nullptr, 10) : 0;
+  return n >= 1 && n <= 16 ? int64_t(n) : int64_t(0);
+}();
+
 // bf16 tiles: (expert, row block, column range), largest experts first. Row blocks (bf16_tile_m) split the
 // experts that got many rows, so one popular expert does not leave the other threads idle at the end; column ranges
 // as wide as bf16_task_cols allows keep the expert's rows in the core's L2 over many weight panels.
@@ -95,6 +109,21 @@ std::vector<Tile> bf16_tiles(const ExpertRouting& r, int64_t n) {
     const int64_t m = r.counts[size_t(e)], tm = bf16_tile_m(m), w = m < kAmxMinRows ? kBf16TileN : width;
     for (int64_t m0 = 0; m0 < m; m0 += tm)
       for (int64_t n0 = 0; n0 < n; n0 += w) tiles.push_back({e, n0, std::min(n, n0 + w), m0, std::min(m, m0 + tm)});
+  }
+  const int64_t tail = kTailTasksPerThread * omp_get_max_threads();
+  if (tail > 0 && int64_t(tiles.size()) > 1) {  // the list ends with the smallest experts: those are decode-sized
+    const size_t first = size_t(std::max<int64_t>(0, int64_t(tiles.size()) - tail));
+    std::vector<Tile> cut(tiles.begin(), tiles.begin() + std::ptrdiff_t(first));
+    for (size_t i = first; i < tiles.size(); ++i) {
+      const Tile& t = tiles[i];
+      if (t.m1 - t.m0 >= kAmxMinRows) {
+        cut.push_back(t);
+        continue;
+      }
+      for (int64_t n0 = t.n0; n0 < t.n1; n0 += kBf16TileN / 4)
+        cut.push_back({t.expert, n0, std::min(t.n1, n0 + kBf16TileN / 4), t.m0, t.m1});
+    }
+    tiles = std::move(cut);
   }
   return tiles;
 }

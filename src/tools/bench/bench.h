@@ -4,7 +4,8 @@
 // top-k routing (uniform or skewed); the output is checked against the f64 reference on a subsample
 // of rows before timing; warm-up; the median of many calls, each call on the next of several input
 // sets whose total exceeds the last-level cache; time, TFLOP/s, GB/s and the ratio to the roofline
-// floor max(FLOPs / peak, bytes / bandwidth), with both ceilings measured on the machine at start.
+// floor max(FLOPs / peak, bytes / bandwidth), with both ceilings measured on the machine at start (the CPU ones again
+// at the end of the run, the better of each kept; records above a ceiling get a warning).
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -35,14 +36,18 @@ struct Ceilings {
   std::string method;         // how each number was obtained
 };
 // GPU: cuBLAS bf16 GEMM 8192^3 and a ~2 GiB device copy; with `quant` fp8 or fp4 (FP8 tensor-core experts) also a
-// cuBLASLt e4m3 GEMM 8192^3 (fp8_peak_tflops). CPU: the better of a blocked f32 GEMM and moekit's grouped_mm on one
-// dense expert, and a multi-threaded memcpy well beyond the cache.
+// cuBLASLt e4m3 GEMM 8192^3 (fp8_peak_tflops). CPU: the best of moekit's bf16 GEMM on packed weights, a blocked f32
+// GEMM and grouped_mm (one dense f32 expert; 16 bf16 experts of 128 rows), each after a warm-up call; and the better of
+// a multi-threaded memcpy and a read test (several ways over huge and plain pages, 4x the cache) (ceilings.cpp).
 Ceilings measure_ceilings(Device device, const std::string& quant = "");
 // The matrix rate that bounds experts of `quant` (BenchOptions::quant): the FP8 one for fp8 and fp4 (activations
 // quantized to FP8: the FP8 tensor cores) where it was measured, else peak_tflops (bf16, mxfp4).
 double matrix_peak_tflops(const Ceilings& c, const std::string& quant);
 // Reads only the card name and cache size; `peak_tflops` and `bandwidth_gbps` are taken as given.
 Ceilings given_ceilings(Device device, double peak_tflops, double bandwidth_gbps);
+// Two measurements of one machine's ceilings (e.g. at the start and at the end of a run) as one: each number the
+// higher of the two (a ceiling is the most the machine did; a lower reading is a busy moment), the method naming both.
+Ceilings best_ceilings(const Ceilings& first, const Ceilings& again);
 
 // ---- the roofline of one forward ----
 // 2 * T * K * (H * N1 + I * H), N1 = 2I for gated experts, I otherwise.
@@ -111,7 +116,15 @@ struct BenchReport {
   Ceilings ceilings;
   std::vector<BenchRecord> records;
   std::vector<BenchSkip> skipped;
+  std::vector<std::string> warnings;  // ceiling_warnings
 };
+
+// One line per record that ran faster than a ceiling allows: more GB/s than the bandwidth or more TFLOP/s than the
+// peak (its floor ratio below 1: the ceiling was measured too low, or its experts were partly in the cache between
+// calls, which the line says when all the shape's experts fit in 4x the cache).
+std::vector<std::string> ceiling_warnings(const BenchReport& report, const BenchOptions& options);
+// Sets report.ceilings, recomputes every record's floor and ratio from them, then report.warnings.
+void set_ceilings(BenchReport& report, const Ceilings& c, const BenchOptions& options);
 
 struct BenchProgress {
   int done = 0, total = 0;

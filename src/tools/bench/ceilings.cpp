@@ -1,5 +1,7 @@
-// The two ceilings of the roofline, measured once at the start of a run.
+// The two ceilings of the roofline, measured at the start of a run (on the CPU again at its end, the better kept:
+// tools/moekit/bench.cpp, best_ceilings).
 #include <omp.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -70,9 +72,10 @@ double cpu_blocked_gemm_gflops() {
     std::vector<float> a(size_t(n * n)), b(size_t(n * n)), c(size_t(n * n));
     for (size_t i = 0; i < a.size(); ++i) a[i] = normal_at(21, i), b[i] = normal_at(22, i);
     double spent = 0;
+    const cpu::WeightMatrix w{b.data(), cpu::WType::f32, n, n, /*transposed=*/true};  // b [k, n]
+    cpu::gemm(cpu::gemm_kernels(), a.data(), n, n, w, c.data(), n);  // warm-up (pages, threads), not timed
     for (int rep = 0; rep < 3; ++rep) {
       const auto t0 = Clock::now();
-      const cpu::WeightMatrix w{b.data(), cpu::WType::f32, n, n, /*transposed=*/true};  // b [k, n]
       cpu::gemm(cpu::gemm_kernels(), a.data(), n, n, w, c.data(), n);
       const double s = seconds_since(t0);
       spent += s;
@@ -107,6 +110,7 @@ double cpu_bf16_gemm_gflops() {
     for (size_t i = 0; i < b.size(); ++i) b[i] = f32_to_bf16(normal_at(24, i));
     cpu::pack_bf16({b.data(), cpu::WType::bf16, n, n, false}, packed.data());
     const cpu::PackedBf16 w{packed.data(), n, n, kp};
+    cpu::gemm_bf16(*kern, a.data(), kp, n, w, c.data(), n);  // warm-up (pages, tile state, threads), not timed
     double spent = 0;
     for (const int order : {0, 1, 2}) {  // the amx tile's orders (the default takes one by rows): the best of them
       if (kern->isa == cpu::Isa::amx) cpu::set_amx_overlap(order);
@@ -135,6 +139,7 @@ double cpu_grouped_mm_gflops(int64_t T, int64_t H, int64_t I, int64_t E, DType d
     const InputSet set = make_input_set(shape, T, dtype, DType::i32, Routing::uniform, {}, Device::cpu(), 33, false);
     for (int64_t t = 0; t < T; ++t) set.top_k_index.ptr<int32_t>()[t] = int32_t(t % E);  // K = 1: weights are 1
     const ExpertsCall call = set.call(nullptr);
+    experts.forward_with("grouped_mm", call);  // warm-up (packing, scratch), not timed
     double best = 0;
     for (int rep = 0; rep < reps; ++rep) {
       const auto t0 = Clock::now();
@@ -223,11 +228,26 @@ uint64_t read_generic(const char* p, size_t len, size_t dist) {
   return read_streams<S>(p, len, dist);
 }
 
+// The transparent huge page mode of this machine ("always", "madvise", "never"; "" where it cannot be read).
+std::string thp_mode() {
+  std::ifstream in("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string line;
+  std::getline(in, line);
+  const size_t a = line.find('['), b = line.find(']');
+  return a != std::string::npos && b > a ? line.substr(a + 1, b - a - 1) : std::string();
+}
+
 // Read bandwidth: the best of several ways to read a buffer well beyond the cache with every thread (each on its own
-// region, whose pages it placed): 1 to 8 streams per thread, prefetch 0 to 4 KiB ahead, 64-byte (AVX-512) loads;
-// and the experts' own decode-sized pattern (one activation row times packed bf16 weight panels, base/gemm.h's bf16
-// tile, the thread's share of the panels), so that no kernel reads faster than the ceiling. Each the best of 2
-// passes. `detail` receives the best variant.
+// region, whose pages it placed), so that no kernel reads faster than the ceiling:
+// - 1 to 16 streams per thread, prefetch 0 to 4 KiB ahead, 64-byte (AVX-512) loads;
+// - the experts' own decode pattern (one activation row times packed bf16 weight panels, base/gemm.h's bf16 tile,
+//   the thread's share of the panels);
+// - on two buffers: one in transparent huge pages (madvise, as the packed experts are: backends/cpu/common.h
+//   huge_page_alloc) and one in plain pages (as tensors are); the plain one with the 4- and 8-stream ways and the
+//   decode pattern only.
+// A first pass over each buffer is not timed; then rounds over all variants (so that a noisy moment of the machine
+// costs one pass of each variant, not one variant), at least 3 and until ~1.5 s, each variant's best kept. `detail`
+// receives the best variant and the runners-up.
 double cpu_read_gbps(int64_t cache_bytes, std::string& detail) {
   constexpr int64_t kK = 4096;                      // the decode pattern's k: one panel = 16 columns x 4096 = 128 KiB
   constexpr size_t kPanel = size_t(kK) * 16 * sizeof(uint16_t);
@@ -237,75 +257,97 @@ double cpu_read_gbps(int64_t cache_bytes, std::string& detail) {
   struct Free {
     void operator()(void* q) const { std::free(q); }
   };
-  std::unique_ptr<char, Free> buf(static_cast<char*>(std::aligned_alloc(4096, bytes)));
-  MOEKIT_CHECK(buf, "bench: cannot allocate ", bytes, " bytes for the read test");
+  constexpr size_t kHuge = size_t(2) << 20;
+  const size_t alloc = (bytes + kHuge - 1) / kHuge * kHuge;
+  auto make = [&](bool huge) {
+    std::unique_ptr<char, Free> buf(static_cast<char*>(std::aligned_alloc(kHuge, alloc)));
+    MOEKIT_CHECK(buf, "bench: cannot allocate ", alloc, " bytes for the read test");
+#ifdef MADV_HUGEPAGE
+    madvise(buf.get(), alloc, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+#endif
+    return buf;
+  };
+  std::unique_ptr<char, Free> bufs[2] = {make(true), make(false)};  // huge pages, plain pages
   auto share = [&](int t, size_t& begin, size_t& len) {  // thread t's panels, as bytes
     const size_t p0 = panels * size_t(t) / size_t(threads), p1 = panels * size_t(t + 1) / size_t(threads);
     begin = p0 * kPanel, len = (p1 - p0) * kPanel;
   };
+  for (auto& buf : bufs) {
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
-  for (int t = 0; t < threads; ++t) {  // each thread first touches (places) the pages it reads: small bf16 values
-    size_t begin, len;
-    share(t, begin, len);
-    auto* w = reinterpret_cast<uint16_t*>(buf.get() + begin);
-    for (size_t i = 0; i < len / 2; ++i) w[i] = uint16_t(0x3c00 + (i * 0x9E37u >> 7 & 0x3ff));
+    for (int t = 0; t < threads; ++t) {  // each thread first touches (places) the pages it reads: small bf16 values
+      size_t begin, len;
+      share(t, begin, len);
+      auto* w = reinterpret_cast<uint16_t*>(buf.get() + begin);
+      for (size_t i = 0; i < len / 2; ++i) w[i] = uint16_t(0x3c00 + (i * 0x9E37u >> 7 & 0x3ff));
+    }
   }
   const bool avx512 = __builtin_cpu_supports("avx512f");
   volatile uint64_t sink = 0;
-  auto timed = [&](auto&& body) {  // best GB/s of 2 passes (the pages are in place since the fill)
-    double best = 0;
-    for (int rep = 0; rep < 2; ++rep) {
-      const auto t0 = Clock::now();
-      body();
-      best = std::max(best, double(bytes) / seconds_since(t0) / 1e9);
-    }
-    return best;
-  };
-  double best = 0;
-  auto keep = [&](double gbps, const std::string& what) {
-    if (gbps > best) best = gbps, detail = what;
-  };
-  const std::pair<int, size_t> variants[] = {{1, 0}, {2, 1024}, {4, 0}, {4, 2048}, {8, 0}, {8, 4096}};
-  for (const auto& variant : variants) {
-    const int streams = variant.first;
-    const size_t dist = variant.second;
-    {
-      const double gbps = timed([&] {
-        uint64_t total = 0;
+  auto stream = [&](const char* base, int streams, size_t dist) {
+    uint64_t total = 0;
 #pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(+ : total)
-        for (int t = 0; t < threads; ++t) {
-          size_t begin, len;
-          share(t, begin, len);
-          const char* p = buf.get() + begin;
-          switch (streams) {
-            case 1: total += avx512 ? read_avx512<1>(p, len, dist) : read_generic<1>(p, len, dist); break;
-            case 2: total += avx512 ? read_avx512<2>(p, len, dist) : read_generic<2>(p, len, dist); break;
-            case 4: total += avx512 ? read_avx512<4>(p, len, dist) : read_generic<4>(p, len, dist); break;
-            default: total += avx512 ? read_avx512<8>(p, len, dist) : read_generic<8>(p, len, dist); break;
-          }
-        }
-        sink = sink + total;
-      });
-      keep(gbps, fmt::format("{} stream{} per thread, prefetch {} B ahead", streams, streams > 1 ? "s" : "", dist));
+    for (int t = 0; t < threads; ++t) {
+      size_t begin, len;
+      share(t, begin, len);
+      const char* p = base + begin;
+      switch (streams) {
+        case 1: total += avx512 ? read_avx512<1>(p, len, dist) : read_generic<1>(p, len, dist); break;
+        case 2: total += avx512 ? read_avx512<2>(p, len, dist) : read_generic<2>(p, len, dist); break;
+        case 4: total += avx512 ? read_avx512<4>(p, len, dist) : read_generic<4>(p, len, dist); break;
+        case 8: total += avx512 ? read_avx512<8>(p, len, dist) : read_generic<8>(p, len, dist); break;
+        default: total += avx512 ? read_avx512<16>(p, len, dist) : read_generic<16>(p, len, dist); break;
+      }
     }
-  }
+    sink = sink + total;
+  };
   // The decode pattern: y[1, n] = x[1, 4096] W^T over packed panels, each thread its own panels.
   const cpu::GemmKernels& kern = cpu::gemm_kernels();
-  if (kern.gemm_bf16_tile) {
-    const std::vector<uint16_t> x(size_t(kK) + 32, uint16_t(0x3c00));
-    std::vector<float> y(panels * 16);
-    const cpu::PackedBf16 w{reinterpret_cast<const uint16_t*>(buf.get()), int64_t(panels * 16), kK, kK};
-    const double gbps = timed([&] {
+  const std::vector<uint16_t> x(size_t(kK) + 32, uint16_t(0x3c00));
+  std::vector<float> y(panels * 16);
+  auto decode = [&](const char* base) {
+    const cpu::PackedBf16 w{reinterpret_cast<const uint16_t*>(base), int64_t(panels * 16), kK, kK};
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
-      for (int t = 0; t < threads; ++t) {
-        const int64_t c0 = int64_t(panels * size_t(t) / size_t(threads)) * 16;
-        const int64_t c1 = int64_t(panels * size_t(t + 1) / size_t(threads)) * 16;
-        if (c0 < c1) kern.gemm_bf16_tile(x.data(), kK, 1, w, c0, c1, y.data(), int64_t(y.size()));
-      }
-    });
-    keep(gbps, fmt::format("the experts' decode pattern ({} bf16 tile, one row)", cpu::isa_name(kern.isa)));
+    for (int t = 0; t < threads; ++t) {
+      const int64_t c0 = int64_t(panels * size_t(t) / size_t(threads)) * 16;
+      const int64_t c1 = int64_t(panels * size_t(t + 1) / size_t(threads)) * 16;
+      if (c0 < c1) kern.gemm_bf16_tile(x.data(), kK, 1, w, c0, c1, y.data(), int64_t(y.size()));
+    }
+  };
+  struct Variant {
+    int streams;  // 0: the decode pattern
+    size_t dist;
+    int buf;  // 0: huge pages, 1: plain pages
+    double best = 0;
+  };
+  std::vector<Variant> variants;
+  for (int b = 0; b < 2; ++b) {
+    const std::pair<int, size_t> ways[] = {{1, 0}, {2, 1024}, {4, 0}, {4, 2048}, {8, 0}, {8, 2048}, {8, 4096}, {16, 4096}};
+    for (const auto& [streams, dist] : ways)
+      if (b == 0 || (streams == 8 && dist > 0) || streams == 4) variants.push_back({streams, dist, b});
+    if (kern.gemm_bf16_tile) variants.push_back({0, 0, b});
   }
-  return best;
+  for (auto& buf : bufs) stream(buf.get(), 8, 4096);  // warm: the first pass after the fill is not timed
+  const auto t_start = Clock::now();
+  for (int round = 0; round < 8 && (round < 3 || seconds_since(t_start) < 1.5); ++round)
+    for (auto& v : variants) {
+      const auto t0 = Clock::now();
+      if (v.streams) stream(bufs[v.buf].get(), v.streams, v.dist);
+      else decode(bufs[v.buf].get());
+      v.best = std::max(v.best, double(bytes) / seconds_since(t0) / 1e9);
+    }
+  std::sort(variants.begin(), variants.end(), [](const Variant& a, const Variant& b) { return a.best > b.best; });
+  auto name = [&](const Variant& v) {
+    const std::string what =
+        v.streams ? fmt::format("{} stream{} per thread, prefetch {} B ahead", v.streams, v.streams > 1 ? "s" : "", v.dist)
+                  : fmt::format("the experts' decode pattern ({} bf16 tile, one row)", cpu::isa_name(kern.isa));
+    return fmt::format("{}, {} pages", what, v.buf == 0 ? "huge" : "plain");
+  };
+  detail = name(variants[0]);
+  const std::string thp = thp_mode();
+  detail += fmt::format("; next {:.1f} ({}), {:.1f} ({}); {:.2f} GB buffers, THP {}", variants[1].best,
+                        name(variants[1]), variants[2].best, name(variants[2]), double(bytes) / 1e9,
+                        thp.empty() ? "unknown" : thp);
+  return variants[0].best;
 }
 
 #ifdef MOEKIT_WITH_CUDA

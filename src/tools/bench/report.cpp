@@ -63,6 +63,7 @@ nlohmann::json report_to_json(const BenchReport& report, const BenchOptions& opt
   j["options"] = options.to_string();
   j["records"] = nlohmann::json::array();
   for (const auto& r : report.records) j["records"].push_back(record_to_json(r));
+  j["warnings"] = report.warnings;
   j["skipped"] = nlohmann::json::array();
   for (const auto& s : report.skipped)
     j["skipped"].push_back(
@@ -97,6 +98,8 @@ std::string format_table(const BenchReport& report, const BenchOptions& options)
                          s.tokens ? "T=" + std::to_string(s.tokens) : "all T", s.reason);
     }
   }
+  if (!report.warnings.empty()) out += "\n";
+  for (const auto& w : report.warnings) out += w + "\n";
   return out;
 }
 

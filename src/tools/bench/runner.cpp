@@ -101,6 +101,51 @@ double floor_us(double flops, double bytes, const Ceilings& c, const std::string
   return std::max(flops / (peak * 1e12), bytes / (c.bandwidth_gbps * 1e9)) * 1e6;
 }
 
+Ceilings best_ceilings(const Ceilings& first, const Ceilings& again) {
+  Ceilings c = first;
+  c.peak_tflops = std::max(first.peak_tflops, again.peak_tflops);
+  c.fp8_peak_tflops = std::max(first.fp8_peak_tflops, again.fp8_peak_tflops);
+  c.bandwidth_gbps = std::max(first.bandwidth_gbps, again.bandwidth_gbps);
+  c.method = fmt::format("the better of two measurements: first {:.3g} TFLOP/s, {:.1f} GB/s; again at the end {:.3g} "
+                         "TFLOP/s, {:.1f} GB/s. First: {}. Again: {}",
+                         first.peak_tflops, first.bandwidth_gbps, again.peak_tflops, again.bandwidth_gbps,
+                         first.method, again.method);
+  return c;
+}
+
+std::vector<std::string> ceiling_warnings(const BenchReport& report, const BenchOptions& o) {
+  std::vector<std::string> out;
+  const Ceilings& c = report.ceilings;
+  for (const auto& r : report.records) {
+    const double peak = matrix_peak_tflops(c, o.quant);
+    const bool bw = r.gbps > c.bandwidth_gbps, fl = r.tflops > peak;
+    if (!bw && !fl) continue;
+    std::string line = fmt::format("warning: {} {} T={}{}: ", r.shape, r.backend, r.tokens, r.graph ? " (graph)" : "");
+    if (bw) line += fmt::format("{:.1f} GB/s, above the bandwidth ceiling {:.1f}", r.gbps, c.bandwidth_gbps);
+    if (bw && fl) line += "; ";
+    if (fl) line += fmt::format("{:.3g} TFLOP/s, above the peak {:.3g}", r.tflops, peak);
+    for (const auto& s : o.shapes) {
+      if (s.name != r.shape || !bw) continue;
+      const double all = double(s.num_experts) * expert_bytes(s, o.dtype, o.quant);
+      if (c.cache_bytes > 0 && all < 4.0 * double(c.cache_bytes))
+        line += fmt::format(" (its {:.2f} GB of experts may be partly in the {:.0f} MiB cache between calls)", all / 1e9,
+                            double(c.cache_bytes) / (1 << 20));
+      break;
+    }
+    out.push_back(line);
+  }
+  return out;
+}
+
+void set_ceilings(BenchReport& report, const Ceilings& c, const BenchOptions& o) {
+  report.ceilings = c;
+  for (auto& r : report.records) {
+    r.floor_us = floor_us(r.flops, r.bytes, c, o.quant);
+    r.floor_ratio = r.median_us / r.floor_us;
+  }
+  report.warnings = ceiling_warnings(report, o);
+}
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -477,6 +522,7 @@ BenchReport run_bench(const BenchOptions& opt, const Ceilings& ceilings, const P
       report.skipped.push_back({shape.name, "", 0, false, std::string("shape failed: ") + e.what()});
     }
     while (done < done_after_shape) step(shape.name);
+    report.warnings = ceiling_warnings(report, opt);
     if (shape_done) shape_done(report);
   }
   return report;
