@@ -108,7 +108,12 @@ TEST(Env, IntegersSwitchesAndFallbacks) {
     ::setenv(name, value, 1);
     EXPECT_EQ(env_int(name, 7), want) << "'" << value << "'";
   }
+  ::setenv(name, "70", 1);
+  EXPECT_EQ(env_int_in(name, 1, 64, 8), 8);
+  ::setenv(name, "64", 1);
+  EXPECT_EQ(env_int_in(name, 1, 64, 8), 64);
   ::setenv(name, "0", 1);
+  EXPECT_EQ(env_int_in(name, 1, 64, 8), 8);
   EnvSwitch off{name, true};
   EXPECT_FALSE(off.on());
   ::setenv(name, "1", 1);

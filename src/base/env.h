@@ -17,6 +17,12 @@ inline int64_t env_int(const char* name, int64_t fallback) {
   return end != v && *end == '\0' ? int64_t(n) : fallback;
 }
 
+// env_int within [lo, hi]; `fallback` outside that range too.
+inline int64_t env_int_in(const char* name, int64_t lo, int64_t hi, int64_t fallback) {
+  const int64_t v = env_int(name, fallback);
+  return v >= lo && v <= hi ? v : fallback;
+}
+
 // An on/off setting: environment variable `name` (0 off, any other integer on; unset or not an integer: the
 // fallback), read on first use; set() overrides it and returns the previous setting.
 class EnvSwitch {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "base/convert.h"
+#include "base/env.h"
 #include "base/parallel.h"
 #include "moekit/dtype.h"
 #include "moekit/error.h"
@@ -297,11 +298,7 @@ int64_t bf16_tile_m(int64_t m) {
 int64_t bf16_task_cols(int64_t n, int64_t row_tasks) {
   // About 8 tasks per thread (dynamic schedule: the imbalance of real routing evens out); MOEKIT_BF16_TASKS=N (1 to
   // 64) sets it for A/B runs (fewer, wider tasks keep more panels of one expert on one core).
-  static const int64_t kTasksPerThread = [] {
-    const char* v = std::getenv("MOEKIT_BF16_TASKS");
-    const long t = v ? std::strtol(v, nullptr, 10) : 0;
-    return t >= 1 && t <= 64 ? int64_t(t) : int64_t(8);
-  }();
+  static const int64_t kTasksPerThread = env_int_in("MOEKIT_BF16_TASKS", 1, 64, 8);
   const int64_t blocks = (n + kBf16TileN - 1) / kBf16TileN, want = kTasksPerThread * omp_get_max_threads();
   return std::clamp<int64_t>(blocks * row_tasks / std::max<int64_t>(want, 1), 1, std::max<int64_t>(blocks, 1)) *
          kBf16TileN;

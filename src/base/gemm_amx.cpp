@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "base/env.h"
 #include "base/gemm.h"
 
 namespace moekit::cpu {
@@ -25,11 +26,7 @@ namespace {
 constexpr int64_t kAhead = 2;     // B prefetch distance in 32-k steps (B in L2)
 // The same for the first row block of a panel pair, whose B comes from memory: 8 steps (16 KiB of the pair);
 // MOEKIT_AMX_AHEAD_MEM=N (1 to 64) sets it for A/B runs.
-const int64_t kAheadMem = [] {
-  const char* v = std::getenv("MOEKIT_AMX_AHEAD_MEM");
-  const long n = v ? std::strtol(v, nullptr, 10) : 0;
-  return n >= 1 && n <= 64 ? int64_t(n) : int64_t(8);
-}();
+const int64_t kAheadMem = env_int_in("MOEKIT_AMX_AHEAD_MEM", 1, 64, 8);
 constexpr int64_t kAmxOverlapRows = 24;  // from this many rows on, the overlapped order (gemm_bf16_tile_amx)
 
 struct alignas(64) TileConfig {
@@ -487,27 +484,16 @@ void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedB
   // once) from 158 to 184 ms. So by default: overlap 2 from kAmxOverlapRows rows on, the single pass below.
   // MOEKIT_AMX_OVERLAP=0, 1 or 2 forces one for every call (A/B runs).
   // set_amx_overlap (the bench's peak, which takes the best order) before MOEKIT_AMX_OVERLAP.
-  static const int forced = [] {
-    const char* v = std::getenv("MOEKIT_AMX_OVERLAP");
-    return v && v[0] >= '0' && v[0] <= '2' && v[1] == 0 ? v[0] - '0' : -1;
-  }();
+  static const int forced = int(env_int_in("MOEKIT_AMX_OVERLAP", 0, 2, -1));
   const int set = g_amx_overlap.load(std::memory_order_relaxed);
   const int overlap = set >= 0 ? set : forced >= 0 ? forced : (m >= kAmxOverlapRows ? 2 : 0);
   const int64_t row_blocks = (m + 31) / 32;
   // MOEKIT_AMX_KC=N (k per chunk, 32 to 65536) sets the overlapped order's chunk for A/B runs: short chunks keep a
   // panel pair's chunk in L1 over the row blocks (C accumulated in place across chunks).
-  static const int64_t kc_forced = [] {
-    const char* v = std::getenv("MOEKIT_AMX_KC");
-    const long n = v ? std::strtol(v, nullptr, 10) : 0;
-    return n >= 32 && n <= 65536 ? int64_t(n) / 32 * 32 : int64_t(0);
-  }();
+  static const int64_t kc_forced = env_int_in("MOEKIT_AMX_KC", 32, 65536, 0) / 32 * 32;
   // MOEKIT_AMX_PF_PAIRS=D (1 to 4): the overlapped order streams the panel pair D pairs on into L2 (D > 1 only in a
   // single chunk, where the panels are one contiguous range; the first pair also fetches the pairs before that).
-  static const int64_t pf_pairs = [] {
-    const char* v = std::getenv("MOEKIT_AMX_PF_PAIRS");
-    const long n = v ? std::strtol(v, nullptr, 10) : 0;
-    return n >= 1 && n <= 4 ? int64_t(n) : int64_t(1);
-  }();
+  static const int64_t pf_pairs = env_int_in("MOEKIT_AMX_PF_PAIRS", 1, 4, 1);
   const int64_t kc_max =
       overlap ? (kc_forced ? kc_forced : std::max<int64_t>(256, (1 << 20) / (2 * m + 128) / 32 * 32)) : kp;
   const int64_t chunks = (kp + kc_max - 1) / kc_max, kc = ((kp + chunks - 1) / chunks + 31) / 32 * 32;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "base/env.h"
 #include "base/gemm.h"
 
 namespace moekit::cpu {
@@ -19,20 +20,13 @@ constexpr int64_t kChunkPairs = 128;  // k pairs per pass: 4 panels x 128 pairs 
 // panels read in lockstep), the best variant of the bench's read test on the 16-core host (4 streams, 2 KiB ahead:
 // 142.7 GB/s, where the experts' decode reads reached 115-121 GB/s with 16 pairs, 1 KiB, ahead). MOEKIT_BF16_AHEAD=N
 // (1 to 256) sets it for A/B runs.
-const int64_t kAhead = [] {
-  const char* v = std::getenv("MOEKIT_BF16_AHEAD");
-  const long n = v ? std::strtol(v, nullptr, 10) : 0;
-  return n >= 1 && n <= 256 ? int64_t(n) : int64_t(32);
-}();
+const int64_t kAhead = env_int_in("MOEKIT_BF16_AHEAD", 1, 256, 32);
 // Panels read in lockstep at decode sizes (up to 2 kMR8 rows): 8 (the read test's best pattern on the 16-core
 // host: 8 streams per thread, 145 GB/s) or 4 (the former order, kNP panels for every row count: 111-119 GB/s in the
 // experts' decode cells there). MOEKIT_BF16_STREAMS=4|8 sets it for A/B runs.
 constexpr int kMR8 = 3;            // 3 rows x 8 panels = 24 accumulators
 constexpr int64_t kChunk8 = 32;    // k pairs per chunk for 4-6 rows: 8 panels x 32 pairs x 64 B = 16 KiB in L1
-const int kStreams = [] {
-  const char* v = std::getenv("MOEKIT_BF16_STREAMS");
-  return v && v[0] == '4' && v[1] == 0 ? 4 : 8;
-}();
+const int kStreams = env_int("MOEKIT_BF16_STREAMS", 8) == 4 ? 4 : 8;
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 

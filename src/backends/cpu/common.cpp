@@ -10,6 +10,7 @@
 
 #include "backends/backends.h"
 #include "base/convert.h"
+#include "base/env.h"
 #include "base/parallel.h"
 #include "backends/gate.h"
 
@@ -159,10 +160,7 @@ void prepare(const Experts& experts) {
 
 void* huge_page_alloc(size_t bytes) {
   constexpr size_t kHuge = size_t(2) << 20;
-  static const bool huge = [] {
-    const char* v = std::getenv("MOEKIT_CPU_HUGEPAGES");
-    return !(v && v[0] == '0' && v[1] == 0);
-  }();
+  static const bool huge = env_int("MOEKIT_CPU_HUGEPAGES", 1) != 0;
   if (bytes < kHuge || !huge) {
     void* p = std::aligned_alloc(64, (std::max<size_t>(bytes, 1) + 63) / 64 * 64);
     MOEKIT_CHECK_CODE(p != nullptr, runtime, "out of host memory allocating ", bytes, " bytes");

@@ -13,6 +13,7 @@
 
 #include "backends/backends.h"
 #include "backends/cpu/common.h"
+#include "base/env.h"
 #include "base/parallel.h"
 
 namespace moekit::cpu {
@@ -84,11 +85,7 @@ std::vector<Tile> grouped_tiles(const ExpertRouting& r, int64_t n, int64_t tile_
 // free (its threads, it seems, stream at unequal rates), and a whole 128-column task is 75 us of qwen3-30b-a3b's
 // 440 us first projection at T = 1; quarters at the end of the list cut that wait (each reads 2 panels in lockstep
 // instead of 8).
-const int64_t kTailTasksPerThread = [] {
-  const char* v = std::getenv("MOEKIT_BF16_TAIL");
-  const long n = v ? std::strtol(v, nullptr, 10) : 0;
-  return n >= 1 && n <= 16 ? int64_t(n) : int64_t(0);
-}();
+const int64_t kTailTasksPerThread = env_int_in("MOEKIT_BF16_TAIL", 1, 16, 0);
 
 // bf16 tiles: (expert, row block, column range), largest experts first. Row blocks (bf16_tile_m) split the
 // experts that got many rows, so one popular expert does not leave the other threads idle at the end; column ranges
