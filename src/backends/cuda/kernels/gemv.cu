@@ -437,6 +437,225 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
   }
 }
 
+// ---- both projections in one launch (small T) ----
+//
+// One wave of co-resident blocks (the grid is sized by the occupancy query, so every block is resident and the grid
+// barrier below cannot wait on a block that is never placed). Phase 1: the warps of the whole grid take the first
+// projection's units (pair p, kCols columns) in turn, each streamed and stored exactly as pair_gemv does (same sums,
+// same epilogue). Then each warp issues L2 prefetches of its share of its block's second-projection rows (the expert
+// ids come from top_k_index), loads the first round of its first unit into registers and meets the others at the grid
+// barrier. Phase 2: the streaming combine's work (token t's column groups split evenly over `by` virtual blocks), with
+// its per-unit sums and slot-order combine: the same output bit for bit as the two launches.
+
+// The grid barrier, per warp: a block's warps meet in shared memory, its last warp arrives at the global counter
+// (bar[0]) and waits for the generation (bar[1]) to move; the last arrival of the grid resets the counter and moves the
+// generation, so the barrier needs no reset between launches (graph replays). Every thread fences its own writes
+// first; the readers after it read the other blocks' writes through L2 (__ldcg).
+__device__ __forceinline__ void smallt_grid_barrier(unsigned* bar, unsigned* s_arrived, volatile unsigned* s_release,
+                                                    int lane) {
+  __threadfence();
+  __syncwarp();
+  if (lane == 0) {
+    if (atomicAdd(s_arrived, 1u) == unsigned(kGemvWarps - 1)) {  // the block's last warp
+      volatile unsigned* gen = bar + 1;
+      const unsigned g = *gen;
+      __threadfence();
+      if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+        atomicExch(bar, 0u);
+        __threadfence();
+        atomicAdd(bar + 1, 1u);
+      } else {
+        while (*gen == g) __nanosleep(64);
+      }
+      __threadfence();
+      *s_release = 1u;
+    } else {
+      while (*s_release == 0u) __nanosleep(32);
+    }
+    __threadfence();
+  }
+  __syncwarp();
+}
+
+// fma_round reading the activations through L2 (they were written by other blocks of this launch).
+template <class T, int VEC, int ROWS, bool GUARD>
+__device__ __forceinline__ void fma_round_cg(const uint4 (&w)[kUnroll][ROWS], const T* a, int64_t base, int64_t k,
+                                             float (&acc)[ROWS]) {
+  constexpr int64_t kStep = 32 * VEC;
+  uint4 av[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const bool in = !GUARD || base + u * kStep < k;
+    const int64_t i = in ? base + u * kStep : base;
+    av[u] = __ldcg(reinterpret_cast<const uint4*>(a + i));
+    if (!in) av[u] = make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    float af[VEC];
+    to_floats<T, VEC>(av[u], af);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      float wf[VEC];
+      to_floats<T, VEC>(w[u][r], wf);
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[r] = fmaf(af[v], wf[v], acc[r]);
+    }
+  }
+}
+
+constexpr int64_t kSmalltMaxPairs = 64;
+
+template <class T, class W, int EPI>
+__global__ void __launch_bounds__(kGemvThreads, 2)
+    pair_smallt_fused_kernel(PairGemvArgs g1, PairGemvArgs g2, int tokens, int by, int groups, int max_cols,
+                             unsigned* bar, int prefetch) {
+  constexpr int VEC = 16 / sizeof(T);
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  float* part = reinterpret_cast<float*>(gemv_smem);                // [K, max_cols]
+  int* slot_e = reinterpret_cast<int*>(part + g2.top_k * max_cols);  // [K]
+  __shared__ unsigned s_arrived;
+  __shared__ unsigned s_release;
+  if (threadIdx.x == 0) {
+    s_arrived = 0;
+    s_release = 0;
+  }
+  pdl_wait();  // everything below reads what the kernels before wrote
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  // Phase 1: the first projection.
+  {
+    constexpr int kCols = EPI == kEpiGated ? kRowsPerWarp / 2 : kRowsPerWarp;
+    const int64_t k = g1.k;
+    const int64_t cgroups = (g1.n + kCols - 1) / kCols;
+    const int64_t units = g1.pairs * cgroups;
+    const int64_t nwarps = int64_t(gridDim.x) * kGemvWarps;
+#pragma unroll 1
+    for (int64_t u = int64_t(blockIdx.x) * kGemvWarps + warp; u < units; u += nwarps) {
+      const int64_t p = u / cgroups, col0 = (u % cgroups) * kCols;
+      const int e = pair_expert_of(g1.index, g1.index_type, p, g1.top_k, g1.experts, g1.error);
+      if (e >= g1.experts) continue;
+      const T* a_row = static_cast<const T*>(g1.a) + (p / g1.a_row_div) * g1.lda;
+      const T* w_expert = static_cast<const T*>(g1.b) + int64_t(e) * g1.b_expert_stride;
+      const T* rows[kRowsPerWarp];
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        const int64_t c = min(col0 + j, g1.n - 1);
+        if constexpr (EPI == kEpiGated) {
+          rows[2 * j] = w_expert + gate_row(g1.gate, c) * k;
+          rows[2 * j + 1] = w_expert + up_row(g1.gate, c, g1.inter) * k;
+        } else {
+          rows[j] = w_expert + c * k;
+        }
+      }
+      float acc[kRowsPerWarp];
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) acc[r] = 0.0f;
+      stream_rows<T, VEC, kRowsPerWarp>(rows, a_row, k, lane, acc);
+      warp_sum(acc);
+      pair_gemv_store<T, EPI, kCols>(g1, acc, p, e, col0, lane);
+    }
+  }
+
+  // Phase 2: the second projection with the combine, over virtual blocks vb = (t, b).
+  const int K = g2.top_k;
+  const int64_t k = g2.k;
+  constexpr int64_t kStep = 32 * VEC;
+  const int64_t vblocks = int64_t(tokens) * by;
+  if (prefetch && blockIdx.x < vblocks) {  // this warp's share of the block's first virtual block, into L2
+    const int64_t t = blockIdx.x / by, b = blockIdx.x % by;
+    const int ga = int(int64_t(groups) * b / by), gb = int(int64_t(groups) * (b + 1) / by);
+    const int64_t c0 = int64_t(ga) * kRowsPerWarp, c1 = min(int64_t(gb) * kRowsPerWarp, g2.n);
+    for (int s = warp; s < K; s += kGemvWarps) {
+      const int e = pair_expert_of(g2.index, g2.index_type, t * K + s, K, g2.experts, nullptr);
+      if (e >= g2.experts || c1 <= c0) continue;
+      const T* w_expert = static_cast<const T*>(g2.b) + int64_t(e) * g2.b_expert_stride;
+      prefetch_l2(w_expert + c0 * k, (c1 - c0) * k * int64_t(sizeof(T)), lane, 32);
+    }
+  }
+  bool waited = false;
+  const W* weights = static_cast<const W*>(g2.routing_weights);
+  const T* bias2 = static_cast<const T*>(g2.bias);
+#pragma unroll 1
+  for (int64_t vb = blockIdx.x; vb < vblocks; vb += gridDim.x) {
+    const int64_t t = vb / by, b = vb % by;
+    const int ga = int(int64_t(groups) * b / by), gb = int(int64_t(groups) * (b + 1) / by);
+    const int ng = gb - ga;
+    const int64_t col_base = int64_t(ga) * kRowsPerWarp;
+    for (int s = threadIdx.x; s < K; s += kGemvThreads)
+      slot_e[s] = pair_expert_of(g2.index, g2.index_type, t * K + s, K, g2.experts, nullptr);
+    __syncthreads();
+#pragma unroll 1
+    for (int unit = warp; unit < K * ng; unit += kGemvWarps) {
+      const int s = unit / ng;
+      const int64_t c0 = col_base + int64_t(unit % ng) * kRowsPerWarp;
+      const int e = slot_e[s];
+      if (e >= g2.experts) continue;  // dropped slot: its part is never read
+      const T* w_expert = static_cast<const T*>(g2.b) + int64_t(e) * g2.b_expert_stride;
+      const T* rows[kRowsPerWarp];
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = w_expert + min(c0 + r, g2.n - 1) * k;
+      const T* a_row = static_cast<const T*>(g2.a) + (t * K + s) * g2.lda;
+      float acc[kRowsPerWarp];
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) acc[r] = 0.0f;
+      int64_t base = int64_t(lane) * VEC;
+      uint4 w[kUnroll][kRowsPerWarp];
+#pragma unroll 1
+      for (; base + (kUnroll - 1) * kStep < k; base += kStep * kUnroll) {
+        load_round<T, VEC, kRowsPerWarp, false>(rows, base, k, w);
+        if (!waited) {  // the activations are phase 1's output
+          smallt_grid_barrier(bar, &s_arrived, &s_release, lane);
+          pdl_trigger();
+          waited = true;
+        }
+        fma_round_cg<T, VEC, kRowsPerWarp, false>(w, a_row, base, k, acc);
+      }
+      if (base < k) {
+        load_round<T, VEC, kRowsPerWarp, true>(rows, base, k, w);
+        if (!waited) {
+          smallt_grid_barrier(bar, &s_arrived, &s_release, lane);
+          pdl_trigger();
+          waited = true;
+        }
+        fma_round_cg<T, VEC, kRowsPerWarp, true>(w, a_row, base, k, acc);
+      }
+      warp_sum(acc);
+      if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r) part[s * max_cols + (c0 - col_base) + r] = acc[r];
+      }
+    }
+    if (!waited) {
+      smallt_grid_barrier(bar, &s_arrived, &s_release, lane);
+      pdl_trigger();
+      waited = true;
+    }
+    __syncthreads();
+    for (int64_t j = threadIdx.x; j < int64_t(ng) * kRowsPerWarp; j += kGemvThreads) {
+      const int64_t c = col_base + j;
+      if (c >= g2.n) break;
+      float acc = 0.0f;
+      for (int s = 0; s < K; ++s) {  // slot order: deterministic
+        const int e = slot_e[s];
+        if (e >= g2.experts) continue;
+        const float y = part[s * max_cols + j] + (bias2 ? to_f32(bias2[int64_t(e) * g2.bias_expert_stride + c]) : 0.0f);
+        acc += to_f32(weights[t * K + s]) * y;
+      }
+      static_cast<T*>(g2.out)[t * g2.ldo + c] = from_f32<T>(acc);
+    }
+    __syncthreads();  // before the next virtual block overwrites part and slot_e
+  }
+  if (!waited) {
+    smallt_grid_barrier(bar, &s_arrived, &s_release, lane);
+    pdl_trigger();
+  }
+}
+
+EnvSwitch g_smallt_fused{"MOEKIT_SMALLT_FUSED", false}, g_smallt_prefetch{"MOEKIT_SMALLT_PREFETCH", true};
+std::atomic<int64_t> g_smallt_launches{0};
+
 bool aligned16(const PairGemvArgs& a) {
   const int64_t vec = 16 / elem_bytes(a.type);
   return a.k % vec == 0 && a.lda % vec == 0 && a.b_expert_stride % vec == 0 &&
@@ -524,6 +743,70 @@ cudaError_t pair_gemv_combine(const PairGemvArgs& a, int64_t tokens, cudaStream_
                           a, cols_per_block, prefetch);
       return launch_pdl(pdl, pair_gemv_combine_kernel<T, W, 1, 0>, grid, kGemvThreads, smem, stream, a,
                         cols_per_block, prefetch);
+    });
+  });
+}
+
+bool smallt_fused() { return g_smallt_fused.on(); }
+int64_t pair_smallt_fused_launches() { return g_smallt_launches.load(std::memory_order_relaxed); }
+bool set_smallt_fused(bool on) { return g_smallt_fused.set(on); }
+
+bool pair_smallt_fused_ok(const PairGemvArgs& first, const PairGemvArgs& second, int64_t tokens) {
+  return first.type == second.type && elem_bytes(first.type) <= 4 && first.pairs >= 1 &&
+         first.pairs <= kSmalltMaxPairs && tokens >= 1 && first.pairs == tokens * second.top_k &&
+         first.top_k == second.top_k && (first.epilogue == kEpiGated || first.epilogue == kEpiActOnly) &&
+         pair_gemv_ok(first.type, first.k) && pair_gemv_combine_ok(second.top_k) && first.n >= 1 && second.n >= 1 &&
+         second.routing_weights != nullptr && aligned16(first) && aligned16(second);
+}
+
+cudaError_t pair_smallt_fused(const PairGemvArgs& first, const PairGemvArgs& second, int64_t tokens, unsigned* barrier,
+                              cudaStream_t stream) {
+  if (!pair_smallt_fused_ok(first, second, tokens) || barrier == nullptr) return cudaErrorInvalidValue;
+  // Blocks per multiprocessor: MOEKIT_SMALLT_BLOCKS_PER_SM (read once, 1-2; 2 by default), never above what the
+  // occupancy query says fits (every block must be resident for the grid barrier).
+  static const int per_sm_want = int(env_int_in("MOEKIT_SMALLT_BLOCKS_PER_SM", 1, 2, 2));
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return cudaErrorInvalidValue;
+  const int64_t col_groups = (second.n + kRowsPerWarp - 1) / kRowsPerWarp;
+  if (col_groups > INT_MAX / 2) return cudaErrorInvalidValue;
+  const int prefetch = g_smallt_prefetch.on() ? 1 : 0;
+  return with_elem(first.type, [&](auto tag) -> cudaError_t {
+    using T = decltype(tag);
+    return with_elem(second.routing_weight_type, [&](auto wtag) -> cudaError_t {
+      using W = decltype(wtag);
+      auto kernel = first.epilogue == kEpiGated ? pair_smallt_fused_kernel<T, W, kEpiGated>
+                                                : pair_smallt_fused_kernel<T, W, kEpiActOnly>;
+      // The partial sums' shared memory depends on the grid, the grid on the occupancy: size for the largest
+      // grid first, then check that the grid fits with that much shared memory.
+      int64_t grid = int64_t(sms) * per_sm_want;
+      for (int attempt = 0; attempt < 3; ++attempt) {
+        int64_t by = std::max<int64_t>(1, std::min<int64_t>(col_groups, grid / tokens));
+        int64_t max_cols = 0;
+        size_t smem = 0;
+        for (;;) {
+          max_cols = (col_groups + by - 1) / by * kRowsPerWarp;
+          smem = size_t(second.top_k) * size_t(max_cols) * sizeof(float) + size_t(second.top_k) * sizeof(int);
+          if (smem <= kGemvMaxSmem || by == col_groups) break;
+          by = std::min(col_groups, by * 2);
+        }
+        if (smem > kGemvMaxSmem || tokens * by > INT_MAX) return cudaErrorInvalidValue;
+        int occ = 0;
+        const cudaError_t oe = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kGemvThreads, smem);
+        if (oe != cudaSuccess) return oe;
+        const int64_t fits = int64_t(sms) * std::min(occ, per_sm_want);
+        if (fits < 1) return cudaErrorInvalidValue;
+        if (grid > fits) {  // fewer blocks than wanted: recompute the split for them
+          grid = fits;
+          continue;
+        }
+        const cudaError_t err = launch_pdl(pdl_enabled(), kernel, dim3(unsigned(grid)), kGemvThreads, smem, stream,
+                                           first, second, int(tokens), int(by), int(col_groups), int(max_cols), barrier,
+                                           prefetch);
+        if (err == cudaSuccess) g_smallt_launches.fetch_add(1, std::memory_order_relaxed);
+        return err;
+      }
+      return cudaErrorInvalidValue;
     });
   });
 }
