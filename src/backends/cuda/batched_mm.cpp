@@ -18,8 +18,7 @@ bool batched_uses_gemv(const CallContext& c) {
 }
 
 // Two launches: the first projection per pair (gate fused), then the second projection with the routing
-// weights and the slot sum (pair_gemv_combine). Both read the expert ids from top_k_index directly. With
-// MOEKIT_SMALLT_FUSED on and at most 64 pairs, one launch does both (pair_smallt_fused, same outputs).
+// weights and the slot sum (pair_gemv_combine). Both read the expert ids from top_k_index directly.
 void run_batched_mm(const CallContext& c) {
   if (c.fp8) {  // FP8 experts: quantized_fp8.cpp
     run_fp8(c);
@@ -75,10 +74,6 @@ void run_batched_mm(const CallContext& c) {
   g2.routing_weight_type = c.weight_type;
   g2.out = c.call.out.data;
   g2.ldo = c.hidden;
-  if (k::smallt_fused() && k::pair_smallt_fused_ok(g1, g2, c.tokens)) {
-    check_launch(k::pair_smallt_fused(g1, g2, c.tokens, c.ws->grid_barrier(), c.stream), "pair_smallt_fused (both projections)");
-    return;
-  }
   check_launch(k::pair_gemv_combine(g2, c.tokens, c.stream), "pair_gemv_combine (second projection)");
 }
 

@@ -8,11 +8,10 @@ StreamWorkspace::StreamWorkspace(int device, cudaStream_t stream) : device_(devi
   DeviceGuard guard(device);
   {
     RelaxedCaptureMode relaxed;
-    error_ = DeviceBuffer(2 * sizeof(unsigned long long), device);  // the error word, the grid barrier
+    error_ = DeviceBuffer(sizeof(unsigned long long), device);
   }
   if (stream_is_capturing(stream)) captured_ = true;
   MOEKIT_CUDA_CALL(cudaMemsetAsync(error_.data(), 0xff, sizeof(unsigned long long), stream));  // kNoRoutingError
-  MOEKIT_CUDA_CALL(cudaMemsetAsync(grid_barrier(), 0, sizeof(unsigned long long), stream));
 }
 
 void* StreamWorkspace::host() {

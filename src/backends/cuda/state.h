@@ -31,9 +31,6 @@ class StreamWorkspace {
   // The sticky routing error word (kernels::kNoRoutingError when clean). A workspace made during capture
   // clears it in the graph's first node.
   unsigned long long* error() const { return static_cast<unsigned long long*>(error_.data()); }
-  // Two words for the grid barrier of the one-launch small-T kernel (kernels::pair_smallt_fused), zeroed with the
-  // workspace (the kernel leaves its counter at zero).
-  unsigned* grid_barrier() const { return reinterpret_cast<unsigned*>(static_cast<char*>(error_.data()) + 8); }
   void* host();  // pinned, kHostBytes; allocated on first use (never needed during capture)
   static constexpr size_t kHostBytes = 8 * 1024;
   cudaStream_t stream() const { return stream_; }

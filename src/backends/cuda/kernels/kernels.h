@@ -227,18 +227,6 @@ bool pair_gemv_direct();
 bool set_pair_gemv_direct(bool on);
 bool combine_stream();
 bool set_combine_stream(bool on);
-// Both projections in one launch at small T (first.pairs <= 64, 16-byte aligned rows, gated or activation-only first
-// epilogue): a grid of co-resident blocks runs pair_gemv's work, prefetches its share of the second projection's
-// weights into L2, meets at a grid barrier and runs pair_gemv_combine's streaming work: the same outputs bit for bit
-// as the two launches. `barrier` is two zeroed words that the kernel leaves zeroed-equivalent (a counter it resets
-// and a generation it advances), one pair per stream. smallt_fused(): MOEKIT_SMALLT_FUSED in the environment (read
-// once; off by default), MOEKIT_SMALLT_PREFETCH=0 leaves out the L2 prefetch. The setter returns the previous value.
-bool smallt_fused();
-bool set_smallt_fused(bool on);
-bool pair_smallt_fused_ok(const PairGemvArgs& first, const PairGemvArgs& second, int64_t tokens);
-cudaError_t pair_smallt_fused(const PairGemvArgs& first, const PairGemvArgs& second, int64_t tokens, unsigned* barrier,
-                              cudaStream_t stream);
-int64_t pair_smallt_fused_launches();  // successful launches so far in this process (for tests)
 
 // ---- FP8 block-scaled experts (grouped_gemm_fp8.cu) ----
 
