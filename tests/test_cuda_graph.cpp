@@ -60,20 +60,25 @@ struct GraphCase {
   bool transposed;
 };
 
-void replay_matches_uncaptured(const std::string& backend, const GraphCase& gc, uint64_t seed) {
-  std::mt19937_64 rng(seed);
+// T tokens of `dtype`, top-k K over E experts (every one in use) of H x I with biases; i32 ids, bf16 routing weights.
+ProblemConfig biased_case(DType dtype, int64_t T, int64_t K, int64_t H, int64_t I, int64_t E) {
   ProblemConfig cfg = cuda_case();
-  cfg.act = cfg.wdt = gc.dtype;
-  cfg.E = gc.experts;
-  cfg.H = 96;
-  cfg.I = 40;
+  cfg.act = cfg.wdt = dtype;
+  cfg.T = T;
+  cfg.K = K;
+  cfg.H = H;
+  cfg.I = I;
+  cfg.E = cfg.used = E;
   cfg.has_bias = true;
-  cfg.transposed = gc.transposed;
-  cfg.T = gc.tokens;
-  cfg.K = gc.top_k;
-  cfg.used = gc.experts;
   cfg.idt = DType::i32;
   cfg.rwt = DType::bf16;
+  return cfg;
+}
+
+void replay_matches_uncaptured(const std::string& backend, const GraphCase& gc, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  ProblemConfig cfg = biased_case(gc.dtype, gc.tokens, gc.top_k, 96, 40, gc.experts);
+  cfg.transposed = gc.transposed;
   ExpertsProblem p;
   p.config = cfg;
   p.experts = make_experts(cfg, rng);
@@ -274,17 +279,7 @@ TEST(CudaGraph, ProgrammaticDependentLaunchKeepsTheSmallTPathExact) {
                           {DType::bf16, 3, 520, 1048, 32}, {DType::f16, 2, 2056, 264, 32}};
   std::mt19937_64 rng(77);
   for (const Shape& sh : shapes) {
-    ProblemConfig cfg = cuda_case();
-    cfg.act = cfg.wdt = sh.dtype;
-    cfg.E = sh.E;
-    cfg.used = sh.E;
-    cfg.H = sh.H;
-    cfg.I = sh.I;
-    cfg.has_bias = true;
-    cfg.T = sh.T;
-    cfg.K = 8;
-    cfg.idt = DType::i32;
-    cfg.rwt = DType::bf16;
+    const ProblemConfig cfg = biased_case(sh.dtype, sh.T, 8, sh.H, sh.I, sh.E);
     ExpertsProblem p;
     p.config = cfg;
     p.experts = make_experts(cfg, rng);

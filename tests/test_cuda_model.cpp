@@ -569,11 +569,11 @@ class CudaFixtureModel : public ::testing::TestWithParam<std::string> {
 };
 
 TEST_P(CudaFixtureModel, LogitsTokensDecodeSwitchAndGraphsMatchTransformers) {
-  const std::string dir = test::models_dir() + "/" + GetParam();
-  const auto ref = SafetensorsFile::open(dir + "/reference.safetensors");
-  const Tensor ids = ref.get("input_ids"), gen = ref.get("generated_ids");
-  const int64_t L = ids.size(1), n_new = gen.size(1) - L;
-  const std::vector<int64_t> expect(gen.ptr<int64_t>() + L, gen.ptr<int64_t>() + gen.size(1));
+  const test::ModelReference fx = test::model_reference(GetParam());
+  const std::string& dir = fx.dir;
+  const Tensor& ids = fx.ids;
+  const int64_t L = fx.L, n_new = fx.n_new;
+  const std::vector<int64_t>& expect = fx.expect;
   for (bool graphs : {false, true}) {
     Model model =
         Model::from_pretrained(dir, ModelOptions{.device = kDev, .dtype = DType::f32, .cuda_graph = graphs});
@@ -582,8 +582,8 @@ TEST_P(CudaFixtureModel, LogitsTokensDecodeSwitchAndGraphsMatchTransformers) {
       SCOPED_TRACE("backend " + be + (graphs ? " with decode graphs" : ""));
       model.set_experts_implementation(be);
       if (!graphs) {
-        const std::string ref_name = ref.contains("logits." + be) ? "logits." + be : "logits.eager";
-        const Tensor ref_logits = ref.get(ref_name);
+        const std::string ref_name = fx.ref.contains("logits." + be) ? "logits." + be : "logits.eager";
+        const Tensor ref_logits = fx.ref.get(ref_name);
         for (int64_t r = 0; r < ids.size(0); ++r) {
           const Tensor logits = model.logits(test::row_ids(ids, r));
           ASSERT_EQ(logits.shape(), Shape({L, V}));
@@ -644,11 +644,12 @@ TEST(CudaModel, SonicmoeFixtureModelsInBf16) {
   int same_tokens = 0;
   for (const std::string& name : test::fixture_models()) {
     SCOPED_TRACE(name);
-    const std::string dir = test::models_dir() + "/" + name;
-    const auto ref = SafetensorsFile::open(dir + "/reference.safetensors");
-    const Tensor ids = ref.get("input_ids"), gen = ref.get("generated_ids"), ref_logits = ref.get("logits.eager");
-    const int64_t L = ids.size(1), n_new = gen.size(1) - L;
-    const std::vector<int64_t> expect(gen.ptr<int64_t>() + L, gen.ptr<int64_t>() + gen.size(1));
+    const test::ModelReference fx = test::model_reference(name);
+    const std::string& dir = fx.dir;
+    const Tensor& ids = fx.ids;
+    const int64_t L = fx.L, n_new = fx.n_new;
+    const std::vector<int64_t>& expect = fx.expect;
+    const Tensor ref_logits = fx.ref.get("logits.eager");
     Model model = Model::from_pretrained(dir, ModelOptions{.device = kDev, .dtype = DType::bf16});
     GenerationConfig gc;
     gc.max_new_tokens = n_new;
@@ -684,11 +685,11 @@ TEST(CudaModel, FusedDecodeStepMatchesTheUnfusedOne) {
   const bool was = model::fused_decode();
   for (const std::string& name : test::fixture_models()) {
     SCOPED_TRACE(name);
-    const std::string dir = test::models_dir() + "/" + name;
-    const auto ref = SafetensorsFile::open(dir + "/reference.safetensors");
-    const Tensor ids = ref.get("input_ids"), gen = ref.get("generated_ids");
-    const int64_t L = ids.size(1), n_new = gen.size(1) - L;
-    const std::vector<int64_t> expect(gen.ptr<int64_t>() + L, gen.ptr<int64_t>() + gen.size(1));
+    const test::ModelReference fx = test::model_reference(name);
+    const std::string& dir = fx.dir;
+    const Tensor& ids = fx.ids;
+    const int64_t L = fx.L, n_new = fx.n_new;
+    const std::vector<int64_t>& expect = fx.expect;
     std::vector<std::vector<GenerationResult>> batched;
     int64_t kernels[2] = {0, 0};  // kernel nodes of one decode step's graph, unfused and fused
     int64_t layers = 0;
@@ -732,11 +733,11 @@ TEST(CudaModel, DecodeStepWithProgrammaticDependentLaunchMatchesPlainLaunches) {
   const int64_t prefetch_was = cuda::pdl_prefetch_bytes();
   for (const std::string& name : test::fixture_models()) {
     SCOPED_TRACE(name);
-    const std::string dir = test::models_dir() + "/" + name;
-    const auto ref = SafetensorsFile::open(dir + "/reference.safetensors");
-    const Tensor ids = ref.get("input_ids"), gen = ref.get("generated_ids");
-    const int64_t L = ids.size(1), n_new = gen.size(1) - L;
-    const std::vector<int64_t> expect(gen.ptr<int64_t>() + L, gen.ptr<int64_t>() + gen.size(1));
+    const test::ModelReference fx = test::model_reference(name);
+    const std::string& dir = fx.dir;
+    const Tensor& ids = fx.ids;
+    const int64_t L = fx.L, n_new = fx.n_new;
+    const std::vector<int64_t>& expect = fx.expect;
     std::vector<std::vector<GenerationResult>> batched;
     for (bool pdl : {false, true}) {
       SCOPED_TRACE(pdl ? "pdl" : "plain");
@@ -770,11 +771,11 @@ TEST(CudaModel, DecodeAheadMatchesOneStepAtATime) {
   const bool was = model::decode_ahead();
   for (const std::string& name : test::fixture_models()) {
     SCOPED_TRACE(name);
-    const std::string dir = test::models_dir() + "/" + name;
-    const auto ref = SafetensorsFile::open(dir + "/reference.safetensors");
-    const Tensor ids = ref.get("input_ids"), gen = ref.get("generated_ids");
-    const int64_t L = ids.size(1), n_new = gen.size(1) - L;
-    const std::vector<int64_t> expect(gen.ptr<int64_t>() + L, gen.ptr<int64_t>() + gen.size(1));
+    const test::ModelReference fx = test::model_reference(name);
+    const std::string& dir = fx.dir;
+    const Tensor& ids = fx.ids;
+    const int64_t L = fx.L, n_new = fx.n_new;
+    const std::vector<int64_t>& expect = fx.expect;
     ASSERT_GE(n_new, 4);
     std::vector<std::vector<GenerationResult>> runs;
     for (bool ahead : {false, true}) {

@@ -15,6 +15,8 @@
 namespace fs = std::filesystem;
 using namespace moekit;
 using test::fixture_models;
+using test::model_reference;
+using test::ModelReference;
 using test::models_dir;
 using test::rel_l2;
 using test::row_ids;
@@ -32,12 +34,11 @@ std::vector<std::string> cpu_backends() {
 class FixtureModel : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(FixtureModel, LogitsAndGreedyTokensMatchTransformersForEveryCpuBackend) {
-  const std::string dir = models_dir() + "/" + GetParam();
-  const auto ref = SafetensorsFile::open(dir + "/reference.safetensors");
-  const Tensor ids = ref.get("input_ids"), gen = ref.get("generated_ids");
+  const ModelReference fx = model_reference(GetParam());
+  const Tensor& ids = fx.ids;
   ASSERT_EQ(ids.dim(), 2);
-  const int64_t B = ids.size(0), L = ids.size(1);
-  Model model = Model::from_pretrained(dir, ModelOptions{.device = Device::cpu(), .dtype = DType::f32});
+  const int64_t B = ids.size(0), L = fx.L;
+  Model model = Model::from_pretrained(fx.dir, ModelOptions{.device = Device::cpu(), .dtype = DType::f32});
   const int64_t V = model.config().text.vocab_size;
   const auto backends = cpu_backends();
   ASSERT_FALSE(backends.empty());
@@ -45,8 +46,8 @@ TEST_P(FixtureModel, LogitsAndGreedyTokensMatchTransformersForEveryCpuBackend) {
     SCOPED_TRACE("backend " + be);
     model.set_experts_implementation(be);  // switched at run time, no reload
     for (const Experts* e : model.experts_modules()) ASSERT_EQ(e->implementation(), be);
-    const std::string ref_name = ref.contains("logits." + be) ? "logits." + be : "logits.eager";
-    const Tensor ref_logits = ref.get(ref_name);
+    const std::string ref_name = fx.ref.contains("logits." + be) ? "logits." + be : "logits.eager";
+    const Tensor ref_logits = fx.ref.get(ref_name);
     ASSERT_EQ(ref_logits.shape(), Shape({B, L, V}));
     for (int64_t r = 0; r < B; ++r) {
       const Tensor logits = model.logits(row_ids(ids, r));
@@ -54,13 +55,11 @@ TEST_P(FixtureModel, LogitsAndGreedyTokensMatchTransformersForEveryCpuBackend) {
       const double err = rel_l2(logits.ptr<float>(), ref_logits.ptr<float>() + r * L * V, L * V);
       EXPECT_LT(err, 1e-4) << GetParam() << " row " << r << " vs " << ref_name;
     }
-    const int64_t n_new = gen.size(1) - L;
     GenerationConfig gc;
-    gc.max_new_tokens = n_new;
-    gc.min_new_tokens = n_new;
+    gc.max_new_tokens = fx.n_new;
+    gc.min_new_tokens = fx.n_new;
     const GenerationResult res = model.generate(row_ids(ids, 0), gc);
-    const std::vector<int64_t> expect(gen.ptr<int64_t>() + L, gen.ptr<int64_t>() + gen.size(1));
-    EXPECT_EQ(res.tokens, expect) << GetParam();
+    EXPECT_EQ(res.tokens, fx.expect) << GetParam();
     EXPECT_EQ(res.prefill_experts, model.get_experts_implementation());
   }
 }

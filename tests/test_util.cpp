@@ -17,6 +17,17 @@ namespace moekit::test {
 std::string fixtures_dir() { return MOEKIT_FIXTURES_DIR; }
 std::string models_dir() { return fixtures_dir() + "/models"; }
 
+ModelReference model_reference(const std::string& name) {
+  const std::string dir = models_dir() + "/" + name;
+  ModelReference r{dir, SafetensorsFile::open(dir + "/reference.safetensors"), {}, {}, 0, 0, {}};
+  r.ids = r.ref.get("input_ids");
+  r.gen = r.ref.get("generated_ids");
+  r.L = r.ids.size(1);
+  r.n_new = r.gen.size(1) - r.L;
+  r.expect.assign(r.gen.ptr<int64_t>() + r.L, r.gen.ptr<int64_t>() + r.gen.size(1));
+  return r;
+}
+
 std::vector<std::string> fixture_models() {
   namespace fs = std::filesystem;
   std::vector<std::string> out;

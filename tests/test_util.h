@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "moekit/moekit.h"
+#include "moekit/safetensors.h"
 
 namespace moekit::test {
 
@@ -18,6 +19,17 @@ std::vector<std::string> fixture_models();
 double rel_l2(const float* a, const float* ref, int64_t n);
 // Row r of an [B, L] i64 tensor of token ids.
 std::vector<int64_t> row_ids(const Tensor& ids, int64_t r);
+
+// A fixture model's reference outputs: its folder, reference.safetensors, the prompt ids [B, L], transformers'
+// greedy generation [B, L + n_new] and row 0's new tokens (`expect`).
+struct ModelReference {
+  std::string dir;
+  SafetensorsFile ref;
+  Tensor ids, gen;
+  int64_t L = 0, n_new = 0;
+  std::vector<int64_t> expect;
+};
+ModelReference model_reference(const std::string& name);
 
 // The message of the moekit::Error `fn` throws ("" when it throws none); its code into `code`.
 std::string error_of(const std::function<void()>& fn, ErrorCode* code = nullptr);
