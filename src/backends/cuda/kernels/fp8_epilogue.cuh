@@ -15,9 +15,38 @@ __device__ __forceinline__ float round_to(float v) {
   else return to_f32(from_f32<T>(v));
 }
 
+// The gate of an epilogue as one constant: an activation code (kAct*, the gate kGateActMul or the ungated
+// column) or kActClampedGate for gpt-oss's clamped SwiGLU; kActRuntime reads it from GateParams. Epilogues that
+// unroll over many columns take it as a template argument (one switch per tile, outside the column loop): each
+// column then carries only its own activation's code rather than every activation's, which kept the FP8 Hopper
+// kernel's gated epilogue (34k instructions per instantiation) waiting on instruction fetch.
+constexpr int kActClampedGate = 7, kActRuntime = -1;
+
+__device__ __forceinline__ int gate_code(const GateParams& gp) {
+  return gp.kind == kGateClampedSwiglu ? kActClampedGate : gp.activation;
+}
+
+// fn(std::integral_constant<int, code>) for the gate code of gp: the switch onto the constant forms.
+template <class Fn>
+__device__ __forceinline__ void with_gate_code(const GateParams& gp, Fn&& fn) {
+  switch (gate_code(gp)) {
+    case kActSilu: fn(std::integral_constant<int, kActSilu>{}); break;
+    case kActGelu: fn(std::integral_constant<int, kActGelu>{}); break;
+    case kActGeluTanh: fn(std::integral_constant<int, kActGeluTanh>{}); break;
+    case kActRelu: fn(std::integral_constant<int, kActRelu>{}); break;
+    case kActRelu2: fn(std::integral_constant<int, kActRelu2>{}); break;
+    case kActSigmoid: fn(std::integral_constant<int, kActSigmoid>{}); break;
+    case kActClampedGate: fn(std::integral_constant<int, kActClampedGate>{}); break;
+    default: fn(std::integral_constant<int, kActIdentity>{}); break;
+  }
+}
+
 // Gated column: gate and up accumulators, their biases (has_bias), the gated value (before the final rounding).
-template <class T>
+// CODE: the gate code as a constant (see kActClampedGate) or kActRuntime.
+template <class T, int CODE = kActRuntime>
 __device__ __forceinline__ float fp8_gated(const GateParams& gp, float g, float u, bool has_bias, float bg, float bu) {
+  const bool clamped = CODE == kActRuntime ? gp.kind == kGateClampedSwiglu : CODE == kActClampedGate;
+  const int a = CODE == kActRuntime ? gp.activation : CODE;
   g = round_to<T>(g);
   u = round_to<T>(u);
   if (has_bias) {
@@ -25,24 +54,24 @@ __device__ __forceinline__ float fp8_gated(const GateParams& gp, float g, float 
     u = round_to<T>(u + bu);
   }
   if constexpr (std::is_same_v<T, float>) {
-    return gate_value(gp, g, u);
+    return clamped ? act::clamped_swiglu(g, u, gp.limit, gp.alpha) : activate(a, g) * u;
   } else {
-    if (gp.kind == kGateClampedSwiglu) {
+    if (clamped) {
       g = g < gp.limit ? g : gp.limit;
       u = u < -gp.limit ? -gp.limit : (u > gp.limit ? gp.limit : u);
       const float sig = round_to<T>(1.0f / (1.0f + expf(-round_to<T>(g * gp.alpha))));
       return round_to<T>(u + 1.0f) * round_to<T>(g * sig);
     }
-    return round_to<T>(activate(gp.activation, g)) * u;
+    return round_to<T>(activate(a, g)) * u;
   }
 }
 
-// Ungated column: act(x + bias).
-template <class T>
+// Ungated column: act(x + bias). CODE: the activation as a constant or kActRuntime.
+template <class T, int CODE = kActRuntime>
 __device__ __forceinline__ float fp8_act_only(const GateParams& gp, float x, bool has_bias, float b) {
   x = round_to<T>(x);
   if (has_bias) x = round_to<T>(x + b);
-  return activate(gp.activation, x);
+  return activate(CODE == kActRuntime ? gp.activation : CODE, x);
 }
 
 // The tiled FP8 / FP4 projections' blocks of BN virtual columns (gated projections interleave gate and up rows:

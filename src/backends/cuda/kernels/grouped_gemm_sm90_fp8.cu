@@ -32,7 +32,10 @@ using sm90::smem_desc;
 
 constexpr int kBM = 128, kBN = 128, kBK = 128, kStages = 5, kThreads = 384;
 constexpr int kABytes = kBM * kBK, kBBytes = kBN * kBK, kStageBytes = kABytes + kBBytes;
-constexpr size_t kSmemBytes = size_t(kStages) * kStageBytes + 2 * kStages * 8 + 1024;
+constexpr size_t kSmemBytes = size_t(kStages) * kStageBytes + 2 * kStages * 8 + 1024;  // + tile offsets (launch)
+// Dynamic shared memory of a launch over `experts` experts: the stages, the barriers, the alignment slack and the
+// copy of tile_offsets[0, E].
+size_t smem_bytes(int experts) { return kSmemBytes + (size_t(experts) + 1) * sizeof(int); }
 
 [[maybe_unused]] __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
@@ -108,11 +111,19 @@ struct Work {
   int expert, n_tile;
   int64_t m0, m_end;
 };
-// Work item w: expert, column tile and row tile (row tiles fastest within the expert).
-[[maybe_unused]] __device__ __forceinline__ void work_item(const Fp8GemmArgs& args, int w, int n_tiles, Work& t) {
-  const int e = tile_expert(args.tile_offsets, args.experts, w / n_tiles);
-  const int first_tile = __ldg(args.tile_offsets + e);
-  const int m_tiles = __ldg(args.tile_offsets + e + 1) - first_tile;
+// Work item w: expert, column tile and row tile (row tiles fastest within the expert). tiles_s: the block's copy of
+// tile_offsets[0, E] in shared memory (the search runs once per item in every consumer warp and the producer).
+[[maybe_unused]] __device__ __forceinline__ void work_item(const Fp8GemmArgs& args, const int* tiles_s, int w,
+                                                           int n_tiles, Work& t) {
+  const int tile = w / n_tiles;
+  int lo = 0, hi = args.experts - 1;  // the largest e with tiles_s[e] <= tile (that expert has tiles)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (tiles_s[mid] <= tile) lo = mid;
+    else hi = mid - 1;
+  }
+  const int e = lo, first_tile = tiles_s[e];
+  const int m_tiles = tiles_s[e + 1] - first_tile;
   const int local = w - first_tile * n_tiles;
   t.expert = e;
   t.n_tile = local / m_tiles;
@@ -126,14 +137,14 @@ __device__ __forceinline__ int64_t scale_row(const Fp8GemmArgs& args, int64_t r)
   return (r / seg) * ((seg + 127) / 128) + (r % seg) / 128;
 }
 
-template <class T, int EPI>
+template <class T, int EPI, int CODE>
 __device__ __forceinline__ void store_value(const Fp8GemmArgs& args, const T* bias, int64_t row, int64_t col, float x,
                                             float up) {
   if constexpr (EPI == kEpiGated) {
     const float bg = bias ? to_f32(bias[col]) : 0.0f, bu = bias ? to_f32(bias[args.inter + col]) : 0.0f;
-    static_cast<T*>(args.out)[row * args.ldo + col] = from_f32<T>(fp8_gated<T>(args.gate, x, up, bias != nullptr, bg, bu));
+    static_cast<T*>(args.out)[row * args.ldo + col] = from_f32<T>(fp8_gated<T, CODE>(args.gate, x, up, bias != nullptr, bg, bu));
   } else if constexpr (EPI == kEpiActOnly) {
-    const float y = fp8_act_only<T>(args.gate, x, bias != nullptr, bias ? to_f32(bias[col]) : 0.0f);
+    const float y = fp8_act_only<T, CODE>(args.gate, x, bias != nullptr, bias ? to_f32(bias[col]) : 0.0f);
     static_cast<T*>(args.out)[row * args.ldo + col] = from_f32<T>(y);
   } else {
     static_cast<float*>(args.out)[row * args.ldo + col] = x;
@@ -147,9 +158,10 @@ __device__ __forceinline__ void store_pair(T* out, float x0, float x1) {
   else *reinterpret_cast<__half2*>(out) = __floats2half2_rn(x0, x1);
 }
 
-template <class T, int EPI>
-__device__ __forceinline__ void epilogue(const Fp8GemmArgs& args, const Work& t, int c, int warp, int lane,
-                                         const float (&acc)[64]) {
+// CODE: the gate as a constant (fp8_epilogue.cuh), so that the unrolled columns carry one activation's code.
+template <class T, int EPI, int CODE>
+__device__ __forceinline__ void epilogue_k(const Fp8GemmArgs& args, const Work& t, int c, int warp, int lane,
+                                           const float (&acc)[64]) {
   const T* bias = args.bias ? static_cast<const T*>(args.bias) + int64_t(t.expert) * args.bias_expert_stride : nullptr;
   const int64_t col0 = int64_t(t.n_tile) * tile_cols<EPI>();
 #pragma unroll
@@ -166,7 +178,7 @@ __device__ __forceinline__ void epilogue(const Fp8GemmArgs& args, const Work& t,
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
               const float bg = bias ? to_f32(bias[col + q]) : 0.0f, bu = bias ? to_f32(bias[args.inter + col + q]) : 0.0f;
-              v[q] = fp8_gated<T>(args.gate, acc[4 * j + 2 * half + q], acc[4 * (j + 8) + 2 * half + q],
+              v[q] = fp8_gated<T, CODE>(args.gate, acc[4 * j + 2 * half + q], acc[4 * (j + 8) + 2 * half + q],
                                   bias != nullptr, bg, bu);
             }
             store_pair(static_cast<T*>(args.out) + row * args.ldo + col, v[0], v[1]);
@@ -176,7 +188,8 @@ __device__ __forceinline__ void epilogue(const Fp8GemmArgs& args, const Work& t,
 #pragma unroll
         for (int q = 0; q < 2; ++q)
           if (col + q < args.n)
-            store_value<T, EPI>(args, bias, row, col + q, acc[4 * j + 2 * half + q], acc[4 * (j + 8) + 2 * half + q]);
+            store_value<T, EPI, CODE>(args, bias, row, col + q, acc[4 * j + 2 * half + q],
+                                      acc[4 * (j + 8) + 2 * half + q]);
       }
     } else if constexpr (EPI == kEpiF32) {
 #pragma unroll
@@ -196,9 +209,27 @@ __device__ __forceinline__ void epilogue(const Fp8GemmArgs& args, const Work& t,
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
           const int64_t col = col0 + 8 * j + 2 * (lane & 3) + q;
-          if (col < args.n) store_value<T, EPI>(args, bias, row, col, acc[4 * j + 2 * half + q], 0.0f);
+          if (col < args.n) store_value<T, EPI, CODE>(args, bias, row, col, acc[4 * j + 2 * half + q], 0.0f);
         }
     }
+  }
+}
+
+// The epilogue of a tile: one switch onto the output type and the gate's constant form (f32 outputs take neither).
+template <int EPI>
+__device__ __forceinline__ void epilogue(const Fp8GemmArgs& args, const Work& t, int c, int warp, int lane,
+                                         const float (&acc)[64]) {
+  if constexpr (EPI == kEpiF32) {
+    epilogue_k<float, EPI, kActRuntime>(args, t, c, warp, lane, acc);
+  } else {
+    with_gate_code(args.gate, [&](auto code) {
+      constexpr int kCode = decltype(code)::value;
+      switch (args.type) {
+        case Elem::f32: epilogue_k<float, EPI, kCode>(args, t, c, warp, lane, acc); break;
+        case Elem::bf16: epilogue_k<bf16, EPI, kCode>(args, t, c, warp, lane, acc); break;
+        case Elem::f16: epilogue_k<f16, EPI, kCode>(args, t, c, warp, lane, acc); break;
+      }
+    });
   }
 }
 
@@ -221,10 +252,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
+  int* tiles_s = reinterpret_cast<int*>(fp8_smem + (bars - smem_u32(fp8_smem)) + 2 * kStages * 8);
+  for (int e = tid; e <= args.experts; e += kThreads) tiles_s[e] = __ldg(args.tile_offsets + e);
   __syncthreads();
 
   const int n_tiles = int((args.n + tile_cols<EPI>() - 1) / tile_cols<EPI>());
-  const int total = __ldg(args.tile_offsets + args.experts) * n_tiles;
+  const int total = tiles_s[args.experts] * n_tiles;
   const int kblocks = int((args.k + kBK - 1) / kBK);
 
   if (wg == 0) {  // producer
@@ -236,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t phase = 0;
     for (int w = blockIdx.x; w < total; w += gridDim.x) {
       Work t;
-      work_item(args, w, n_tiles, t);
+      work_item(args, tiles_s, w, n_tiles, t);
       const int row0 = t.n_tile * tile_cols<EPI>();
       for (int kb = 0; kb < kblocks; ++kb) {
         mbar_wait(empty(s), phase ^ 1);
@@ -266,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[64], part[64];
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     Work t;
-    work_item(args, w, n_tiles, t);
+    work_item(args, tiles_s, w, n_tiles, t);
     const int64_t r0 = t.m0 + c * 64 + warp * 16 + (lane >> 2);
     const float* sa0 = args.a_scale + std::min<int64_t>(r0, t.m_end - 1) * args.lds;
     const float* sa1 = args.a_scale + std::min<int64_t>(r0 + 8, t.m_end - 1) * args.lds;
@@ -276,8 +309,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float* sw1 = EPI == kEpiGated ? ws_base + scale_row(args, args.inter + wrow0) * kblocks : sw0;
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    // Each block's scales are loaded one block ahead, so that their latency passes under the previous block's MMAs.
+    float a0n = __ldg(sa0), a1n = __ldg(sa1), w0n = __ldg(sw0), w1n = __ldg(sw1);
     for (int kb = 0; kb < kblocks; ++kb) {
-      const float a0 = __ldg(sa0 + kb), a1 = __ldg(sa1 + kb), w0 = __ldg(sw0 + kb), w1 = __ldg(sw1 + kb);
+      const float a0 = a0n, a1 = a1n, w0 = w0n, w1 = w1n;
+      if (kb + 1 < kblocks) {
+        a0n = __ldg(sa0 + kb + 1);
+        a1n = __ldg(sa1 + kb + 1);
+        w0n = __ldg(sw0 + kb + 1);
+        w1n = __ldg(sw1 + kb + 1);
+      }
       mbar_wait(full(s), phase);
       const uint32_t st = base + s * kStageBytes;
       const uint64_t desc_a = smem_desc(st + c * 64 * kBK);
@@ -307,11 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     if (t.m0 + c * 64 >= t.m_end) continue;
-    switch (args.type) {
-      case Elem::f32: epilogue<float, EPI>(args, t, c, warp, lane, acc); break;
-      case Elem::bf16: epilogue<bf16, EPI>(args, t, c, warp, lane, acc); break;
-      case Elem::f16: epilogue<f16, EPI>(args, t, c, warp, lane, acc); break;
-    }
+    epilogue<EPI>(args, t, c, warp, lane, acc);
   }
 #endif
 }
@@ -386,13 +423,14 @@ cudaError_t launch(const Fp8GemmArgs& a, cudaStream_t stream) {
       return cudaErrorInvalidValue;
   }
   auto kernel = grouped_gemm_sm90_fp8_kernel<EPI>;
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
+  const size_t smem = smem_bytes(a.experts);
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
   const int64_t cols = EPI == kEpiGated ? kBN / 2 : kBN;
   const int64_t work = grouped_max_tiles(a.max_rows, a.experts, kBM) * ((a.n + cols - 1) / cols);
   const int grid = int(std::min<int64_t>(work, sm_count()));
   if (grid == 0) return cudaSuccess;
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(map_a, map_b, a);
+  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, a);
   return cudaGetLastError();
 }
 
@@ -404,7 +442,7 @@ bool grouped_gemm_fp8_sm90_ok(const Fp8GemmArgs& a, int arch) {
   if (a.epilogue != kEpiF32 && a.epilogue != kEpiActOnly && a.epilogue != kEpiGated) return false;
   if (a.epilogue == kEpiGated && !a.gate.concatenated) return false;
   if (!aligned16(a.a) || !aligned16(a.b)) return false;
-  if (a.experts <= 0 || a.max_rows >= (int64_t(1) << 31) || a.n >= (int64_t(1) << 30)) return false;
+  if (a.experts <= 0 || a.experts > 4096 || a.max_rows >= (int64_t(1) << 31) || a.n >= (int64_t(1) << 30)) return false;
   return compiled_for(arch);
 }
 
