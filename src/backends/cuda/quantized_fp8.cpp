@@ -8,7 +8,8 @@
 // Kernels: with row tiles of 128 (many rows per expert) on sm_90a and 16-bit activations, the warp-specialised
 // TMA / wgmma kernel
 // (grouped_gemm_sm90_fp8.cu), over the quantized rows written in sorted order (the copy engine has no row
-// gather); otherwise the mma.sync kernel (grouped_gemm_fp8.cu), which gathers the token rows itself.
+// gather: each token row is quantized once and its e4m3 bytes and scales copied to its sorted rows), its second
+// projection in 16-bit rows summed by combine_rows16; otherwise the mma.sync kernel (grouped_gemm_fp8.cu), which gathers the token rows itself.
 // MOEKIT_FP8_WGMMA=0 in the environment keeps to the mma.sync kernel (for comparisons).
 // Decode sizes (P <= fp8_gemv_max_pairs(), policy.h): both projections on the FP8 GEMV instead (gemv_quant.cu),
 // over the same sorted rows and quantized activations: one block per (hit expert's row tile, block of columns),
@@ -39,6 +40,10 @@ bool wgmma_enabled() {
   static const bool on = env_int("MOEKIT_FP8_WGMMA", 1) != 0;
   return on;
 }
+// The sm90 path's token rows quantized once per token and the e4m3 rows (and scales) then copied into sorted order,
+// rather than each sorted row (top_k copies of a token) quantized from the 16-bit rows: the same bytes, the
+// quantisation's arithmetic done once per token. MOEKIT_FP8_TOKEN_QUANT=0 quantizes the sorted rows (the first form).
+EnvSwitch g_token_quant{"MOEKIT_FP8_TOKEN_QUANT", true};
 
 // The GEMV's default reach (policy.h fp8_gemv_max_pairs): 64, the decode sizes of issue 11 (T = 1..64 at top-k
 // 1..8 reach it at P = 64). Not yet measured against the mma.sync kernel on the H200: the crossover may lie
@@ -144,13 +149,17 @@ void run_fp8(const CallContext& c) {
                     (c.first_epilogue != k::kEpiGated || c.gate.concatenated) && c.q1_ld % 16 == 0 &&
                     (N1 * c.q1_ld) % 16 == 0 && (reinterpret_cast<uintptr_t>(c.q1) & 15) == 0;
   const int64_t xrows = sm90 ? P : T;  // quantized token rows: in sorted order for the TMA kernel
+  const bool token_quant = sm90 && g_token_quant.on();  // quantized per token, then copied into sorted order
+  // The sm90 path's second projection in 16-bit rows for combine_rows16 (the TMA engine's form; y holds room for
+  // f32 rows). MOEKIT_DOWN_ROWS16=0: f32 rows and combine.
+  const bool rows16 = sm90 && grouped_down_rows16();
   // Float activations are read in place, gathered by index, unless the token rows are not 16-byte aligned: then
   // gathered into the workspace first.
   const bool gather_x = float_acts && !aligned16(c.call.hidden_states.data);
 
   k::RoutingBuffers r;
-  uint8_t *xq = nullptr, *aq = nullptr;
-  float *xs = nullptr, *as = nullptr, *y = nullptr;
+  uint8_t *xq = nullptr, *aq = nullptr, *xq_tok = nullptr;
+  float *xs = nullptr, *as = nullptr, *y = nullptr, *xs_tok = nullptr;
   void *act = nullptr, *xg = nullptr;
   carve_workspace(*c.ws, [&](Carver& w) {
     take_routing(w, r, P, E);
@@ -159,6 +168,10 @@ void run_fp8(const CallContext& c) {
       xs = w.take<float>(xrows * HB);                // their scales
       aq = w.take<uint8_t>(P * IB * kFp8Block);  // [P, IB * 128]
       as = w.take<float>(P * IB);
+      if (token_quant) {
+        xq_tok = w.take<uint8_t>(T * HB * kFp8Block);  // [T, HB * 128] e4m3 token rows, then their scales
+        xs_tok = w.take<float>(T * HB);
+      }
     }
     if (gather_x) xg = w.take_bytes(P * H * k::elem_bytes(c.type));  // token rows in sorted order
     act = w.take_bytes(P * I * k::elem_bytes(c.type));  // [P, I] gated activations, sorted rows
@@ -173,6 +186,16 @@ void run_fp8(const CallContext& c) {
       check_launch(k::gather_rows(c.type, c.call.hidden_states.data, H, r.sorted_pair, int(c.top_k), r.offsets + E, P,
                                   xg, c.stream),
                    "gather_rows");
+  } else if (token_quant) {
+    check_launch(k::quantize_fp8_rows(c.type, c.call.hidden_states.data, H, nullptr, 1, T, H, nullptr, c.fp8_pow2,
+                                      xq_tok, HB * kFp8Block, xs_tok, HB, c.stream),
+                 "quantize_fp8_rows (hidden states)");
+    // e4m3 rows as 2-byte elements (HB * 128 bytes: whole 16-byte pieces), then the f32 scales.
+    check_launch(k::gather_rows(k::Elem::bf16, xq_tok, HB * kFp8Block / 2, r.sorted_pair, int(c.top_k), r.offsets + E,
+                                P, xq, c.stream),
+                 "gather_rows (e4m3 token rows)");
+    check_launch(k::gather_rows(k::Elem::f32, xs_tok, HB, r.sorted_pair, int(c.top_k), r.offsets + E, P, xs, c.stream),
+                 "gather_rows (token row scales)");
   } else if (sm90) {
     check_launch(k::quantize_fp8_rows(c.type, c.call.hidden_states.data, H, r.sorted_pair, int(c.top_k), P, H,
                                       r.offsets + E, c.fp8_pow2, xq, HB * kFp8Block, xs, HB, c.stream),
@@ -208,7 +231,15 @@ void run_fp8(const CallContext& c) {
     check_launch(k::quantize_fp8_rows(c.type, act, I, nullptr, 1, P, I, r.offsets + E, c.fp8_pow2, aq,
                                       IB * kFp8Block, as, IB, c.stream),
                  "quantize_fp8_rows (activations)");
-    gemm(projection_args(c, 2, r, aq, IB * kFp8Block, as, IB, nullptr, 1, y), "quantized projection (second)");
+    k::Fp4GemmArgs g2 = projection_args(c, 2, r, aq, IB * kFp8Block, as, IB, nullptr, 1, y);
+    if (rows16) g2.epilogue = k::kEpiWeighted;  // 16-bit rows (no weights): combine_rows16 below
+    gemm(g2, "quantized projection (second)");
+  }
+  if (rows16) {
+    check_launch(k::combine_rows16(c.type, c.weight_type, y, r.pair_row, r.pair_expert, c.call.top_k_weights.data,
+                                   c.b2, T, int(c.top_k), H, int(E), c.call.out.data, c.stream),
+                 "combine_rows16");
+    return;
   }
 
   check_launch(k::combine(c.type, c.weight_type, y, r.pair_row, r.pair_expert, c.call.top_k_weights.data, c.b2, T,

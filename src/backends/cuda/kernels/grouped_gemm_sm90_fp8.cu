@@ -13,7 +13,8 @@
 // bias) or writes f32, rows past the expert's end masked.
 //
 // Serves: A contiguous sorted rows (lda a multiple of 16, rows padded to whole blocks), weights [E, N, ld] with
-// ld a multiple of 16, 16-byte aligned; epilogues kEpiF32, kEpiActOnly and kEpiGated with concatenated halves;
+// ld a multiple of 16, 16-byte aligned; epilogues kEpiF32, kEpiActOnly, kEpiGated with concatenated halves and
+// kEpiWeighted without weights (16-bit rows of the output type, for combine_rows16);
 // sm_90a devices with this build's code. Elsewhere grouped_gemm_fp8 (grouped_gemm_fp8.cu) serves.
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -191,6 +192,18 @@ __device__ __forceinline__ void epilogue_k(const Fp8GemmArgs& args, const Work& 
             store_value<T, EPI, CODE>(args, bias, row, col + q, acc[4 * j + 2 * half + q],
                                       acc[4 * (j + 8) + 2 * half + q]);
       }
+    } else if constexpr (EPI == kEpiWeighted) {  // 16-bit rows: the accumulators rounded once to T
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int64_t col = col0 + 8 * j + 2 * (lane & 3);
+        T* out = static_cast<T*>(args.out) + row * args.ldo + col;
+        if (col + 1 < args.n && (args.ldo & 1) == 0) {
+          store_pair(out, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        } else {
+          if (col < args.n) out[0] = from_f32<T>(acc[4 * j + 2 * half]);
+          if (col + 1 < args.n) out[1] = from_f32<T>(acc[4 * j + 2 * half + 1]);
+        }
+      }
     } else if constexpr (EPI == kEpiF32) {
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
@@ -221,6 +234,9 @@ __device__ __forceinline__ void epilogue(const Fp8GemmArgs& args, const Work& t,
                                          const float (&acc)[64]) {
   if constexpr (EPI == kEpiF32) {
     epilogue_k<float, EPI, kActRuntime>(args, t, c, warp, lane, acc);
+  } else if constexpr (EPI == kEpiWeighted) {
+    if (args.type == Elem::f16) epilogue_k<f16, EPI, kActRuntime>(args, t, c, warp, lane, acc);
+    else epilogue_k<bf16, EPI, kActRuntime>(args, t, c, warp, lane, acc);
   } else {
     with_gate_code(args.gate, [&](auto code) {
       constexpr int kCode = decltype(code)::value;
@@ -439,7 +455,9 @@ cudaError_t launch(const Fp8GemmArgs& a, cudaStream_t stream) {
 bool grouped_gemm_fp8_sm90_ok(const Fp8GemmArgs& a, int arch) {
   if (a.a_rows || a.lda % 16 || a.b_stride_n % 16 || a.b_expert_stride % 16) return false;
   if (a.lda < (a.k + kBK - 1) / kBK * kBK || a.b_stride_n < a.k) return false;
-  if (a.epilogue != kEpiF32 && a.epilogue != kEpiActOnly && a.epilogue != kEpiGated) return false;
+  if (a.epilogue != kEpiF32 && a.epilogue != kEpiActOnly && a.epilogue != kEpiGated && a.epilogue != kEpiWeighted)
+    return false;
+  if (a.epilogue == kEpiWeighted && a.type != Elem::bf16 && a.type != Elem::f16) return false;
   if (a.epilogue == kEpiGated && !a.gate.concatenated) return false;
   if (!aligned16(a.a) || !aligned16(a.b)) return false;
   if (a.experts <= 0 || a.experts > 4096 || a.max_rows >= (int64_t(1) << 31) || a.n >= (int64_t(1) << 30)) return false;
@@ -452,6 +470,7 @@ cudaError_t grouped_gemm_fp8_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
     case kEpiGated: return launch<kEpiGated>(a, stream);
     case kEpiActOnly: return launch<kEpiActOnly>(a, stream);
     case kEpiF32: return launch<kEpiF32>(a, stream);
+    case kEpiWeighted: return launch<kEpiWeighted>(a, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -268,7 +268,7 @@ struct Fp8GemmArgs {
   int experts = 0;
   int64_t max_rows = 0;
   int64_t n = 0, k = 0, inter = 0;
-  int epilogue = kEpiF32;  // kEpiGated, kEpiActOnly or kEpiF32
+  int epilogue = kEpiF32;  // kEpiGated, kEpiActOnly or kEpiF32 (the sm90 kernel: kEpiWeighted, 16-bit rows)
   GateParams gate;
   void* out = nullptr;
   int64_t ldo = 0;
