@@ -88,8 +88,26 @@ __device__ __forceinline__ int64_t tile_weight_row(const Fp8GemmArgs& args, int 
   }
 }
 
-// Stores the accumulators x0, x1 of virtual columns v, v + 1 (v even) of row `row` through the epilogue.
-template <class T, int BN, int EPI>
+// fn(T{}, std::integral_constant<int, CODE>{}) with T the output type and CODE the gate code of these arguments:
+// the one switch a tile's epilogue takes outside its unrolled columns (f32 outputs: float and kActRuntime).
+template <int EPI, class Fn>
+__device__ __forceinline__ void with_epilogue_forms(const Fp8GemmArgs& args, Fn&& fn) {
+  if constexpr (EPI == kEpiF32) {
+    fn(float{}, std::integral_constant<int, kActRuntime>{});
+  } else {
+    with_gate_code(args.gate, [&](auto code) {
+      switch (args.type) {
+        case Elem::f32: fn(float{}, code); break;
+        case Elem::bf16: fn(bf16{}, code); break;
+        case Elem::f16: fn(f16{}, code); break;
+      }
+    });
+  }
+}
+
+// Stores the accumulators x0, x1 of virtual columns v, v + 1 (v even) of row `row` through the epilogue; CODE: the
+// gate as a constant or kActRuntime.
+template <class T, int BN, int EPI, int CODE = kActRuntime>
 __device__ __forceinline__ void store_fp8_pair(const Fp8GemmArgs& args, int expert, int bn, int64_t row, int v,
                                                float x0, float x1) {
   const T* bias = args.bias ? static_cast<const T*>(args.bias) + int64_t(expert) * args.bias_expert_stride : nullptr;
@@ -98,7 +116,7 @@ __device__ __forceinline__ void store_fp8_pair(const Fp8GemmArgs& args, int expe
     if (c >= args.n) return;
     const float bg = bias ? to_f32(bias[gate_row(args.gate, c)]) : 0.0f;
     const float bu = bias ? to_f32(bias[up_row(args.gate, c, args.inter)]) : 0.0f;
-    static_cast<T*>(args.out)[row * args.ldo + c] = from_f32<T>(fp8_gated<T>(args.gate, x0, x1, bias != nullptr, bg, bu));
+    static_cast<T*>(args.out)[row * args.ldo + c] = from_f32<T>(fp8_gated<T, CODE>(args.gate, x0, x1, bias != nullptr, bg, bu));
   } else {
     const int64_t n = int64_t(bn) * BN + v;
 #pragma unroll
@@ -106,7 +124,7 @@ __device__ __forceinline__ void store_fp8_pair(const Fp8GemmArgs& args, int expe
       if (n + q >= args.n) continue;
       const float x = q ? x1 : x0;
       if constexpr (EPI == kEpiActOnly) {
-        const float y = fp8_act_only<T>(args.gate, x, bias != nullptr, bias ? to_f32(bias[n + q]) : 0.0f);
+        const float y = fp8_act_only<T, CODE>(args.gate, x, bias != nullptr, bias ? to_f32(bias[n + q]) : 0.0f);
         static_cast<T*>(args.out)[row * args.ldo + n + q] = from_f32<T>(y);
       } else {
         static_cast<float*>(args.out)[row * args.ldo + n + q] = x;

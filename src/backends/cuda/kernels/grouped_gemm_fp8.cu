@@ -359,23 +359,22 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_fp8_kernel(const Fp8Gem
   }
   cp_async_wait<0>();
 
+  with_epilogue_forms<EPI>(args, [&](auto tag, auto code) {  // one switch outside the unrolled columns
+    using T = decltype(tag);
 #pragma unroll
-  for (int mi = 0; mi < MI; ++mi)
+    for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = m0 + wm * WM + mi * 16 + g + 8 * h;
-      if (row >= m_end) continue;
+      for (int h = 0; h < 2; ++h) {
+        const int64_t row = m0 + wm * WM + mi * 16 + g + 8 * h;
+        if (row >= m_end) continue;
 #pragma unroll
-      for (int ni = 0; ni < NI; ++ni) {
-        const int v = wn * 32 + ni * 8 + t4 * 2;
-        const float x0 = acc[mi][ni][2 * h], x1 = acc[mi][ni][2 * h + 1];
-        switch (args.type) {
-          case Elem::f32: store_fp8_pair<float, kBN, EPI>(args, expert, bn, row, v, x0, x1); break;
-          case Elem::bf16: store_fp8_pair<bf16, kBN, EPI>(args, expert, bn, row, v, x0, x1); break;
-          case Elem::f16: store_fp8_pair<f16, kBN, EPI>(args, expert, bn, row, v, x0, x1); break;
+        for (int ni = 0; ni < NI; ++ni) {
+          const int v = wn * 32 + ni * 8 + t4 * 2;
+          store_fp8_pair<T, kBN, EPI, decltype(code)::value>(args, expert, bn, row, v, acc[mi][ni][2 * h],
+                                                             acc[mi][ni][2 * h + 1]);
         }
       }
-    }
+  });
 #endif
 }
 

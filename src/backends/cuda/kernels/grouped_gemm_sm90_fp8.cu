@@ -232,19 +232,12 @@ __device__ __forceinline__ void epilogue_k(const Fp8GemmArgs& args, const Work& 
 template <int EPI>
 __device__ __forceinline__ void epilogue(const Fp8GemmArgs& args, const Work& t, int c, int warp, int lane,
                                          const float (&acc)[64]) {
-  if constexpr (EPI == kEpiF32) {
-    epilogue_k<float, EPI, kActRuntime>(args, t, c, warp, lane, acc);
-  } else if constexpr (EPI == kEpiWeighted) {
+  if constexpr (EPI == kEpiWeighted) {
     if (args.type == Elem::f16) epilogue_k<f16, EPI, kActRuntime>(args, t, c, warp, lane, acc);
     else epilogue_k<bf16, EPI, kActRuntime>(args, t, c, warp, lane, acc);
   } else {
-    with_gate_code(args.gate, [&](auto code) {
-      constexpr int kCode = decltype(code)::value;
-      switch (args.type) {
-        case Elem::f32: epilogue_k<float, EPI, kCode>(args, t, c, warp, lane, acc); break;
-        case Elem::bf16: epilogue_k<bf16, EPI, kCode>(args, t, c, warp, lane, acc); break;
-        case Elem::f16: epilogue_k<f16, EPI, kCode>(args, t, c, warp, lane, acc); break;
-      }
+    with_epilogue_forms<EPI>(args, [&](auto tag, auto code) {
+      epilogue_k<decltype(tag), EPI, decltype(code)::value>(args, t, c, warp, lane, acc);
     });
   }
 }
