@@ -32,12 +32,14 @@ __device__ __forceinline__ int64_t up_row(const GateParams& g, int64_t c, int64_
   return g.concatenated ? inter + c : 2 * c + 1;
 }
 
-// Expert of row tile `tile`: the largest e with tile_offsets[e] <= tile (that expert has tiles).
+// Expert of row tile `tile`: the largest e with tile_offsets[e] <= tile (that expert has tiles). SHARED: the
+// offsets are a copy in shared memory (plain loads) rather than in global memory (read-only cache loads).
+template <bool SHARED = false>
 __device__ __forceinline__ int tile_expert(const int32_t* tile_offsets, int experts, int tile) {
   int lo = 0, hi = experts - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (__ldg(tile_offsets + mid) <= tile) lo = mid;
+    if ((SHARED ? tile_offsets[mid] : __ldg(tile_offsets + mid)) <= tile) lo = mid;
     else hi = mid - 1;
   }
   return lo;

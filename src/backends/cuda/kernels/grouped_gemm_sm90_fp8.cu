@@ -116,14 +116,7 @@ struct Work {
 // tile_offsets[0, E] in shared memory (the search runs once per item in every consumer warp and the producer).
 [[maybe_unused]] __device__ __forceinline__ void work_item(const Fp8GemmArgs& args, const int* tiles_s, int w,
                                                            int n_tiles, Work& t) {
-  const int tile = w / n_tiles;
-  int lo = 0, hi = args.experts - 1;  // the largest e with tiles_s[e] <= tile (that expert has tiles)
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (tiles_s[mid] <= tile) lo = mid;
-    else hi = mid - 1;
-  }
-  const int e = lo, first_tile = tiles_s[e];
+  const int e = tile_expert<true>(tiles_s, args.experts, w / n_tiles), first_tile = tiles_s[e];
   const int m_tiles = tiles_s[e + 1] - first_tile;
   const int local = w - first_tile * n_tiles;
   t.expert = e;
