@@ -350,8 +350,10 @@ __device__ __forceinline__ void epilogue_bulk(const Fp8GemmArgs& args, const Wor
                                               const float (&acc)[64], unsigned char* stage, uint32_t stage_u32,
                                               const CUtensorMap* map_out) {
   if constexpr (EPI == kEpiWeighted) {
-    if (args.type == Elem::f16) epilogue_bulk_k<f16, EPI, kActRuntime>(args, t, c, warp, lane, acc, stage, stage_u32, map_out);
-    else epilogue_bulk_k<bf16, EPI, kActRuntime>(args, t, c, warp, lane, acc, stage, stage_u32, map_out);
+    if (args.type == Elem::f16)
+      epilogue_bulk_k<f16, EPI, kActRuntime>(args, t, c, warp, lane, acc, stage, stage_u32, map_out);
+    else
+      epilogue_bulk_k<bf16, EPI, kActRuntime>(args, t, c, warp, lane, acc, stage, stage_u32, map_out);
   } else {
     with_epilogue_forms<EPI>(args, [&](auto tag, auto code) {
       using T = decltype(tag);
