@@ -7,9 +7,11 @@
 // scales with FP8 activations): the device quantizer bit for bit against the host's, and the three backends against
 // the f64 reference over a sweep (K a multiple of 32 but not of 128, odd E, T = 1..11 on the GEMV, hundreds of rows
 // on the tiled kernel with row tiles of 32 and 128, sentinels, empty experts, biases, gpt-oss's interleaved clamped
-// SwiGLU), the GEMV forced on and off. Skips without a GPU.
+// SwiGLU), the GEMV forced on and off. The sm90 FP8 kernel's measurement forms against its default form, bit for
+// bit. Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -243,6 +245,78 @@ TEST(CudaQuant, Fp8GemvForcedOnAndOffMatchesTheReference) {
       }
     }
   }
+}
+
+// Sets the sm90 FP8 kernel's measurement switches (staged scales, bulk output stores) and the second projection's
+// 16-bit rows for the scope.
+class Fp8Sm90Forms {
+ public:
+  Fp8Sm90Forms(bool staged, bool tma_store, bool rows16)
+      : staged_(cuda::kernels::set_fp8_sm90_staged_scales(staged)),
+        tma_store_(cuda::kernels::set_fp8_sm90_tma_store(tma_store)),
+        rows16_(cuda::set_grouped_down_rows16(rows16)) {}
+  ~Fp8Sm90Forms() {
+    cuda::kernels::set_fp8_sm90_staged_scales(staged_);
+    cuda::kernels::set_fp8_sm90_tma_store(tma_store_);
+    cuda::set_grouped_down_rows16(rows16_);
+  }
+  Fp8Sm90Forms(const Fp8Sm90Forms&) = delete;
+  Fp8Sm90Forms& operator=(const Fp8Sm90Forms&) = delete;
+
+ private:
+  bool staged_, tma_store_, rows16_;
+};
+
+// The sm90 FP8 kernel's forms (scales staged by the producer, 16-bit outputs through bulk tensor stores, both,
+// neither) with the second projection in 16-bit rows (kEpiWeighted: bulk stores there too), and the staged scales
+// with f32 rows: the default form against the f64 reference, each other form the same bits (the same sums in the
+// same order, the same roundings). Cases: many work items per block (the output staging reused while its stores
+// are in flight) with a last column box past n; f16 outputs, biases and the act-only epilogue, hidden rows whose
+// length is not a multiple of 8 (the 16-bit rows keep the direct stores); the clamped SwiGLU with biases and
+// sentinels over five experts. Experts' row counts are random, so 64-row blocks that cross an expert's end (direct
+// stores) and whole ones (bulk stores) both occur. Outputs poisoned per run; before each run the same experts run
+// other token rows, so that intermediate rows a form failed to write would hold those rows' values.
+TEST(CudaQuant, Fp8Sm90FormsMatchTheReferenceAndEachOther) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  const std::vector<std::pair<ProblemConfig, DType>> cases = {
+      {{.act = DType::bf16, .T = 640, .E = 3, .K = 2, .H = 256, .I = 1032}, DType::f32},
+      {{.act = DType::f16, .T = 300, .E = 4, .K = 2, .H = 260, .I = 328, .has_gate = false, .has_bias = true,
+        .activation = Activation::gelu},
+       DType::ue8m0},
+      {{.act = DType::bf16, .rwt = DType::bf16, .T = 260, .E = 5, .K = 2, .H = 264, .I = 200, .has_bias = true,
+        .gate = GateKind::clamped_swiglu, .limit = 7.0f, .sentinels = true},
+       DType::f32},
+  };
+  // (staged scales, bulk stores, 16-bit rows); the first of each rows16 setting is the default form
+  const std::vector<std::array<bool, 3>> forms = {{false, false, true}, {true, false, true}, {false, true, true},
+                                                  {true, true, true},   {false, false, false}, {true, false, false}};
+  std::mt19937_64 rng(1300);
+  uint64_t seed = 1300;
+  int checked = 0;
+  for (const auto& [c, sdt] : cases) {
+    const test::ExpertsProblem p = make_fp8_problem(c, seed++, sdt, /*biases_in_act_dtype=*/true);
+    const Tensor other_x = test::randn(p.hidden_states.shape(), DType::f32, rng).to(p.hidden_states.dtype());
+    const Experts g = p.experts.to(Device::cuda(0));
+    Tensor first;
+    for (const auto& [staged, tma_store, rows16] : forms) {
+      const Fp8Sm90Forms set(staged, tma_store, rows16);
+      (void)test::run_backend(g, "grouped_mm", other_x, p.top_k_index, p.top_k_weights);
+      const Tensor out = test::run_backend(g, "grouped_mm", p.hidden_states, p.top_k_index, p.top_k_weights);
+      const std::string what = std::string("staged ") + (staged ? "1" : "0") + " bulk stores " +
+                               (tma_store ? "1" : "0") + " rows16 " + (rows16 ? "1 " : "0 ") + c.to_string();
+      if (!staged && !tma_store) {  // the default form of this rows16 setting: against the reference
+        double err = 0;
+        const std::string problem = test::compare_with_reference(p, out, &err);
+        std::printf("  %s scales %s: rel L2 %.2e %s\n", what.c_str(), dtype_name(sdt), err, problem.c_str());
+        EXPECT_TRUE(problem.empty()) << what << ": " << problem;
+        first = out;
+      } else {
+        EXPECT_TRUE(test::bitwise_equal(out, first)) << what << ": not the default form's bits";
+      }
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, int(cases.size() * forms.size()));
 }
 
 // The launcher refuses what the kernel cannot read (unaligned or short A rows) instead of reading out of bounds.

@@ -12,6 +12,16 @@
 // (the FP8 tensor cores' own accumulation never spans more than one block). The epilogue applies the gate (and
 // bias) or writes f32, rows past the expert's end masked.
 //
+// Two forms behind measurement switches (both off by default; the sums and outputs are the same bits either way):
+// - staged scales (MOEKIT_FP8_SM90_STAGED_SCALES): the producer warp's 32 lanes copy each block's 128 activation
+//   scales and the box's weight scale(s) into shared memory beside the stage (cp.async, counted by the stage's full
+//   barrier), and the consumers read them there after the stage wait, in place of the global loads one block ahead;
+// - bulk output stores (MOEKIT_FP8_SM90_TMA_STORE, 16-bit outputs: the gated and act-only epilogues and the 16-bit
+//   rows of kEpiWeighted): each consumer warpgroup stages its 64 rows as 64 x 64 boxes (128-byte swizzle) and one
+//   thread issues bulk tensor stores, so that the next item's main loop starts while the copy engine writes (the
+//   staging is reused once the previous stores have read it); 64-row blocks that cross the expert's end, and
+//   outputs whose rows are not 16-byte aligned, keep the direct stores.
+//
 // Serves: A contiguous sorted rows (lda a multiple of 16, rows padded to whole blocks), weights [E, N, ld] with
 // ld a multiple of 16, 16-byte aligned; epilogues kEpiF32, kEpiActOnly, kEpiGated with concatenated halves and
 // kEpiWeighted without weights (16-bit rows of the output type, for combine_rows16);
@@ -25,6 +35,7 @@
 
 #include "backends/cuda/kernels/fp8_epilogue.cuh"
 #include "backends/cuda/kernels/grouped_gemm_sm90.cuh"
+#include "base/env.h"
 
 namespace moekit::cuda::kernels {
 namespace {
@@ -33,10 +44,33 @@ using sm90::smem_desc;
 
 constexpr int kBM = 128, kBN = 128, kBK = 128, kStages = 5, kThreads = 384;
 constexpr int kABytes = kBM * kBK, kBBytes = kBN * kBK, kStageBytes = kABytes + kBBytes;
-constexpr size_t kSmemBytes = size_t(kStages) * kStageBytes + 2 * kStages * 8 + 1024;  // + tile offsets (launch)
-// Dynamic shared memory of a launch over `experts` experts: the stages, the barriers, the alignment slack and the
-// copy of tile_offsets[0, E].
-size_t smem_bytes(int experts) { return kSmemBytes + (size_t(experts) + 1) * sizeof(int); }
+// Staged scales: kBM activation scales and two weight scales per stage. Output staging: per consumer warpgroup up
+// to two 64 x 64 16-bit boxes of 8 KB.
+constexpr int kScaleFloats = kBM + 2, kScaleStride = 528;  // bytes per stage (16-byte multiple)
+constexpr int kBoxBytes = 64 * 128, kOutBytes = 2 * kBoxBytes;
+static_assert(kScaleFloats * 4 <= kScaleStride, "staged scales");
+
+// Offsets from the 1024-aligned base of the dynamic shared memory: the stages, the barriers (2 kStages), the copy
+// of tile_offsets[0, E]; with the forms on, the staged scales (kStages x kScaleStride bytes, 16-byte aligned) and
+// the output staging (two consumers x kOutBytes, 1024-byte aligned). end: the bytes used past the base.
+struct SmemLayout {
+  uint32_t bars, tiles, scales, out, end;
+};
+__host__ __device__ constexpr SmemLayout smem_layout(int experts, bool staged, bool bulk) {
+  SmemLayout l{};
+  l.bars = uint32_t(kStages) * kStageBytes;
+  l.tiles = l.bars + 2 * kStages * 8;
+  const uint32_t tiles_end = l.tiles + (uint32_t(experts) + 1) * 4;
+  l.scales = (tiles_end + 15) & ~15u;
+  const uint32_t scales_end = staged ? l.scales + kStages * kScaleStride : tiles_end;
+  l.out = (scales_end + 1023) & ~1023u;
+  l.end = bulk ? l.out + 2 * kOutBytes : scales_end;
+  return l;
+}
+// Dynamic shared memory of a launch over `experts` experts: the layout above and the alignment slack (both forms
+// off: the stages, the barriers and the tile offsets alone).
+size_t smem_bytes(int experts, bool staged, bool bulk) { return smem_layout(experts, staged, bulk).end + 1024; }
+static_assert(smem_layout(4096, true, true).end + 1024 <= 227 * 1024, "shared memory layout");
 
 [[maybe_unused]] __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
@@ -73,6 +107,15 @@ size_t smem_bytes(int experts) { return kSmemBytes + (size_t(experts) + 1) * siz
           "r"(dst),
       "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
+}
+
+// 4-byte asynchronous copy global -> shared, and an arrival on `bar` once this thread's copies so far have landed
+// (the barrier's expected count includes it: .noinc).
+[[maybe_unused]] __device__ __forceinline__ void cp_async_4(uint32_t dst, const float* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+[[maybe_unused]] __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
 // d[64 x 128] (=|+=) A[64 x 32] . B[128 x 32]^T, e4m3 operands from shared memory (K-major), f32 accumulators;
@@ -235,26 +278,111 @@ __device__ __forceinline__ void epilogue(const Fp8GemmArgs& args, const Work& t,
   }
 }
 
+// The 16-bit epilogues through shared memory: consumer c's 64 rows (all inside the expert) staged as 64 x 64 boxes
+// (128-byte swizzle: 16-byte chunk ch of row r at chunk ch ^ (r % 8)), then bulk tensor stores issued by the
+// warpgroup's first thread (columns past n clipped by the copy engine). The values are those of epilogue_k above,
+// bit for bit; CODE: the gate as a constant, as there.
+template <class T, int EPI, int CODE>
+__device__ __forceinline__ void epilogue_bulk_k(const Fp8GemmArgs& args, const Work& t, int c, int warp, int lane,
+                                                const float (&acc)[64], unsigned char* stage, uint32_t stage_u32,
+                                                const CUtensorMap* map_out) {
+  static_assert(EPI != kEpiF32 && !std::is_same_v<T, float>, "16-bit epilogues only");
+  constexpr int kCols = EPI == kEpiGated ? kBN / 2 : kBN, kBoxes = kCols / 64;
+  using T2 = std::conditional_t<std::is_same_v<T, bf16>, __nv_bfloat162, __half2>;
+  const T* bias = args.bias ? static_cast<const T*>(args.bias) + int64_t(t.expert) * args.bias_expert_stride : nullptr;
+  const int64_t col0 = int64_t(t.n_tile) * kCols;
+  const int tl = threadIdx.x % 128;
+  if (tl == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // the previous item's stores read
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = warp * 16 + (lane >> 2) + half * 8;
+#pragma unroll
+    for (int j = 0; j < kCols / 8; ++j) {
+      const int64_t col = col0 + 8 * j + 2 * (lane & 3);
+      float y[2];
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const bool in = col + q < args.n;
+        if constexpr (EPI == kEpiGated) {
+          const float bg = bias && in ? to_f32(bias[col + q]) : 0.0f;
+          const float bu = bias && in ? to_f32(bias[args.inter + col + q]) : 0.0f;
+          y[q] = fp8_gated<T, CODE>(args.gate, acc[4 * j + 2 * half + q], acc[4 * (j + 8) + 2 * half + q],
+                                    bias != nullptr, bg, bu);
+        } else if constexpr (EPI == kEpiActOnly) {
+          y[q] = fp8_act_only<T, CODE>(args.gate, acc[4 * j + 2 * half + q], bias != nullptr,
+                                       bias && in ? to_f32(bias[col + q]) : 0.0f);
+        } else {  // kEpiWeighted without weights: the accumulators rounded once to T
+          y[q] = acc[4 * j + 2 * half + q];
+        }
+      }
+      T2 v;
+      v.x = from_f32<T>(y[0]);
+      v.y = from_f32<T>(y[1]);
+      const int off = (j >> 3) * kBoxBytes + r * 128 + (((j & 7) ^ (r & 7)) << 4) + (lane & 3) * 4;
+      *reinterpret_cast<T2*>(stage + off) = v;
+    }
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the staging visible to the copy engine
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
+  if (tl == 0) {
+    const int r0 = int(t.m0) + c * 64;
+#pragma unroll
+    for (int b = 0; b < kBoxes; ++b)
+      if (col0 + 64 * b < args.n)
+        asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(map_out),
+                     "r"(int(col0) + 64 * b), "r"(r0), "r"(stage_u32 + b * kBoxBytes)
+                     : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+  }
+}
+
+// The bulk-store epilogue of a tile: one switch onto the output type and the gate's constant form, as epilogue().
 template <int EPI>
+__device__ __forceinline__ void epilogue_bulk(const Fp8GemmArgs& args, const Work& t, int c, int warp, int lane,
+                                              const float (&acc)[64], unsigned char* stage, uint32_t stage_u32,
+                                              const CUtensorMap* map_out) {
+  if constexpr (EPI == kEpiWeighted) {
+    if (args.type == Elem::f16)
+      epilogue_bulk_k<f16, EPI, kActRuntime>(args, t, c, warp, lane, acc, stage, stage_u32, map_out);
+    else
+      epilogue_bulk_k<bf16, EPI, kActRuntime>(args, t, c, warp, lane, acc, stage, stage_u32, map_out);
+  } else {
+    with_epilogue_forms<EPI>(args, [&](auto tag, auto code) {
+      using T = decltype(tag);
+      if constexpr (std::is_same_v<T, float>) {  // not launched so (the launcher's condition): the direct stores
+        epilogue_k<T, EPI, decltype(code)::value>(args, t, c, warp, lane, acc);
+      } else {
+        epilogue_bulk_k<T, EPI, decltype(code)::value>(args, t, c, warp, lane, acc, stage, stage_u32, map_out);
+      }
+    });
+  }
+}
+
+// STAGED, BULK: the forms of the header comment (BULK only for 16-bit epilogues).
+template <int EPI, bool STAGED, bool BULK>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_sm90_fp8_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                                 const Fp8GemmArgs args) {
+                                 const __grid_constant__ CUtensorMap map_out, const Fp8GemmArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(!BULK || EPI != kEpiF32, "bulk stores: 16-bit epilogues");
   extern __shared__ __align__(1024) unsigned char fp8_smem[];
   const uint32_t base = (smem_u32(fp8_smem) + 1023) & ~1023u;  // swizzled tiles: 1024-byte aligned
-  const uint32_t bars = base + kStages * kStageBytes;
+  const SmemLayout lay = smem_layout(args.experts, STAGED, BULK);
+  const uint32_t bars = base + lay.bars;
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (kStages + s); };
+  auto scales = [&](int s) { return base + lay.scales + s * kScaleStride; };  // STAGED: kScaleFloats f32
   const int tid = threadIdx.x, wg = tid / 128;
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full(s), 1);
+      mbar_init(full(s), STAGED ? 1 + 32 : 1);  // the copy engine's bytes (+ each producer lane's scale copies)
       mbar_init(empty(s), 8);  // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  int* tiles_s = reinterpret_cast<int*>(fp8_smem + (bars - smem_u32(fp8_smem)) + 2 * kStages * 8);
+  int* tiles_s = reinterpret_cast<int*>(fp8_smem + (base + lay.tiles - smem_u32(fp8_smem)));
   for (int e = tid; e <= args.experts; e += kThreads) tiles_s[e] = __ldg(args.tile_offsets + e);
   __syncthreads();
 
@@ -264,25 +392,43 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (tid != 0) return;
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_a) : "memory");
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_b) : "memory");
+    if (tid >= (STAGED ? 32 : 1)) return;  // one thread issues the copies (STAGED: its warp copies the scales)
+    if (tid == 0) {
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_a) : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_b) : "memory");
+    }
     int s = 0;
     uint32_t phase = 0;
     for (int w = blockIdx.x; w < total; w += gridDim.x) {
       Work t;
       work_item(args, tiles_s, w, n_tiles, t);
       const int row0 = t.n_tile * tile_cols<EPI>();
+      // STAGED: lane l copies the scales of tile rows l + 32 i (rows past the expert: its last row's, as the
+      // consumers' clamped loads) and lanes 0 / 1 the weight scales of the box's first / second half.
+      [[maybe_unused]] const float* sw =
+          args.b_scale + int64_t(t.expert) * args.bs_expert_stride +
+          scale_row(args, (EPI == kEpiGated && tid == 1 ? args.inter : 0) + row0) * kblocks;
       for (int kb = 0; kb < kblocks; ++kb) {
         mbar_wait(empty(s), phase ^ 1);
         const uint32_t st = base + s * kStageBytes;
-        mbar_expect_tx(full(s), kStageBytes);
-        tma_load_2d(st, &map_a, full(s), kb * kBK, int(t.m0));
-        if constexpr (EPI == kEpiGated) {  // 64 gate rows, then the 64 matching up rows
-          tma_load_3d(st + kABytes, &map_b, full(s), kb * kBK, row0, t.expert);
-          tma_load_3d(st + kABytes + kBBytes / 2, &map_b, full(s), kb * kBK, int(args.inter) + row0, t.expert);
-        } else {
-          tma_load_3d(st + kABytes, &map_b, full(s), kb * kBK, row0, t.expert);
+        if (tid == 0) {
+          mbar_expect_tx(full(s), kStageBytes);
+          tma_load_2d(st, &map_a, full(s), kb * kBK, int(t.m0));
+          if constexpr (EPI == kEpiGated) {  // 64 gate rows, then the 64 matching up rows
+            tma_load_3d(st + kABytes, &map_b, full(s), kb * kBK, row0, t.expert);
+            tma_load_3d(st + kABytes + kBBytes / 2, &map_b, full(s), kb * kBK, int(args.inter) + row0, t.expert);
+          } else {
+            tma_load_3d(st + kABytes, &map_b, full(s), kb * kBK, row0, t.expert);
+          }
+        }
+        if constexpr (STAGED) {
+#pragma unroll
+          for (int i = 0; i < kBM / 32; ++i) {
+            const int64_t r = std::min<int64_t>(t.m0 + tid + 32 * i, t.m_end - 1);
+            cp_async_4(scales(s) + 4 * (tid + 32 * i), args.a_scale + r * args.lds + kb);
+          }
+          if (tid < 2) cp_async_4(scales(s) + 4 * (kBM + tid), sw + kb);
+          cp_async_arrive(full(s));
         }
         if (++s == kStages) {
           s = 0;
@@ -290,6 +436,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
+    if constexpr (STAGED) asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
     return;
   }
 
@@ -303,25 +450,43 @@ __global__ void __launch_bounds__(kThreads, 1)
     Work t;
     work_item(args, tiles_s, w, n_tiles, t);
     const int64_t r0 = t.m0 + c * 64 + warp * 16 + (lane >> 2);
-    const float* sa0 = args.a_scale + std::min<int64_t>(r0, t.m_end - 1) * args.lds;
-    const float* sa1 = args.a_scale + std::min<int64_t>(r0 + 8, t.m_end - 1) * args.lds;
-    const int64_t wrow0 = int64_t(t.n_tile) * tile_cols<EPI>();
-    const float* ws_base = args.b_scale + int64_t(t.expert) * args.bs_expert_stride;
-    const float* sw0 = ws_base + scale_row(args, wrow0) * kblocks;
-    const float* sw1 = EPI == kEpiGated ? ws_base + scale_row(args, args.inter + wrow0) * kblocks : sw0;
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    // Each block's scales are loaded one block ahead, so that their latency passes under the previous block's MMAs.
-    float a0n = __ldg(sa0), a1n = __ldg(sa1), w0n = __ldg(sw0), w1n = __ldg(sw1);
+    // Each block's scales are loaded one block ahead, so that their latency passes under the previous block's MMAs
+    // (STAGED: read from the stage's copy after its wait instead).
+    [[maybe_unused]] const float *sa0 = nullptr, *sa1 = nullptr, *sw0 = nullptr, *sw1 = nullptr;
+    [[maybe_unused]] float a0n = 0.0f, a1n = 0.0f, w0n = 0.0f, w1n = 0.0f;
+    if constexpr (!STAGED) {
+      sa0 = args.a_scale + std::min<int64_t>(r0, t.m_end - 1) * args.lds;
+      sa1 = args.a_scale + std::min<int64_t>(r0 + 8, t.m_end - 1) * args.lds;
+      const int64_t wrow0 = int64_t(t.n_tile) * tile_cols<EPI>();
+      const float* ws_base = args.b_scale + int64_t(t.expert) * args.bs_expert_stride;
+      sw0 = ws_base + scale_row(args, wrow0) * kblocks;
+      sw1 = EPI == kEpiGated ? ws_base + scale_row(args, args.inter + wrow0) * kblocks : sw0;
+      a0n = __ldg(sa0);
+      a1n = __ldg(sa1);
+      w0n = __ldg(sw0);
+      w1n = __ldg(sw1);
+    }
     for (int kb = 0; kb < kblocks; ++kb) {
-      const float a0 = a0n, a1 = a1n, w0 = w0n, w1 = w1n;
-      if (kb + 1 < kblocks) {
-        a0n = __ldg(sa0 + kb + 1);
-        a1n = __ldg(sa1 + kb + 1);
-        w0n = __ldg(sw0 + kb + 1);
-        w1n = __ldg(sw1 + kb + 1);
+      float a0 = a0n, a1 = a1n, w0 = w0n, w1 = w1n;
+      if constexpr (!STAGED) {
+        if (kb + 1 < kblocks) {
+          a0n = __ldg(sa0 + kb + 1);
+          a1n = __ldg(sa1 + kb + 1);
+          w0n = __ldg(sw0 + kb + 1);
+          w1n = __ldg(sw1 + kb + 1);
+        }
       }
       mbar_wait(full(s), phase);
+      if constexpr (STAGED) {  // the producer's copies, complete with the stage
+        const float* sc = reinterpret_cast<const float*>(fp8_smem + (scales(s) - smem_u32(fp8_smem)));
+        const int r = c * 64 + warp * 16 + (lane >> 2);
+        a0 = sc[r];
+        a1 = sc[r + 8];
+        w0 = sc[kBM];
+        w1 = EPI == kEpiGated ? sc[kBM + 1] : w0;
+      }
       const uint32_t st = base + s * kStageBytes;
       const uint64_t desc_a = smem_desc(st + c * 64 * kBK);
       const uint64_t desc_b = smem_desc(st + kABytes);
@@ -332,6 +497,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
       fence_operands(part);
+      if constexpr (STAGED) __syncwarp();  // the warp's scale reads before the stage is released
       if (lane == 0) mbar_arrive(empty(s));
       if (++s == kStages) {
         s = 0;
@@ -350,7 +516,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     if (t.m0 + c * 64 >= t.m_end) continue;
+    if constexpr (BULK) {
+      if (t.m0 + c * 64 + 64 <= t.m_end) {  // the warpgroup's 64 rows inside the expert
+        const uint32_t stage_u32 = base + lay.out + c * kOutBytes;
+        epilogue_bulk<EPI>(args, t, c, warp, lane, acc, fp8_smem + (stage_u32 - smem_u32(fp8_smem)), stage_u32,
+                           &map_out);
+        continue;
+      }
+    }
     epilogue<EPI>(args, t, c, warp, lane, acc);
+  }
+  if constexpr (BULK) {
+    if (tid % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the stores complete
   }
 #endif
 }
@@ -388,7 +565,7 @@ bool compiled_for(int arch) {
   int v = known[device].load();
   if (v == 0) {
     cudaFuncAttributes attr{};
-    const bool ok = cudaFuncGetAttributes(&attr, grouped_gemm_sm90_fp8_kernel<kEpiF32>) == cudaSuccess &&
+    const bool ok = cudaFuncGetAttributes(&attr, grouped_gemm_sm90_fp8_kernel<kEpiF32, false, false>) == cudaSuccess &&
                     attr.binaryVersion == 90 && encode_fn() != nullptr;
     (void)cudaGetLastError();
     v = ok ? 1 : 2;
@@ -398,6 +575,21 @@ bool compiled_for(int arch) {
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// The measurement switches of the header comment (off: the default form).
+EnvSwitch g_staged_scales{"MOEKIT_FP8_SM90_STAGED_SCALES", false}, g_tma_store{"MOEKIT_FP8_SM90_TMA_STORE", false};
+
+using KernelFn = void (*)(CUtensorMap, CUtensorMap, CUtensorMap, Fp8GemmArgs);
+template <int EPI>
+KernelFn kernel_for(bool staged, bool bulk) {
+  if constexpr (EPI == kEpiF32) {
+    return staged ? grouped_gemm_sm90_fp8_kernel<EPI, true, false> : grouped_gemm_sm90_fp8_kernel<EPI, false, false>;
+  } else {
+    if (bulk)
+      return staged ? grouped_gemm_sm90_fp8_kernel<EPI, true, true> : grouped_gemm_sm90_fp8_kernel<EPI, false, true>;
+    return staged ? grouped_gemm_sm90_fp8_kernel<EPI, true, false> : grouped_gemm_sm90_fp8_kernel<EPI, false, false>;
+  }
+}
 
 template <int EPI>
 cudaError_t launch(const Fp8GemmArgs& a, cudaStream_t stream) {
@@ -424,15 +616,29 @@ cudaError_t launch(const Fp8GemmArgs& a, cudaStream_t stream) {
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
       return cudaErrorInvalidValue;
   }
-  auto kernel = grouped_gemm_sm90_fp8_kernel<EPI>;
-  const size_t smem = smem_bytes(a.experts);
+  // 16-bit outputs through shared memory and bulk tensor stores (switch on, rows 16-byte aligned): 64 x 64 boxes
+  CUtensorMap map_out{};
+  bool bulk = false;
+  if (EPI != kEpiF32 && g_tma_store.on() && (a.type == Elem::bf16 || a.type == Elem::f16) && a.ldo % 8 == 0 &&
+      a.ldo >= a.n && aligned16(a.out)) {
+    const cuuint64_t dims[2] = {cuuint64_t(a.n), cuuint64_t(a.max_rows)};
+    const cuuint64_t strides[1] = {cuuint64_t(a.ldo) * 2};
+    const cuuint32_t box[2] = {64, 64}, estr[2] = {1, 1};
+    const auto dt = a.type == Elem::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    bulk = encode(&map_out, dt, 2, a.out, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  }
+  const bool staged = g_staged_scales.on();
+  const KernelFn kernel = kernel_for<EPI>(staged, bulk);
+  const size_t smem = smem_bytes(a.experts, staged, bulk);
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
   const int64_t cols = EPI == kEpiGated ? kBN / 2 : kBN;
   const int64_t work = grouped_max_tiles(a.max_rows, a.experts, kBM) * ((a.n + cols - 1) / cols);
   const int grid = int(std::min<int64_t>(work, sm_count()));
   if (grid == 0) return cudaSuccess;
-  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, a);
+  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_out, a);
   return cudaGetLastError();
 }
 
@@ -449,6 +655,9 @@ bool grouped_gemm_fp8_sm90_ok(const Fp8GemmArgs& a, int arch) {
   if (a.experts <= 0 || a.experts > 4096 || a.max_rows >= (int64_t(1) << 31) || a.n >= (int64_t(1) << 30)) return false;
   return compiled_for(arch);
 }
+
+bool set_fp8_sm90_staged_scales(bool on) { return g_staged_scales.set(on); }
+bool set_fp8_sm90_tma_store(bool on) { return g_tma_store.set(on); }
 
 cudaError_t grouped_gemm_fp8_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   if (a.max_rows == 0 || a.n == 0) return cudaSuccess;
