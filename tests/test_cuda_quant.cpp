@@ -7,8 +7,8 @@
 // scales with FP8 activations): the device quantizer bit for bit against the host's, and the three backends against
 // the f64 reference over a sweep (K a multiple of 32 but not of 128, odd E, T = 1..11 on the GEMV, hundreds of rows
 // on the tiled kernel with row tiles of 32 and 128, sentinels, empty experts, biases, gpt-oss's interleaved clamped
-// SwiGLU), the GEMV forced on and off. The sm90 FP8 kernel's measurement forms against its default form, bit for
-// bit. Skips without a GPU.
+// SwiGLU), the GEMV forced on and off. The sm90 FP8 kernel's staged-scale and bulk-store forms against its plain
+// form, bit for bit. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -269,7 +269,7 @@ class Fp8Sm90Forms {
 
 // The sm90 FP8 kernel's forms (scales staged by the producer, 16-bit outputs through bulk tensor stores, both,
 // neither) with the second projection in 16-bit rows (kEpiWeighted: bulk stores there too), and the staged scales
-// with f32 rows: the default form against the f64 reference, each other form the same bits (the same sums in the
+// with f32 rows: the plain form against the f64 reference, each other form the same bits (the same sums in the
 // same order, the same roundings). Cases: many work items per block (the output staging reused while its stores
 // are in flight) with a last column box past n; f16 outputs, biases and the act-only epilogue, hidden rows whose
 // length is not a multiple of 8 (the 16-bit rows keep the direct stores); the clamped SwiGLU with biases and
@@ -287,7 +287,7 @@ TEST(CudaQuant, Fp8Sm90FormsMatchTheReferenceAndEachOther) {
         .gate = GateKind::clamped_swiglu, .limit = 7.0f, .sentinels = true},
        DType::f32},
   };
-  // (staged scales, bulk stores, 16-bit rows); the first of each rows16 setting is the default form
+  // (staged scales, bulk stores, 16-bit rows); the first of each rows16 setting is the plain form
   const std::vector<std::array<bool, 3>> forms = {{false, false, true}, {true, false, true}, {false, true, true},
                                                   {true, true, true},   {false, false, false}, {true, false, false}};
   std::mt19937_64 rng(1300);
@@ -304,14 +304,14 @@ TEST(CudaQuant, Fp8Sm90FormsMatchTheReferenceAndEachOther) {
       const Tensor out = test::run_backend(g, "grouped_mm", p.hidden_states, p.top_k_index, p.top_k_weights);
       const std::string what = std::string("staged ") + (staged ? "1" : "0") + " bulk stores " +
                                (tma_store ? "1" : "0") + " rows16 " + (rows16 ? "1 " : "0 ") + c.to_string();
-      if (!staged && !tma_store) {  // the default form of this rows16 setting: against the reference
+      if (!staged && !tma_store) {  // the plain form of this rows16 setting: against the reference
         double err = 0;
         const std::string problem = test::compare_with_reference(p, out, &err);
         std::printf("  %s scales %s: rel L2 %.2e %s\n", what.c_str(), dtype_name(sdt), err, problem.c_str());
         EXPECT_TRUE(problem.empty()) << what << ": " << problem;
         first = out;
       } else {
-        EXPECT_TRUE(test::bitwise_equal(out, first)) << what << ": not the default form's bits";
+        EXPECT_TRUE(test::bitwise_equal(out, first)) << what << ": not the plain form's bits";
       }
       ++checked;
     }

@@ -12,7 +12,7 @@
 // (the FP8 tensor cores' own accumulation never spans more than one block). The epilogue applies the gate (and
 // bias) or writes f32, rows past the expert's end masked.
 //
-// Two forms behind measurement switches (both off by default; the sums and outputs are the same bits either way):
+// Two forms, both on by default (switches for measurement; the sums and outputs are the same bits either way):
 // - staged scales (MOEKIT_FP8_SM90_STAGED_SCALES): the producer warp's 32 lanes copy each block's 128 activation
 //   scales and the box's weight scale(s) into shared memory beside the stage (cp.async, counted by the stage's full
 //   barrier), and the consumers read them there after the stage wait, in place of the global loads one block ahead;
@@ -576,8 +576,8 @@ bool compiled_for(int arch) {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-// The measurement switches of the header comment (off: the default form).
-EnvSwitch g_staged_scales{"MOEKIT_FP8_SM90_STAGED_SCALES", false}, g_tma_store{"MOEKIT_FP8_SM90_TMA_STORE", false};
+// The switches of the header comment (on: the default form; off: the plain form).
+EnvSwitch g_staged_scales{"MOEKIT_FP8_SM90_STAGED_SCALES", true}, g_tma_store{"MOEKIT_FP8_SM90_TMA_STORE", true};
 
 using KernelFn = void (*)(CUtensorMap, CUtensorMap, CUtensorMap, Fp8GemmArgs);
 template <int EPI>
