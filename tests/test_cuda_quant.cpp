@@ -169,6 +169,10 @@ std::vector<std::pair<ProblemConfig, DType>> fp8_sweep() {
   add({.act = DType::f16, .idt = DType::i32, .T = 16, .E = 33, .K = 4, .H = 384, .I = 208, .has_gate = false,
        .has_bias = true, .activation = Activation::relu2}, DType::ue8m0);
   add({.T = 4, .E = 5, .K = 2, .H = 64, .I = 48, .sentinel_every = 1});                // every slot a sentinel
+  // 16-bit activations past the GEMV's reach with few rows per expert: 5 on average (the sm90 kernel's 128-row tiles
+  // mostly padding, one consumer warpgroup's rows all padding), and fewer pairs than experts (32-row tiles)
+  add({.act = DType::bf16, .T = 100, .E = 40, .K = 2, .H = 256, .I = 192, .sentinels = true});
+  add({.act = DType::f16, .T = 40, .E = 100, .K = 2, .H = 136, .I = 72, .has_bias = true}, DType::ue8m0);
   return v;
 }
 

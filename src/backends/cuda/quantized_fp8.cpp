@@ -22,6 +22,7 @@
 // activations are quantized as above with power-of-two scales; with float activations (MXFP4 as transformers runs
 // it) the kernels read the token rows (gathered by index) and the gated activations as they are, and f32
 // activations keep to the GEMV (the tensor cores would round them).
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -55,6 +56,15 @@ constexpr int kFp8GemvTile = 64;
 // FP4: 64 as well. Measured on gpt-oss-20b MXFP4 at T = 64 (256 pairs, 8 rows per expert): 723 us on the tiled
 // kernel, 1447 us on the GEMV in four-row passes (docs/perf.md).
 constexpr int64_t kFp4GemvMaxPairs = 64;
+// Rows per expert (on average over the call's pairs) from which the FP8 experts take the sm90 kernel's 128-row tiles
+// (sm_90a, 16-bit activations) instead of the mma.sync kernel's 32-row tiles: 1, i.e. past the GEMV's reach.
+// Measured on the H200 (qwen3-30b-a3b, docs/perf.md): T = 64 (4 rows per expert) 305 -> 248 us, T = 512 (32 rows)
+// 476 -> 309 us against fp8_tile_m's 64. MOEKIT_FP8_TILE128_ROWS overrides it for measuring.
+constexpr int64_t kFp8Sm90TileRows = 1;
+int64_t fp8_sm90_tile_rows() {
+  static const int64_t v = std::max<int64_t>(1, env_int("MOEKIT_FP8_TILE128_ROWS", kFp8Sm90TileRows));
+  return v;
+}
 std::atomic<int64_t>& fp8_gemv_limit() {
   static std::atomic<int64_t> v{env_int("MOEKIT_FP8_GEMV_MAX_PAIRS", kFp8GemvMaxPairs)};
   return v;
@@ -134,7 +144,6 @@ void run_fp8(const CallContext& c) {
   const bool gemv = fp4 ? (float_acts && c.type == k::Elem::f32) || P <= fp4_gemv_max_pairs()
                         : P <= fp8_gemv_max_pairs() && c.q1_ld % 16 == 0 && c.q2_ld % 16 == 0 && aligned16(c.q1) &&
                               aligned16(c.q2);
-  const int tile_m = gemv ? kFp8GemvTile : k::fp8_tile_m(P, int(E));
   const int arch = c.device->arch();
 
   // The second projection's arguments decide the kernel (the first one's differ only in A and the epilogue).
@@ -144,10 +153,17 @@ void run_fp8(const CallContext& c) {
   // f32 activations keep to the mma.sync kernel: wgmma's FP8 accumulation is not exact within a block (its
   // partial sums land within about 1e-4 instead of f32 rounding), which moves the requantized activations
   // enough to miss the f32 tolerance (1e-5); it is well within the bf16 / f16 ones.
-  const bool sm90 = !fp4 && !gemv && wgmma_enabled() && tile_m == 128 && c.type != k::Elem::f32 &&
-                    k::grouped_gemm_fp8_sm90_ok(probe, arch) &&
-                    (c.first_epilogue != k::kEpiGated || c.gate.concatenated) && c.q1_ld % 16 == 0 &&
-                    (N1 * c.q1_ld) % 16 == 0 && (reinterpret_cast<uintptr_t>(c.q1) & 15) == 0;
+  const bool sm90_ok = !fp4 && !gemv && wgmma_enabled() && c.type != k::Elem::f32 &&
+                       k::grouped_gemm_fp8_sm90_ok(probe, arch) &&
+                       (c.first_epilogue != k::kEpiGated || c.gate.concatenated) && c.q1_ld % 16 == 0 &&
+                       (N1 * c.q1_ld) % 16 == 0 && (reinterpret_cast<uintptr_t>(c.q1) & 15) == 0;
+  // Row tiles: the sm90 kernel's 128 from fp8_sm90_tile_rows() rows per expert on average (its TMA pipeline streams
+  // the weights faster than the mma.sync kernel's 32-row tiles even when most of a tile is padding); elsewhere
+  // fp8_tile_m's choice.
+  const int tile_m = gemv ? kFp8GemvTile
+                     : sm90_ok && P >= fp8_sm90_tile_rows() * E ? 128
+                                                                 : k::fp8_tile_m(P, int(E));
+  const bool sm90 = sm90_ok && tile_m == 128;
   const int64_t xrows = sm90 ? P : T;  // quantized token rows: in sorted order for the TMA kernel
   const bool token_quant = sm90 && g_token_quant.on();  // quantized per token, then copied into sorted order
   // The sm90 path's second projection in 16-bit rows for combine_rows16 (the TMA engine's form; y holds room for
