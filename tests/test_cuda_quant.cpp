@@ -158,7 +158,8 @@ std::vector<std::pair<ProblemConfig, DType>> fp8_sweep() {
   add({.act = DType::f16, .T = 300, .E = 4, .K = 3, .H = 384, .I = 208, .has_gate = false,
        .activation = Activation::relu2, .empty_experts = true}, DType::ue8m0);
   add({.act = DType::bf16, .idt = DType::i32, .T = 520, .E = 7, .K = 2, .H = 1024, .I = 384});
-  // Decode sizes (P <= 64): the FP8 GEMV (gemv_quant.cu), one row per expert pass (P <= E) and four (P > E)
+  // Decode sizes (P <= 64): the FP8 GEMV (gemv_quant.cu), one row per expert pass (P <= E) and four (P > E); with
+  // 16-bit activations on sm_90a and 2 P >= E the sm90 kernel instead (fp8_gemv_sparse_only)
   add({.T = 1, .E = 9, .K = 8, .H = 200, .I = 136, .sentinels = true});                // odd E, H % 16 != 0
   add({.T = 2, .E = 33, .K = 4, .H = 1100, .I = 300, .has_bias = true});  // biases, H % 128 != 0 (FP8 is [gate | up] only)
   add({.T = 32, .E = 9, .K = 2, .H = 136, .I = 72, .used = 1});      // one expert, 64 rows (repeated per token)
@@ -202,16 +203,21 @@ TEST(CudaQuant, Fp8GroupedBatchedAndDeepgemmMatchTheReference) {
 }
 
 #ifdef MOEKIT_WITH_CUDA
-// Sets the FP8 GEMV's reach for the scope.
+// Sets the FP8 GEMV's reach for the scope, the reach alone deciding (not the sm90 kernel's share of decode sizes).
 class Fp8GemvPolicy {
  public:
-  explicit Fp8GemvPolicy(int64_t max_pairs) : previous_(cuda::set_fp8_gemv_max_pairs(max_pairs)) {}
-  ~Fp8GemvPolicy() { cuda::set_fp8_gemv_max_pairs(previous_); }
+  explicit Fp8GemvPolicy(int64_t max_pairs)
+      : previous_(cuda::set_fp8_gemv_max_pairs(max_pairs)), sparse_(cuda::set_fp8_gemv_sparse_only(false)) {}
+  ~Fp8GemvPolicy() {
+    cuda::set_fp8_gemv_max_pairs(previous_);
+    cuda::set_fp8_gemv_sparse_only(sparse_);
+  }
   Fp8GemvPolicy(const Fp8GemvPolicy&) = delete;
   Fp8GemvPolicy& operator=(const Fp8GemvPolicy&) = delete;
 
  private:
   int64_t previous_;
+  bool sparse_;
 };
 
 // The FP8 GEMV forced on beyond its default reach (experts of more than one row tile of 64, P > 64) and off (the

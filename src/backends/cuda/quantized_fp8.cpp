@@ -45,6 +45,10 @@ bool wgmma_enabled() {
 // rather than each sorted row (top_k copies of a token) quantized from the 16-bit rows: the same bytes, the
 // quantisation's arithmetic done once per token. MOEKIT_FP8_TOKEN_QUANT=0 quantizes the sorted rows (the first form).
 EnvSwitch g_token_quant{"MOEKIT_FP8_TOKEN_QUANT", true};
+// policy.h fp8_gemv_sparse_only. Measured on the H200 (docs/perf.md), the sm90 kernel against the GEMV: mixtral-8x7b
+// (E = 8) T = 1 (P = 2) 1.61x slower, T = 4 / 8 / 16 0.86x / 0.87x / 0.50x; qwen3-30b-a3b (E = 128) T = 1 (P = 8)
+// 1.21x, T = 8 (P = 64) 0.92x; deepseek-v3 (E = 256) T = 1 / 8 (P = 8 / 64) 1.28x / 1.25x.
+EnvSwitch g_gemv_sparse{"MOEKIT_FP8_GEMV_SPARSE", true};
 
 // The GEMV's default reach (policy.h fp8_gemv_max_pairs): 64, the decode sizes of issue 11 (T = 1..64 at top-k
 // 1..8 reach it at P = 64). Not yet measured against the mma.sync kernel on the H200: the crossover may lie
@@ -57,12 +61,13 @@ constexpr int kFp8GemvTile = 64;
 // kernel, 1447 us on the GEMV in four-row passes (docs/perf.md).
 constexpr int64_t kFp4GemvMaxPairs = 64;
 // Rows per expert (on average over the call's pairs) from which the FP8 experts take the sm90 kernel's 128-row tiles
-// (sm_90a, 16-bit activations) instead of the mma.sync kernel's 32-row tiles: 1, i.e. past the GEMV's reach.
-// Measured on the H200 (qwen3-30b-a3b, docs/perf.md): T = 64 (4 rows per expert) 305 -> 248 us, T = 512 (32 rows)
-// 476 -> 309 us against fp8_tile_m's 64. MOEKIT_FP8_TILE128_ROWS overrides it for measuring.
-constexpr int64_t kFp8Sm90TileRows = 1;
+// (sm_90a, 16-bit activations) instead of the mma.sync kernel's 32-row tiles: 0, i.e. wherever the GEMV does not
+// run. Measured on the H200 (docs/perf.md) against fp8_tile_m's 64: qwen3-30b-a3b T = 64 (4 rows per expert)
+// 305 -> 248 us, T = 512 (32 rows) 476 -> 309 us; deepseek-v3 T = 64 (2 rows) 3820 -> 2793 us. Not measured between
+// the GEMV's reach and one row per expert (deepseek-v3 T = 9..31). MOEKIT_FP8_TILE128_ROWS overrides it.
+constexpr int64_t kFp8Sm90TileRows = 0;
 int64_t fp8_sm90_tile_rows() {
-  static const int64_t v = std::max<int64_t>(1, env_int("MOEKIT_FP8_TILE128_ROWS", kFp8Sm90TileRows));
+  static const int64_t v = std::max<int64_t>(0, env_int("MOEKIT_FP8_TILE128_ROWS", kFp8Sm90TileRows));
   return v;
 }
 std::atomic<int64_t>& fp8_gemv_limit() {
@@ -77,6 +82,8 @@ std::atomic<int64_t>& fp4_gemv_limit() {
 
 int64_t fp8_gemv_max_pairs() { return fp8_gemv_limit().load(); }
 int64_t set_fp8_gemv_max_pairs(int64_t pairs) { return fp8_gemv_limit().exchange(pairs); }
+bool fp8_gemv_sparse_only() { return g_gemv_sparse.on(); }
+bool set_fp8_gemv_sparse_only(bool on) { return g_gemv_sparse.set(on); }
 int64_t fp4_gemv_max_pairs() { return fp4_gemv_limit().load(); }
 int64_t set_fp4_gemv_max_pairs(int64_t pairs) { return fp4_gemv_limit().exchange(pairs); }
 
@@ -139,11 +146,6 @@ void run_fp8(const CallContext& c) {
   const int64_t HB = fp8_blocks(H), IB = fp8_blocks(I);
   const bool fp4 = c.fp4, float_acts = c.fp4 && c.fp4_float;
   const auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
-  // Decode: the GEMV (its launcher checks the rest: strides are multiples of 16 by construction). f32 float
-  // activations always (no tensor-core kernel takes them unrounded).
-  const bool gemv = fp4 ? (float_acts && c.type == k::Elem::f32) || P <= fp4_gemv_max_pairs()
-                        : P <= fp8_gemv_max_pairs() && c.q1_ld % 16 == 0 && c.q2_ld % 16 == 0 && aligned16(c.q1) &&
-                              aligned16(c.q2);
   const int arch = c.device->arch();
 
   // The second projection's arguments decide the kernel (the first one's differ only in A and the epilogue).
@@ -153,17 +155,22 @@ void run_fp8(const CallContext& c) {
   // f32 activations keep to the mma.sync kernel: wgmma's FP8 accumulation is not exact within a block (its
   // partial sums land within about 1e-4 instead of f32 rounding), which moves the requantized activations
   // enough to miss the f32 tolerance (1e-5); it is well within the bf16 / f16 ones.
-  const bool sm90_ok = !fp4 && !gemv && wgmma_enabled() && c.type != k::Elem::f32 &&
-                       k::grouped_gemm_fp8_sm90_ok(probe, arch) &&
+  const bool sm90_ok = !fp4 && wgmma_enabled() && c.type != k::Elem::f32 && k::grouped_gemm_fp8_sm90_ok(probe, arch) &&
                        (c.first_epilogue != k::kEpiGated || c.gate.concatenated) && c.q1_ld % 16 == 0 &&
                        (N1 * c.q1_ld) % 16 == 0 && (reinterpret_cast<uintptr_t>(c.q1) & 15) == 0;
+  // Decode: the GEMV (its launcher checks the rest: strides are multiples of 16 by construction), where the sm90
+  // kernel applies only for fewer pairs than half the experts (fp8_gemv_sparse_only). f32 float activations always
+  // (no tensor-core kernel takes them unrounded).
+  const bool gemv = fp4 ? (float_acts && c.type == k::Elem::f32) || P <= fp4_gemv_max_pairs()
+                        : P <= fp8_gemv_max_pairs() && c.q1_ld % 16 == 0 && c.q2_ld % 16 == 0 && aligned16(c.q1) &&
+                              aligned16(c.q2) && !(sm90_ok && fp8_gemv_sparse_only() && 2 * P >= E);
   // Row tiles: the sm90 kernel's 128 from fp8_sm90_tile_rows() rows per expert on average (its TMA pipeline streams
   // the weights faster than the mma.sync kernel's 32-row tiles even when most of a tile is padding); elsewhere
   // fp8_tile_m's choice.
   const int tile_m = gemv ? kFp8GemvTile
                      : sm90_ok && P >= fp8_sm90_tile_rows() * E ? 128
                                                                  : k::fp8_tile_m(P, int(E));
-  const bool sm90 = sm90_ok && tile_m == 128;
+  const bool sm90 = sm90_ok && !gemv && tile_m == 128;
   const int64_t xrows = sm90 ? P : T;  // quantized token rows: in sorted order for the TMA kernel
   const bool token_quant = sm90 && g_token_quant.on();  // quantized per token, then copied into sorted order
   // The sm90 path's second projection in 16-bit rows for combine_rows16 (the TMA engine's form; y holds room for
