@@ -92,6 +92,8 @@ std::string command_line(const BenchArgs& a, const bench::BenchOptions& o) {
   s += fmt::format(" --warmup {} --iters {} --min-iters {} --min-time {} --max-seconds {}", a.warmup, a.iters,
                    a.min_iters, a.min_time, a.max_seconds);
   if (a.peak_tflops > 0) s += fmt::format(" --peak-tflops {} --bandwidth-gbps {}", a.peak_tflops, a.bandwidth_gbps);
+  if (a.tolerance >= 0) s += fmt::format(" --tolerance {}", a.tolerance);
+  if (a.check_macs != bench::BenchOptions{}.check_macs) s += fmt::format(" --check-macs {}", a.check_macs);
   if (a.seed != 1) s += fmt::format(" --seed {}", a.seed);
   return s;
 }
@@ -250,8 +252,10 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--max-seconds", a->max_seconds, "skip a case whose run would take longer than this")
       ->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--tolerance", a->tolerance, "relative L2 error allowed vs the f64 reference (default 1e-5 f32, 1e-2 bf16/f16)");
-  cmd->add_option("--check-macs", a->check_macs, "reference work per check; rows are subsampled to fit")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--check-macs", a->check_macs,
+                  "reference work per check; rows are subsampled to fit (0: no reference rows, outputs still checked "
+                  "for unwritten or non-finite values; rel_err -1)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
   cmd->add_option("--peak-tflops", a->peak_tflops, "use this matrix rate instead of measuring it")->check(CLI::PositiveNumber);
   cmd->add_option("--bandwidth-gbps", a->bandwidth_gbps, "use this copy bandwidth instead of measuring it")->check(CLI::PositiveNumber);
   cmd->add_option("--seed", a->seed, "random seed")->capture_default_str();

@@ -84,7 +84,7 @@ struct BenchOptions {
   double min_time_s = 0.2;     // time calls until this much has passed (within iters)
   double max_seconds = 30;     // per case: skip it when its estimated run would take longer
   double tolerance = -1;       // relative L2 vs the f64 reference; <= 0: 1e-5 for f32, 1e-2 otherwise
-  int64_t check_macs = 300'000'000;  // reference work per check (rows are subsampled to fit)
+  int64_t check_macs = 300'000'000;  // reference work per check (rows are subsampled to fit; 0: no reference rows)
   uint64_t seed = 1;
 
   std::string to_string() const;
@@ -98,7 +98,7 @@ struct BenchRecord {
   double median_us = 0, min_us = 0, tflops = 0, gbps = 0, floor_us = 0, floor_ratio = 0;
   double flops = 0, bytes = 0, experts_touched = 0;
   double moved_bytes = 0;  // the backend's own plan (ExpertsBackend::bytes_moved); 0 when it does not say
-  double rel_err = 0;      // vs the f64 reference on the checked rows
+  double rel_err = 0;      // vs the f64 reference on the checked rows (-1: none checked, --check-macs 0)
   int64_t check_rows = 0;  // rows compared with the reference
   int iters = 0;
   int buffer_sets = 0;

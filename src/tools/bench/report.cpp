@@ -86,9 +86,10 @@ std::string format_table(const BenchReport& report, const BenchOptions& options)
       for (const auto& r : report.records) {
         if (r.shape != shape.name || r.tokens != T) continue;
         const std::string moved = r.moved_bytes > 0 ? fmt::format("{:.1f}", r.moved_bytes / 1e6) : "-";
-        out += fmt::format("{:<20} {:>6} {:>11.1f} {:>11.1f} {:>9} {:>8.3f} {:>8.1f} {:>11.1f} {:>8.2f} {:>9.1e} {:>6}\n",
+        const std::string err = r.rel_err >= 0 ? fmt::format("{:.1e}", r.rel_err) : "-";
+        out += fmt::format("{:<20} {:>6} {:>11.1f} {:>11.1f} {:>9} {:>8.3f} {:>8.1f} {:>11.1f} {:>8.2f} {:>9} {:>6}\n",
                            case_name(r.backend, r.graph), r.tokens, r.median_us, r.min_us, moved, r.tflops, r.gbps,
-                           r.floor_us, r.floor_ratio, r.rel_err, r.iters);
+                           r.floor_us, r.floor_ratio, err, r.iters);
       }
     bool header = false;
     for (const auto& s : report.skipped) {

@@ -266,6 +266,7 @@ ReferenceRows reference_rows(const Experts& experts, const ShapePreset& shape, c
   MOEKIT_ASSERT(x.defined() && idx.defined() && w.defined());
   const int64_t T = x.size(0), H = shape.hidden, K = shape.top_k, I = shape.intermediate;
   const int64_t macs_per_row = K * 3 * H * I;
+  if (max_macs <= 0) return {};  // no reference rows: the outputs are still checked for unwritten values
   const int64_t n = std::clamp<int64_t>(max_macs / std::max<int64_t>(1, macs_per_row), 1, std::min<int64_t>(T, 8));
   ReferenceRows ref;
   for (int64_t j = 0; j < n; ++j) ref.rows.push_back(n == 1 ? 0 : j * (T - 1) / (n - 1));

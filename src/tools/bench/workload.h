@@ -40,7 +40,8 @@ struct ReferenceRows {
   std::vector<int64_t> rows;  // indices into [0, T)
   std::vector<double> values;  // [rows, H]
 };
-// Rows evenly spread over [0, T), first and last included; as many as fit in `max_macs` of work.
+// Rows evenly spread over [0, T), first and last included; as many as fit in `max_macs` of work (at least one; none
+// when max_macs <= 0).
 ReferenceRows reference_rows(const Experts& experts, const ShapePreset& shape, const InputSet& set, int64_t max_macs);
 
 // Relative L2 error of `out`'s checked rows against the reference; +inf, with `problem` set, when
