@@ -252,3 +252,37 @@ TEST(CpuGemmBf16, Bf16ProductSumsMatchTheScalarExpression) {
     }
   }
 }
+
+// The in-place bf16 rounding of the down projection's rows (AVX-512) gives the scalar conversion's bits: ties to even,
+// NaN quieted with its payload's top bits, infinities and the largest finite values, and the rows' tails (n % 16),
+// nothing past n touched.
+TEST(CpuGemmBf16, InPlaceBf16RoundingMatchesTheScalarConversion) {
+  if (!cpu::isa_supported(cpu::Isa::avx512bf16)) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
+  std::mt19937_64 rng(std::random_device{}());
+  std::uniform_int_distribution<uint32_t> bits;
+  for (const int64_t n : {int64_t(1), int64_t(15), int64_t(16), int64_t(33), int64_t(2048)}) {
+    std::vector<float> x(static_cast<size_t>(n + 3));
+    for (auto& v : x) {
+      const uint32_t b = bits(rng);
+      std::memcpy(&v, &b, 4);
+    }
+    const uint32_t specials[] = {0x3f808000u, 0x3f818000u, 0x7f800000u, 0xff800000u, 0x7fc00001u,
+                                 0x7f800001u, 0xffbfffffu, 0x7f7fffffu, 0x00008000u, 0x80018000u};
+    for (size_t i = 0; i < std::size(specials) && i < size_t(n); ++i) std::memcpy(&x[i], &specials[i], 4);
+    std::vector<uint32_t> want(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (int64_t(i) < n) {
+        const float r = bf16_to_f32(f32_to_bf16(x[i]));
+        std::memcpy(&want[i], &r, 4);
+      } else {
+        std::memcpy(&want[i], &x[i], 4);  // past n: unchanged
+      }
+    }
+    cpu::round_bf16_in_place_avx512(x.data(), n);
+    for (size_t i = 0; i < x.size(); ++i) {
+      uint32_t got;
+      std::memcpy(&got, &x[i], 4);
+      EXPECT_EQ(got, want[i]) << "n=" << n << " i=" << i << " want " << std::hex << want[i];
+    }
+  }
+}

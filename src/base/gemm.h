@@ -133,6 +133,9 @@ void silu_mul_bf16_row_avx512(const float* h, int64_t I, uint16_t* out);
 // acc[j] += bf16(w * y[j]) for j < n (f32 product rounded to bf16, the sum in f32), as the CPU backends' combine
 // with bf16 activations and routing weights. AVX-512 (gemm_avx512bf16.cpp); only where the ISA has the bf16 tile.
 void add_bf16_products_avx512(float* acc, const float* y, float w, int64_t n);
+// x[j] = bf16(x[j]) in place for j < n (round to nearest even, NaN quieted), the values of the scalar rounding.
+// AVX-512 (gemm_avx512bf16.cpp); only where the ISA has the bf16 tile.
+void round_bf16_in_place_avx512(float* x, int64_t n);
 constexpr int64_t kAmxMinRows = 8;
 // The FP8 tile of the amx ISA (gemm_amx.cpp: e4m3 decoded by AVX512-VBMI byte tables; the same bits as the others).
 void gemm_fp8_tile_amx(const double* a, int64_t lda, const float* sa, int64_t ldsa, int64_t m, const Fp8Matrix& w,

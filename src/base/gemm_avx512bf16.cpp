@@ -208,6 +208,13 @@ void silu_mul_bf16_row_avx512(const float* h, int64_t I, uint16_t* out) {
 }
 
 
+void round_bf16_in_place_avx512(float* x, int64_t n) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1u);
+    _mm512_mask_storeu_ps(x + j, m, from_bf16_bits(bf16_bits(_mm512_maskz_loadu_ps(m, x + j))));
+  }
+}
+
 void add_bf16_products_avx512(float* acc, const float* y, float w, int64_t n) {
   const __m512 wv = _mm512_set1_ps(w);
   for (int64_t j = 0; j < n; j += 16) {

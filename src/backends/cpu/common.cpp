@@ -419,12 +419,18 @@ void first_epilogue_row(const Plan& p, int64_t e, float* h) {
 }
 
 void down_epilogue(const Plan& p, int64_t e, float* y, int64_t ldy, int64_t rows, int64_t n0, int64_t n1) {
+  // bf16 where the ISA has the bf16 tile: the same rounding in AVX-512 (the rows were just written: a pass in cache)
+  const bool vec = p.act == DType::bf16 && p.kernels->gemm_bf16_tile;
+  auto round = [&](float* row) {
+    if (vec) round_bf16_in_place_avx512(row, n1 - n0);
+    else round_in_place(row, n1 - n0, p.act);
+  };
   for (int64_t r = 0; r < rows; ++r) {
     float* row = y + r * ldy + n0;
-    round_in_place(row, n1 - n0, p.act);
+    round(row);
     if (p.b2) {
       add_bias(row, *p.b2, e, n0, n1 - n0);
-      round_in_place(row, n1 - n0, p.act);
+      round(row);
     }
   }
 }
