@@ -28,6 +28,8 @@ constexpr int64_t kAhead = 2;     // B prefetch distance in 32-k steps (B in L2)
 // MOEKIT_AMX_AHEAD_MEM=N (1 to 64) sets it for A/B runs.
 const int64_t kAheadMem = env_int_in("MOEKIT_AMX_AHEAD_MEM", 1, 64, 8);
 constexpr int64_t kAmxOverlapRows = 24;  // from this many rows on, the overlapped order (gemm_bf16_tile_amx)
+// MOEKIT_AMX_C_PREFETCH=0: no prefetch of the next block's C for writing (measurement switch).
+const bool g_amx_c_prefetch = env_int_in("MOEKIT_AMX_C_PREFETCH", 0, 1, 1) != 0;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
@@ -72,9 +74,14 @@ struct L2Prefetch {
   int64_t lines = 0;
 };
 
+// cnext: the C rows of the next block (32 rows x 2 panels, `cnext_rows` of them), fetched for writing while this
+// block runs, so that its tile stores do not wait on reads for ownership (nullptr: none).
 template <int MB, int NP>
 void block(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b1, int64_t k0, int64_t k1, float* c,
-           int64_t ldc, bool acc, int rows0, int rows1, int64_t cols0, int64_t cols1, int64_t ahead, L2Prefetch l2) {
+           int64_t ldc, bool acc, int rows0, int rows1, int64_t cols0, int64_t cols1, int64_t ahead, L2Prefetch l2,
+           const float* cnext = nullptr, int cnext_rows = 0) {
+  const int64_t steps = std::max<int64_t>(1, (k1 - k0) / 32);
+  const int64_t c_rows_per_step = (cnext_rows + steps - 1) / steps;
   alignas(64) float buf[4][256];
   const int64_t sc = ldc * 4, sa = lda * 2;
   float* c0 = c;
@@ -119,6 +126,13 @@ void block(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b
         l2.pf = l2.next, l2.pf_end = l2.next_end, l2.next = l2.next_end;
       }
       _mm_prefetch(l2.pf, _MM_HINT_T1);
+    }
+    if (cnext) {
+      const int64_t s0 = (k - k0) / 32 * c_rows_per_step, s1 = std::min<int64_t>(cnext_rows, s0 + c_rows_per_step);
+      for (int64_t r = s0; r < s1; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(cnext + r * ldc), _MM_HINT_ET0);
+        _mm_prefetch(reinterpret_cast<const char*>(cnext + r * ldc + 16), _MM_HINT_ET0);
+      }
     }
     _tile_loadd(6, b0 + k * 16, 64);
     if (NP == 2) _tile_loadd(7, b1 + k * 16, 64);
@@ -553,12 +567,19 @@ void gemm_bf16_tile_amx(const uint16_t* a, int64_t lda, int64_t m, const PackedB
           }
         }
         const bool acc = k0 > 0;
+        // The next block's C (the next row block of this pair, else the next pair's first), for writing.
+        const float* cn = nullptr;
+        int cn_rows = 0;
+        if (g_amx_c_prefetch) {
+          if (i + 32 < m) cn = cb + (i + 32) * ldc + p * 16, cn_rows = int(std::min<int64_t>(32, m - i - 32));
+          else if (p + 2 < panels) cn = cb + (p + 2) * 16, cn_rows = int(std::min<int64_t>(32, m));
+        }
         if (r1 > 0) {
-          if (two) block<2, 2>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, ahead, l2);
-          else block<2, 1>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, ahead, l2);
+          if (two) block<2, 2>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, ahead, l2, cn, cn_rows);
+          else block<2, 1>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, ahead, l2, cn, cn_rows);
         } else {
-          if (two) block<1, 2>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, ahead, l2);
-          else block<1, 1>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, ahead, l2);
+          if (two) block<1, 2>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, ahead, l2, cn, cn_rows);
+          else block<1, 1>(ai, lda, b0, b1, k0, k1, ci, ldc, acc, r0, r1, cols0, cols1, ahead, l2, cn, cn_rows);
         }
       }
     }
