@@ -191,6 +191,13 @@ ScratchPool& scratch_pool() {
   static ScratchPool* pool = new ScratchPool;  // never destroyed: buffers may be released during exit
   return *pool;
 }
+// MOEKIT_CPU_SCRATCH_HUGE=0: pooled scratch (1 MiB and more) in plain pages (measurement switch).
+const bool g_scratch_huge = env_int("MOEKIT_CPU_SCRATCH_HUGE", 1) != 0;
+// Frees a pooled-size block (kScratchMinBytes and more) as it was allocated.
+void scratch_release(void* p) {
+  if (g_scratch_huge) huge_page_free(p);
+  else ::operator delete(p, std::align_val_t(kScratchAlign));
+}
 }  // namespace
 
 void* scratch_alloc(size_t& bytes) {
@@ -209,6 +216,9 @@ void* scratch_alloc(size_t& bytes) {
       pool.blocks.erase(pool.blocks.begin() + std::ptrdiff_t(best));
       return p;
     }
+    // Pooled sizes in huge pages where the host allows them: the GEMMs write their f32 rows with strides of
+    // kilobytes, one page per row on plain pages.
+    if (g_scratch_huge) return huge_page_alloc(bytes);
   }
   return ::operator new(std::max<size_t>(bytes, 1), std::align_val_t(kScratchAlign));
 }
@@ -220,7 +230,7 @@ void ScratchDeleter::operator()(void* p) const {
     std::lock_guard<std::mutex> lock(pool.mutex);
     // Make room by dropping the oldest blocks; a block larger than the whole pool is not kept.
     while (!pool.blocks.empty() && pool.bytes + bytes > kScratchPoolBytes) {
-      ::operator delete(pool.blocks.front().second, std::align_val_t(kScratchAlign));
+      scratch_release(pool.blocks.front().second);
       pool.bytes -= pool.blocks.front().first;
       pool.blocks.erase(pool.blocks.begin());
     }
@@ -229,6 +239,8 @@ void ScratchDeleter::operator()(void* p) const {
       pool.bytes += bytes;
       return;
     }
+    scratch_release(p);
+    return;
   }
   ::operator delete(p, std::align_val_t(kScratchAlign));
 }
