@@ -447,6 +447,9 @@ void down_epilogue(const Plan& p, int64_t e, float* y, int64_t ldy, int64_t rows
   }
 }
 
+// MOEKIT_CPU_COMBINE_PREFETCH=0: combine without prefetching the next slot's row (measurement switch).
+static const bool g_combine_prefetch = env_int("MOEKIT_CPU_COMBINE_PREFETCH", 1) != 0;
+
 void combine(const Plan& p, const ExpertsCall& call, const float* y, int64_t ldy, const int64_t* row_of_pair) {
   const int64_t T = call.tokens(), K = call.top_k(), H = p.H;
   const TensorView& wv = call.top_k_weights;
@@ -459,6 +462,13 @@ void combine(const Plan& p, const ExpertsCall& call, const float* y, int64_t ldy
       for (int64_t k = 0; k < K; ++k) {
         const int64_t row = row_of_pair[t * K + k];
         if (row < 0) continue;  // expert on another rank
+        if (g_combine_prefetch) {  // the next slot's row (rows sit apart, in expert order): its lines into L2
+          const int64_t nk = t * K + k + 1, next = nk < std::min(T, task * 8 + 8) * K ? row_of_pair[nk] : -1;
+          if (next >= 0) {
+            const char* q = reinterpret_cast<const char*>(y + next * ldy);
+            for (int64_t b = 0; b < H * int64_t(sizeof(float)); b += 64) __builtin_prefetch(q + b, 0, 2);
+          }
+        }
         float w;
         load_f32(wv.data, wv.dtype, t * K + k, 1, &w);
         const float* yr = y + row * ldy;
