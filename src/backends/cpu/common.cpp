@@ -457,13 +457,14 @@ void combine(const Plan& p, const ExpertsCall& call, const float* y, int64_t ldy
   // itself when both match (bf16 x bf16), f32 otherwise.
   const bool round_products = p.act != DType::f32 && wv.dtype == p.act;
   parallel_tasks((T + 7) / 8, H, T * K * H, [&](int64_t task, float* acc) {
-    for (int64_t t = task * 8; t < std::min(T, task * 8 + 8); ++t) {
+    const int64_t t_end = std::min(T, task * 8 + 8);
+    for (int64_t t = task * 8; t < t_end; ++t) {
       std::fill(acc, acc + H, 0.0f);
       for (int64_t k = 0; k < K; ++k) {
         const int64_t row = row_of_pair[t * K + k];
         if (row < 0) continue;  // expert on another rank
         if (g_combine_prefetch) {  // the next slot's row (rows sit apart, in expert order): its lines into L2
-          const int64_t nk = t * K + k + 1, next = nk < std::min(T, task * 8 + 8) * K ? row_of_pair[nk] : -1;
+          const int64_t nk = t * K + k + 1, next = nk < t_end * K ? row_of_pair[nk] : -1;
           if (next >= 0) {
             const char* q = reinterpret_cast<const char*>(y + next * ldy);
             for (int64_t b = 0; b < H * int64_t(sizeof(float)); b += 64) __builtin_prefetch(q + b, 0, 2);

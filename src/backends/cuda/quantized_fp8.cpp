@@ -5,16 +5,16 @@
 // combine. Weights are read as the checkpoint stores them (e4m3, f32 block scales staged once by prepare());
 // nothing is dequantized. No host synchronisation, no allocation: capturable.
 //
-// Kernels: with row tiles of 128 (many rows per expert) on sm_90a and 16-bit activations, the warp-specialised
-// TMA / wgmma kernel
-// (grouped_gemm_sm90_fp8.cu), over the quantized rows written in sorted order (the copy engine has no row
-// gather: each token row is quantized once and its e4m3 bytes and scales copied to its sorted rows), its second
-// projection in 16-bit rows summed by combine_rows16; otherwise the mma.sync kernel (grouped_gemm_fp8.cu), which gathers the token rows itself.
-// MOEKIT_FP8_WGMMA=0 in the environment keeps to the mma.sync kernel (for comparisons).
-// Decode sizes (P <= fp8_gemv_max_pairs(), policy.h): both projections on the FP8 GEMV instead (gemv_quant.cu),
-// over the same sorted rows and quantized activations: one block per (hit expert's row tile, block of columns),
-// each hit expert's weights streamed once per step (the tiled kernels read them at a fraction of the bandwidth
-// when the tiles hold one or two rows).
+// Kernels: on sm_90a with 16-bit activations, wherever the GEMV below does not run, the warp-specialised TMA / wgmma
+// kernel with row tiles of 128 (grouped_gemm_sm90_fp8.cu), over the quantized rows written in sorted order (the
+// copy engine has no row gather: each token row is quantized once and its e4m3 bytes and scales copied to its
+// sorted rows), its second projection in 16-bit rows summed by combine_rows16; otherwise the mma.sync kernel
+// (grouped_gemm_fp8.cu), which gathers the token rows itself. MOEKIT_FP8_WGMMA=0 in the environment keeps to the
+// mma.sync kernel (for comparisons).
+// Decode sizes (P <= fp8_gemv_max_pairs(), policy.h; where the sm90 kernel applies, also 2 P < E:
+// fp8_gemv_sparse_only): both projections on the FP8 GEMV instead (gemv_quant.cu), over the same sorted rows and
+// quantized activations: one block per (hit expert's row tile, block of columns), each hit expert's weights
+// streamed once per step, idle experts costing nothing.
 //
 // FP4 experts (e2m1 with ue8m0 scales per row and 32 inputs) run the same forward over their packed weights
 // (kernels/quant_fp4.h): the tiled FP4 kernel (grouped_gemm_fp4.cu, e2m1 expanded in registers) or, at decode sizes,

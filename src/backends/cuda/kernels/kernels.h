@@ -284,9 +284,9 @@ cudaError_t grouped_gemm_fp8(const Fp8GemmArgs& a, int tile_m, cudaStream_t stre
 // halves; whether it serves these arguments on a device of compute capability `arch`.
 bool grouped_gemm_fp8_sm90_ok(const Fp8GemmArgs& a, int arch);
 cudaError_t grouped_gemm_fp8_sm90(const Fp8GemmArgs& a, cudaStream_t stream);
-// Its measurement switches (grouped_gemm_sm90_fp8.cu), off by default, each returning the previous setting: the
-// scales staged in shared memory by the producer (MOEKIT_FP8_SM90_STAGED_SCALES), the 16-bit outputs through
-// shared memory and bulk tensor stores (MOEKIT_FP8_SM90_TMA_STORE).
+// Its forms (grouped_gemm_sm90_fp8.cu), on by default, each setter returning the previous setting: the scales staged
+// in shared memory by the producer (MOEKIT_FP8_SM90_STAGED_SCALES), the 16-bit outputs through shared memory and
+// bulk tensor stores (MOEKIT_FP8_SM90_TMA_STORE).
 bool set_fp8_sm90_staged_scales(bool on);
 bool set_fp8_sm90_tma_store(bool on);
 
