@@ -21,6 +21,13 @@
 //   thread issues bulk tensor stores, so that the next item's main loop starts while the copy engine writes (the
 //   staging is reused once the previous stores have read it); 64-row blocks that cross the expert's end, and
 //   outputs whose rows are not 16-byte aligned, keep the direct stores.
+// And two forms for tiles with few rows (MOEKIT_FP8_SM90_SHORT_A, MOEKIT_FP8_SM90_SKIP_IDLE; same bits either way):
+// - short A boxes: a tile whose expert has at most 32 (64) rows left loads A boxes of 32 (64) rows instead of 128,
+//   so that decode-sized calls (a few rows per expert) do not bring 128 rows of other experts' activations from L2
+//   for every weight box; the stage's rows past the box keep older values, which reach only output rows past the
+//   expert's end (masked);
+// - idle warpgroups: a consumer warpgroup whose 64 rows all lie past the expert's end only waits for each stage and
+//   releases it, without MMAs or promotions.
 //
 // Serves: A contiguous sorted rows (lda a multiple of 16, rows padded to whole blocks), weights [E, N, ld] with
 // ld a multiple of 16, 16-byte aligned; epilogues kEpiF32, kEpiActOnly, kEpiGated with concatenated halves and
@@ -31,6 +38,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <utility>
 #include <type_traits>
 
 #include "backends/cuda/kernels/fp8_epilogue.cuh"
@@ -360,10 +368,13 @@ __device__ __forceinline__ void epilogue_bulk(const Fp8GemmArgs& args, const Wor
 }
 
 // STAGED, BULK: the forms of the header comment (BULK only for 16-bit epilogues).
+// map_a32 / map_a64: A in boxes of 32 / 64 rows (used when short_a is set); skip_idle: the idle warpgroups' form.
 template <int EPI, bool STAGED, bool BULK>
 __global__ void __launch_bounds__(kThreads, 1)
-    grouped_gemm_sm90_fp8_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                                 const __grid_constant__ CUtensorMap map_out, const Fp8GemmArgs args) {
+    grouped_gemm_sm90_fp8_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_a32,
+                                 const __grid_constant__ CUtensorMap map_a64, const __grid_constant__ CUtensorMap map_b,
+                                 const __grid_constant__ CUtensorMap map_out, const Fp8GemmArgs args, const int short_a,
+                                 const int skip_idle) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(!BULK || EPI != kEpiF32, "bulk stores: 16-bit epilogues");
   extern __shared__ __align__(1024) unsigned char fp8_smem[];
@@ -395,6 +406,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid >= (STAGED ? 32 : 1)) return;  // one thread issues the copies (STAGED: its warp copies the scales)
     if (tid == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_a) : "memory");
+      if (short_a) {
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_a32) : "memory");
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_a64) : "memory");
+      }
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_b) : "memory");
     }
     int s = 0;
@@ -403,6 +418,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       Work t;
       work_item(args, tiles_s, w, n_tiles, t);
       const int row0 = t.n_tile * tile_cols<EPI>();
+      // short_a: the A box of 32 or 64 rows where the expert has no more rows left in this tile
+      const CUtensorMap* ma = &map_a;
+      int a_bytes = kABytes;
+      if (short_a && t.m_end - t.m0 <= 64) {
+        const bool b32 = t.m_end - t.m0 <= 32;
+        ma = b32 ? &map_a32 : &map_a64;
+        a_bytes = (b32 ? 32 : 64) * kBK;
+      }
       // STAGED: lane l copies the scales of tile rows l + 32 i (rows past the expert: its last row's, as the
       // consumers' clamped loads) and lanes 0 / 1 the weight scales of the box's first / second half.
       [[maybe_unused]] const float* sw =
@@ -412,8 +435,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(empty(s), phase ^ 1);
         const uint32_t st = base + s * kStageBytes;
         if (tid == 0) {
-          mbar_expect_tx(full(s), kStageBytes);
-          tma_load_2d(st, &map_a, full(s), kb * kBK, int(t.m0));
+          mbar_expect_tx(full(s), a_bytes + kBBytes);
+          tma_load_2d(st, ma, full(s), kb * kBK, int(t.m0));
           if constexpr (EPI == kEpiGated) {  // 64 gate rows, then the 64 matching up rows
             tma_load_3d(st + kABytes, &map_b, full(s), kb * kBK, row0, t.expert);
             tma_load_3d(st + kABytes + kBBytes / 2, &map_b, full(s), kb * kBK, int(args.inter) + row0, t.expert);
@@ -450,6 +473,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     Work t;
     work_item(args, tiles_s, w, n_tiles, t);
     const int64_t r0 = t.m0 + c * 64 + warp * 16 + (lane >> 2);
+    if (skip_idle && t.m0 + c * 64 >= t.m_end) {  // no row of this warpgroup in the expert: release the stages
+      for (int kb = 0; kb < kblocks; ++kb) {
+        mbar_wait(full(s), phase);
+        if (lane == 0) mbar_arrive(empty(s));
+        if (++s == kStages) {
+          s = 0;
+          phase ^= 1;
+        }
+      }
+      continue;
+    }
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     // Each block's scales are loaded one block ahead, so that their latency passes under the previous block's MMAs
@@ -578,8 +612,9 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 
 // The switches of the header comment (on: the default form; off: the plain form).
 EnvSwitch g_staged_scales{"MOEKIT_FP8_SM90_STAGED_SCALES", true}, g_tma_store{"MOEKIT_FP8_SM90_TMA_STORE", true};
+EnvSwitch g_short_a{"MOEKIT_FP8_SM90_SHORT_A", true}, g_skip_idle{"MOEKIT_FP8_SM90_SKIP_IDLE", true};
 
-using KernelFn = void (*)(CUtensorMap, CUtensorMap, CUtensorMap, Fp8GemmArgs);
+using KernelFn = void (*)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, Fp8GemmArgs, int, int);
 template <int EPI>
 KernelFn kernel_for(bool staged, bool bulk) {
   if constexpr (EPI == kEpiF32) {
@@ -596,12 +631,14 @@ cudaError_t launch(const Fp8GemmArgs& a, cudaStream_t stream) {
   const auto encode = encode_fn();
   if (!encode) return cudaErrorNotSupported;
   const int64_t kb = (a.k + kBK - 1) / kBK;
-  CUtensorMap map_a{}, map_b{};
-  {
+  CUtensorMap map_a{}, map_a32{}, map_a64{}, map_b{};
+  const bool short_a = g_short_a.on();
+  for (const auto& [map, rows] : {std::pair{&map_a, kBM}, std::pair{&map_a32, 32}, std::pair{&map_a64, 64}}) {
+    if (rows != kBM && !short_a) continue;
     const cuuint64_t dims[2] = {cuuint64_t(kb * kBK), cuuint64_t(a.max_rows)};
     const cuuint64_t strides[1] = {cuuint64_t(a.lda)};
-    const cuuint32_t box[2] = {kBK, kBM}, estr[2] = {1, 1};
-    if (encode(&map_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(a.a), dims, strides, box, estr,
+    const cuuint32_t box[2] = {kBK, cuuint32_t(rows)}, estr[2] = {1, 1};
+    if (encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(a.a), dims, strides, box, estr,
                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
       return cudaErrorInvalidValue;
@@ -638,7 +675,8 @@ cudaError_t launch(const Fp8GemmArgs& a, cudaStream_t stream) {
   const int64_t work = grouped_max_tiles(a.max_rows, a.experts, kBM) * ((a.n + cols - 1) / cols);
   const int grid = int(std::min<int64_t>(work, sm_count()));
   if (grid == 0) return cudaSuccess;
-  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_out, a);
+  kernel<<<grid, kThreads, smem, stream>>>(map_a, map_a32, map_a64, map_b, map_out, a, short_a ? 1 : 0,
+                                           g_skip_idle.on() ? 1 : 0);
   return cudaGetLastError();
 }
 
@@ -658,6 +696,8 @@ bool grouped_gemm_fp8_sm90_ok(const Fp8GemmArgs& a, int arch) {
 
 bool set_fp8_sm90_staged_scales(bool on) { return g_staged_scales.set(on); }
 bool set_fp8_sm90_tma_store(bool on) { return g_tma_store.set(on); }
+bool set_fp8_sm90_short_a(bool on) { return g_short_a.set(on); }
+bool set_fp8_sm90_skip_idle(bool on) { return g_skip_idle.set(on); }
 
 cudaError_t grouped_gemm_fp8_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   if (a.max_rows == 0 || a.n == 0) return cudaSuccess;

@@ -289,6 +289,11 @@ cudaError_t grouped_gemm_fp8_sm90(const Fp8GemmArgs& a, cudaStream_t stream);
 // bulk tensor stores (MOEKIT_FP8_SM90_TMA_STORE).
 bool set_fp8_sm90_staged_scales(bool on);
 bool set_fp8_sm90_tma_store(bool on);
+// Its forms for tiles with few rows, on by default: A boxes of 32 / 64 rows where the expert has no more in the tile
+// (MOEKIT_FP8_SM90_SHORT_A), no MMAs for a warpgroup whose rows all lie past the expert's end
+// (MOEKIT_FP8_SM90_SKIP_IDLE).
+bool set_fp8_sm90_short_a(bool on);
+bool set_fp8_sm90_skip_idle(bool on);
 
 // ---- FP8 experts at decode sizes (gemv_quant.cu): the projection above as a weight-streaming GEMV ----
 
