@@ -258,31 +258,34 @@ TEST(CudaQuant, Fp8GemvForcedOnAndOffMatchesTheReference) {
 }
 
 // Sets the sm90 FP8 kernel's measurement switches (staged scales, bulk output stores, short A boxes, idle
-// warpgroups) and the second projection's 16-bit rows for the scope.
+// warpgroups, work items from the producer) and the second projection's 16-bit rows for the scope.
 class Fp8Sm90Forms {
  public:
-  Fp8Sm90Forms(bool staged, bool tma_store, bool rows16, bool short_a, bool skip_idle)
+  Fp8Sm90Forms(bool staged, bool tma_store, bool rows16, bool short_a, bool skip_idle, bool item_ring)
       : staged_(cuda::kernels::set_fp8_sm90_staged_scales(staged)),
         tma_store_(cuda::kernels::set_fp8_sm90_tma_store(tma_store)),
         rows16_(cuda::set_grouped_down_rows16(rows16)),
         short_a_(cuda::kernels::set_fp8_sm90_short_a(short_a)),
-        skip_idle_(cuda::kernels::set_fp8_sm90_skip_idle(skip_idle)) {}
+        skip_idle_(cuda::kernels::set_fp8_sm90_skip_idle(skip_idle)),
+        item_ring_(cuda::kernels::set_fp8_sm90_item_ring(item_ring)) {}
   ~Fp8Sm90Forms() {
     cuda::kernels::set_fp8_sm90_staged_scales(staged_);
     cuda::kernels::set_fp8_sm90_tma_store(tma_store_);
     cuda::set_grouped_down_rows16(rows16_);
     cuda::kernels::set_fp8_sm90_short_a(short_a_);
     cuda::kernels::set_fp8_sm90_skip_idle(skip_idle_);
+    cuda::kernels::set_fp8_sm90_item_ring(item_ring_);
   }
   Fp8Sm90Forms(const Fp8Sm90Forms&) = delete;
   Fp8Sm90Forms& operator=(const Fp8Sm90Forms&) = delete;
 
  private:
-  bool staged_, tma_store_, rows16_, short_a_, skip_idle_;
+  bool staged_, tma_store_, rows16_, short_a_, skip_idle_, item_ring_;
 };
 
 // The sm90 FP8 kernel's forms (scales staged by the producer, 16-bit outputs through bulk tensor stores, short A
-// boxes and idle warpgroups for tiles with few rows, and their combinations) with the second projection in 16-bit
+// boxes and idle warpgroups for tiles with few rows, the work items handed over by the producer, and their
+// combinations) with the second projection in 16-bit
 // rows (kEpiWeighted: bulk stores there too), and some with f32 rows: the plain form against the f64 reference,
 // each other form the same bits (the same sums in the same order, the same roundings). Cases: many work items per block (the output staging reused while its stores
 // are in flight) with a last column box past n; f16 outputs, biases and the act-only epilogue, hidden rows whose
@@ -303,13 +306,15 @@ TEST(CudaQuant, Fp8Sm90FormsMatchTheReferenceAndEachOther) {
        DType::f32},
       {{.act = DType::bf16, .T = 40, .E = 12, .K = 3, .H = 256, .I = 136}, DType::f32},
   };
-  // (staged scales, bulk stores, 16-bit rows, short A boxes, idle warpgroups); the first of each rows16 setting is
-  // the plain form
-  const std::vector<std::array<bool, 5>> forms = {
-      {false, false, true, false, false}, {true, false, true, false, false}, {false, true, true, false, false},
-      {true, true, true, false, false},   {false, false, true, true, false},  {false, false, true, false, true},
-      {true, true, true, true, true},     {false, false, false, false, false}, {true, false, false, false, false},
-      {true, false, false, true, true}};
+  // (staged scales, bulk stores, 16-bit rows, short A boxes, idle warpgroups, work items from the producer); the
+  // first of each rows16 setting is the plain form
+  const std::vector<std::array<bool, 6>> forms = {
+      {false, false, true, false, false, false}, {true, false, true, false, false, false},
+      {false, true, true, false, false, false},  {true, true, true, false, false, false},
+      {false, false, true, true, false, false},  {false, false, true, false, true, false},
+      {false, false, true, false, false, true},  {true, true, true, true, true, true},
+      {false, false, false, false, false, false}, {true, false, false, false, false, false},
+      {true, false, false, true, true, true}};
   std::mt19937_64 rng(1300);
   uint64_t seed = 1300;
   int checked = 0;
@@ -318,14 +323,15 @@ TEST(CudaQuant, Fp8Sm90FormsMatchTheReferenceAndEachOther) {
     const Tensor other_x = test::randn(p.hidden_states.shape(), DType::f32, rng).to(p.hidden_states.dtype());
     const Experts g = p.experts.to(Device::cuda(0));
     Tensor first;
-    for (const auto& [staged, tma_store, rows16, short_a, skip_idle] : forms) {
-      const Fp8Sm90Forms set(staged, tma_store, rows16, short_a, skip_idle);
+    for (const auto& [staged, tma_store, rows16, short_a, skip_idle, item_ring] : forms) {
+      const Fp8Sm90Forms set(staged, tma_store, rows16, short_a, skip_idle, item_ring);
       (void)test::run_backend(g, "grouped_mm", other_x, p.top_k_index, p.top_k_weights);
       const Tensor out = test::run_backend(g, "grouped_mm", p.hidden_states, p.top_k_index, p.top_k_weights);
       const std::string what = std::string("staged ") + (staged ? "1" : "0") + " bulk stores " +
                                (tma_store ? "1" : "0") + " rows16 " + (rows16 ? "1" : "0") + " short A " +
-                               (short_a ? "1" : "0") + " skip idle " + (skip_idle ? "1 " : "0 ") + c.to_string();
-      if (!staged && !tma_store && !short_a && !skip_idle) {  // the plain form of this rows16 setting: against the reference
+                               (short_a ? "1" : "0") + " skip idle " + (skip_idle ? "1" : "0") + " item ring " +
+                               (item_ring ? "1 " : "0 ") + c.to_string();
+      if (!staged && !tma_store && !short_a && !skip_idle && !item_ring) {  // the plain form of this rows16 setting: against the reference
         double err = 0;
         const std::string problem = test::compare_with_reference(p, out, &err);
         std::printf("  %s scales %s: rel L2 %.2e %s\n", what.c_str(), dtype_name(sdt), err, problem.c_str());

@@ -21,6 +21,10 @@
 //   thread issues bulk tensor stores, so that the next item's main loop starts while the copy engine writes (the
 //   staging is reused once the previous stores have read it); 64-row blocks that cross the expert's end, and
 //   outputs whose rows are not 16-byte aligned, keep the direct stores.
+// And the work items handed over by the producer (MOEKIT_FP8_SM90_ITEM_RING, on by default): the producer, which runs
+// stages ahead, writes each item (expert, column tile, first and end rows) beside the stage that holds its first
+// block, and the consumers read it there after that stage's wait, instead of each warp searching the tile offsets and
+// loading the expert's row offsets from global memory at the start of every item, on its critical path.
 // And two forms for tiles with few rows (MOEKIT_FP8_SM90_SHORT_A, MOEKIT_FP8_SM90_SKIP_IDLE; same bits either way):
 // - short A boxes: a tile whose expert has at most 32 (64) rows left loads A boxes of 32 (64) rows instead of 128,
 //   so that decode-sized calls (a few rows per expert) do not bring 128 rows of other experts' activations from L2
@@ -58,16 +62,17 @@ constexpr int kScaleFloats = kBM + 2, kScaleStride = 528;  // bytes per stage (1
 constexpr int kBoxBytes = 64 * 128, kOutBytes = 2 * kBoxBytes;
 static_assert(kScaleFloats * 4 <= kScaleStride, "staged scales");
 
-// Offsets from the 1024-aligned base of the dynamic shared memory: the stages, the barriers (2 kStages), the copy
-// of tile_offsets[0, E]; with the forms on, the staged scales (kStages x kScaleStride bytes, 16-byte aligned) and
+// Offsets from the 1024-aligned base of the dynamic shared memory: the stages, the barriers (2 kStages), the work
+// items (kStages x 16 bytes: the item whose first block a stage holds), the copy of tile_offsets[0, E]; with the forms on, the staged scales (kStages x kScaleStride bytes, 16-byte aligned) and
 // the output staging (two consumers x kOutBytes, 1024-byte aligned). end: the bytes used past the base.
 struct SmemLayout {
-  uint32_t bars, tiles, scales, out, end;
+  uint32_t bars, items, tiles, scales, out, end;
 };
 __host__ __device__ constexpr SmemLayout smem_layout(int experts, bool staged, bool bulk) {
   SmemLayout l{};
   l.bars = uint32_t(kStages) * kStageBytes;
-  l.tiles = l.bars + 2 * kStages * 8;
+  l.items = l.bars + 2 * kStages * 8;
+  l.tiles = l.items + kStages * 16;
   const uint32_t tiles_end = l.tiles + (uint32_t(experts) + 1) * 4;
   l.scales = (tiles_end + 15) & ~15u;
   const uint32_t scales_end = staged ? l.scales + kStages * kScaleStride : tiles_end;
@@ -368,13 +373,14 @@ __device__ __forceinline__ void epilogue_bulk(const Fp8GemmArgs& args, const Wor
 }
 
 // STAGED, BULK: the forms of the header comment (BULK only for 16-bit epilogues).
-// map_a32 / map_a64: A in boxes of 32 / 64 rows (used when short_a is set); skip_idle: the idle warpgroups' form.
+// map_a32 / map_a64: A in boxes of 32 / 64 rows (used when short_a is set); skip_idle: the idle warpgroups' form;
+// item_ring: the consumers read the work items the producer wrote.
 template <int EPI, bool STAGED, bool BULK>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_sm90_fp8_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_a32,
                                  const __grid_constant__ CUtensorMap map_a64, const __grid_constant__ CUtensorMap map_b,
                                  const __grid_constant__ CUtensorMap map_out, const Fp8GemmArgs args, const int short_a,
-                                 const int skip_idle) {
+                                 const int skip_idle, const int item_ring) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(!BULK || EPI != kEpiF32, "bulk stores: 16-bit epilogues");
   extern __shared__ __align__(1024) unsigned char fp8_smem[];
@@ -384,6 +390,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (kStages + s); };
   auto scales = [&](int s) { return base + lay.scales + s * kScaleStride; };  // STAGED: kScaleFloats f32
+  auto item_at = [&](int s) { return reinterpret_cast<int4*>(fp8_smem + (base + lay.items + 16 * s - smem_u32(fp8_smem))); };
   const int tid = threadIdx.x, wg = tid / 128;
 
   if (tid == 0) {
@@ -435,6 +442,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(empty(s), phase ^ 1);
         const uint32_t st = base + s * kStageBytes;
         if (tid == 0) {
+          // the item beside its first stage (visible to the consumers through the full barrier's arrival below)
+          if (kb == 0) *item_at(s) = make_int4(t.expert, t.n_tile, int(t.m0), int(t.m_end));
           mbar_expect_tx(full(s), a_bytes + kBBytes);
           tma_load_2d(st, ma, full(s), kb * kBK, int(t.m0));
           if constexpr (EPI == kEpiGated) {  // 64 gate rows, then the 64 matching up rows
@@ -471,7 +480,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[64], part[64];
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     Work t;
-    work_item(args, tiles_s, w, n_tiles, t);
+    if (item_ring) {  // the item the producer wrote beside its first stage (waited for again in the loop below)
+      mbar_wait(full(s), phase);
+      const int4 v = *item_at(s);
+      t.expert = v.x;
+      t.n_tile = v.y;
+      t.m0 = v.z;
+      t.m_end = v.w;
+    } else {
+      work_item(args, tiles_s, w, n_tiles, t);
+    }
     const int64_t r0 = t.m0 + c * 64 + warp * 16 + (lane >> 2);
     if (skip_idle && t.m0 + c * 64 >= t.m_end) {  // no row of this warpgroup in the expert: release the stages
       for (int kb = 0; kb < kblocks; ++kb) {
@@ -613,8 +631,9 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 // The switches of the header comment (on: the default form; off: the plain form).
 EnvSwitch g_staged_scales{"MOEKIT_FP8_SM90_STAGED_SCALES", true}, g_tma_store{"MOEKIT_FP8_SM90_TMA_STORE", true};
 EnvSwitch g_short_a{"MOEKIT_FP8_SM90_SHORT_A", true}, g_skip_idle{"MOEKIT_FP8_SM90_SKIP_IDLE", true};
+EnvSwitch g_item_ring{"MOEKIT_FP8_SM90_ITEM_RING", true};
 
-using KernelFn = void (*)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, Fp8GemmArgs, int, int);
+using KernelFn = void (*)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, Fp8GemmArgs, int, int, int);
 template <int EPI>
 KernelFn kernel_for(bool staged, bool bulk) {
   if constexpr (EPI == kEpiF32) {
@@ -676,7 +695,8 @@ cudaError_t launch(const Fp8GemmArgs& a, cudaStream_t stream) {
   const int grid = int(std::min<int64_t>(work, sm_count()));
   if (grid == 0) return cudaSuccess;
   kernel<<<grid, kThreads, smem, stream>>>(map_a, map_a32, map_a64, map_b, map_out, a, short_a ? 1 : 0,
-                                           g_skip_idle.on() ? 1 : 0);
+                                           g_skip_idle.on() ? 1 : 0,
+                                           g_item_ring.on() && a.k > 0 ? 1 : 0);  // k = 0: no stage carries an item
   return cudaGetLastError();
 }
 
@@ -698,6 +718,7 @@ bool set_fp8_sm90_staged_scales(bool on) { return g_staged_scales.set(on); }
 bool set_fp8_sm90_tma_store(bool on) { return g_tma_store.set(on); }
 bool set_fp8_sm90_short_a(bool on) { return g_short_a.set(on); }
 bool set_fp8_sm90_skip_idle(bool on) { return g_skip_idle.set(on); }
+bool set_fp8_sm90_item_ring(bool on) { return g_item_ring.set(on); }
 
 cudaError_t grouped_gemm_fp8_sm90(const Fp8GemmArgs& a, cudaStream_t stream) {
   if (a.max_rows == 0 || a.n == 0) return cudaSuccess;

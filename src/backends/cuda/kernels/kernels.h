@@ -294,6 +294,8 @@ bool set_fp8_sm90_tma_store(bool on);
 // (MOEKIT_FP8_SM90_SKIP_IDLE).
 bool set_fp8_sm90_short_a(bool on);
 bool set_fp8_sm90_skip_idle(bool on);
+// And the work items handed from the producer to the consumers through shared memory (MOEKIT_FP8_SM90_ITEM_RING, on).
+bool set_fp8_sm90_item_ring(bool on);
 
 // ---- FP8 experts at decode sizes (gemv_quant.cu): the projection above as a weight-streaming GEMV ----
 
