@@ -1,5 +1,6 @@
 // Gather of routed rows, the gate over a f32 first projection (eager), and the weighted combine.
 #include "backends/cuda/kernels/device_math.cuh"
+#include "base/cuda_pdl.cuh"
 
 namespace moekit::cuda::kernels {
 namespace {
@@ -49,6 +50,8 @@ template <class T, class W>
 __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(const float* y, const int32_t* pair_row, const int32_t* pair_expert, const W* weights,
                    const T* bias2, int top_k, int64_t hidden, int experts, T* out) {
+  pdl_wait();  // launched with PDL: the second projection's rows come before
+  pdl_trigger();
   const int64_t t = blockIdx.x;
   const int64_t h0 = blockIdx.y * int64_t(kCombineThreads * kCombinePerThread) + threadIdx.x;
   float acc[kCombinePerThread];
@@ -80,10 +83,9 @@ cudaError_t combine_typed(const float* y, const int32_t* pair_row, const int32_t
                           cudaStream_t stream) {
   const dim3 grid(unsigned(tokens), unsigned((hidden + kCombineThreads * kCombinePerThread - 1) /
                                              (kCombineThreads * kCombinePerThread)));
-  combine_kernel<T, W><<<grid, kCombineThreads, 0, stream>>>(y, pair_row, pair_expert, static_cast<const W*>(weights),
-                                                             static_cast<const T*>(bias2), top_k, hidden, experts,
-                                                             static_cast<T*>(out));
-  return cudaGetLastError();
+  return launch_pdl(pdl_enabled(), combine_kernel<T, W>, grid, dim3(kCombineThreads), 0, stream, y, pair_row,
+                    pair_expert, static_cast<const W*>(weights), static_cast<const T*>(bias2), top_k, hidden, experts,
+                    static_cast<T*>(out));
 }
 
 // One thread per 8 columns (16-byte pieces when `vec`) of one token: the K weighted rows of the token summed

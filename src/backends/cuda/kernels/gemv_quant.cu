@@ -25,6 +25,7 @@
 #include "backends/cuda/kernels/fp4_convert.cuh"
 #include "backends/cuda/kernels/fp8_epilogue.cuh"
 #include "backends/cuda/kernels/quant_fp4.h"
+#include "base/cuda_pdl.cuh"
 
 namespace moekit::cuda::kernels {
 
@@ -99,6 +100,8 @@ __device__ __forceinline__ void load_a16(const uint8_t* row, int64_t k0, float (
 // FP4: the weights are e2m1 (a 16-byte chunk: 32 inputs, one scale group); AF: A is float (see quant_fp4.h).
 template <class T, int EPI, int RC, int U, bool FP4, bool AF>
 __global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Fp4GemmArgs args, int tile_m) {
+  pdl_wait();  // launched with PDL: the routing, the quantized rows and the first projection come before
+  pdl_trigger();
   const int tile = blockIdx.y;
   if (tile >= __ldg(args.tile_offsets + args.experts)) return;
   const int expert = tile_expert(args.tile_offsets, args.experts, tile);
@@ -255,10 +258,10 @@ cudaError_t launch_gemv(const Fp4GemmArgs& a, int tile_m, int rows_per_pass, cud
   if (tiles > 65535 || col_blocks > 0x7fffffff) return cudaErrorInvalidValue;
   const dim3 grid{unsigned(col_blocks), unsigned(tiles)};
   if (rows_per_pass == 1)
-    quant_gemv_kernel<T, EPI, 1, 2, FP4, AF><<<grid, kThreads, 0, stream>>>(a, tile_m);
-  else
-    quant_gemv_kernel<T, EPI, 4, 1, FP4, AF><<<grid, kThreads, 0, stream>>>(a, tile_m);
-  return cudaGetLastError();
+    return launch_pdl(pdl_enabled(), quant_gemv_kernel<T, EPI, 1, 2, FP4, AF>, grid, dim3(kThreads), 0, stream, a,
+                      tile_m);
+  return launch_pdl(pdl_enabled(), quant_gemv_kernel<T, EPI, 4, 1, FP4, AF>, grid, dim3(kThreads), 0, stream, a,
+                    tile_m);
 }
 
 template <bool FP4, bool AF>

@@ -16,6 +16,7 @@
 
 #include "backends/cuda/kernels/fp8_epilogue.cuh"
 #include "backends/cuda/kernels/grouped_gemm_common.cuh"
+#include "base/cuda_pdl.cuh"
 #include "base/env.h"
 
 namespace moekit::cuda::kernels {
@@ -62,6 +63,8 @@ __global__ void quantize_fp8_rows_kernel(const T* __restrict__ x, int64_t ldx, c
                                          int src_div, int64_t rows, int64_t k,
                                          const int32_t* __restrict__ valid_rows, int pow2, uint8_t* __restrict__ q,
                                          int64_t ldq, float* __restrict__ scale, int64_t lds) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t groups = (k + 127) / 128;
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
@@ -115,6 +118,8 @@ __global__ void quantize_fp8_rows_wide_kernel(const T* __restrict__ x, int64_t l
                                               const int32_t* __restrict__ valid_rows, int pow2, bool vec,
                                               uint8_t* __restrict__ q, int64_t ldq, float* __restrict__ scale,
                                               int64_t lds) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t groups = (k + 127) / 128;
   const int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
   const int l = threadIdx.x % 16;
@@ -418,16 +423,14 @@ cudaError_t quantize_fp8_rows(Elem type, const void* x, int64_t ldx, const int32
     if (wide) {
       const bool vec = (reinterpret_cast<uintptr_t>(x) % 16) == 0 && (ldx * int64_t(sizeof(T))) % 16 == 0;
       const unsigned blocks = unsigned((rows * groups * 16 + 255) / 256);
-      quantize_fp8_rows_wide_kernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(x), ldx, src_rows, src_div,
-                                                                   rows, k, valid_rows, pow2_scales ? 1 : 0, vec, q,
-                                                                   ldq, scale, lds);
-      return cudaGetLastError();
+      return launch_pdl(pdl_enabled(), quantize_fp8_rows_wide_kernel<T>, dim3(blocks), dim3(256), 0, stream,
+                        static_cast<const T*>(x), ldx, src_rows, src_div, rows, k, valid_rows, pow2_scales ? 1 : 0,
+                        vec, q, ldq, scale, lds);
     }
     const unsigned blocks = unsigned((rows * groups * 32 + 255) / 256);
-    quantize_fp8_rows_kernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(x), ldx, src_rows, src_div, rows,
-                                                            k, valid_rows,
-                                                            pow2_scales ? 1 : 0, q, ldq, scale, lds);
-    return cudaGetLastError();
+    return launch_pdl(pdl_enabled(), quantize_fp8_rows_kernel<T>, dim3(blocks), dim3(256), 0, stream,
+                      static_cast<const T*>(x), ldx, src_rows, src_div, rows, k, valid_rows, pow2_scales ? 1 : 0, q,
+                      ldq, scale, lds);
   });
 }
 

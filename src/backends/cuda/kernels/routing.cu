@@ -13,6 +13,7 @@
 #include <cstdlib>
 
 #include "backends/cuda/kernels/device_math.cuh"
+#include "base/cuda_pdl.cuh"
 #include "base/env.h"
 
 namespace moekit::cuda::kernels {
@@ -165,6 +166,8 @@ __global__ void __launch_bounds__(kOneBlockThreads)
   __shared__ int32_t warp_count[kOneBlockWarps * kOneBlockExperts];
   __shared__ int32_t running[kOneBlockExperts];  // pairs of each expert in the chunks so far, then its first row
   __shared__ int warp_sums[32];
+  pdl_wait();  // launched with PDL at decode sizes: the ids are written by the kernel before
+  pdl_trigger();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int i = threadIdx.x; i < kOneBlockWarps * experts; i += kOneBlockThreads) warp_count[i] = 0;
   for (int i = threadIdx.x; i < experts; i += kOneBlockThreads) running[i] = 0;
@@ -228,10 +231,9 @@ cudaError_t route_sort_typed(const IdxT* index, int64_t tokens, int top_k, int e
                              const RoutingBuffers& b, cudaStream_t stream) {
   const int64_t pairs = tokens * top_k;
   if (pairs <= one_block_pairs() && experts <= kOneBlockExperts) {
-    route_sort_one_block_kernel<IdxT><<<1, kOneBlockThreads, 0, stream>>>(index, pairs, top_k, experts, tile_m,
-                                                                          b.pair_expert, b.pair_row, b.sorted_pair,
-                                                                          b.offsets, b.tile_offsets, b.error);
-    return cudaGetLastError();
+    return launch_pdl(pdl_enabled(), route_sort_one_block_kernel<IdxT>, dim3(1), dim3(kOneBlockThreads), 0, stream,
+                      index, pairs, top_k, experts, tile_m, b.pair_expert, b.pair_row, b.sorted_pair, b.offsets,
+                      b.tile_offsets, b.error);
   }
   const int64_t nblocks = route_blocks(pairs);
   const size_t smem = size_t(kRouteWarps) * experts * sizeof(int32_t);
