@@ -8,7 +8,8 @@
 // the f64 reference over a sweep (K a multiple of 32 but not of 128, odd E, T = 1..11 on the GEMV, hundreds of rows
 // on the tiled kernel with row tiles of 32 and 128, sentinels, empty experts, biases, gpt-oss's interleaved clamped
 // SwiGLU), the GEMV forced on and off. The sm90 FP8 kernel's staged-scale and bulk-store forms against its plain
-// form, bit for bit. Skips without a GPU.
+// form, bit for bit; the FP8 chain with Programmatic Dependent Launch on and off, uncaptured and in graphs, bit for
+// bit. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -16,6 +17,7 @@
 #include <cstring>
 #include <random>
 
+#include "moekit/cuda_graph.h"
 #include "moekit/model.h"
 #include "moekit/quant.h"
 #include "moekit/safetensors.h"
@@ -26,6 +28,7 @@
 #include "backends/cuda/kernels/kernels.h"
 #include "backends/cuda/kernels/quant_fp4.h"
 #include "backends/cuda/policy.h"
+#include "base/cuda_pdl.cuh"
 #endif
 
 namespace moekit {
@@ -344,6 +347,46 @@ TEST(CudaQuant, Fp8Sm90FormsMatchTheReferenceAndEachOther) {
     }
   }
   EXPECT_EQ(checked, int(cases.size() * forms.size()));
+}
+
+// The FP8 chain's kernels (routing, quantisation, GEMV, combine) with Programmatic Dependent Launch and without, at
+// decode sizes (the GEMV chain) and past them (the tiled kernels): uncaptured and replayed from a CUDA graph recorded
+// under each setting, every output poisoned first, all against the reference and the same bits.
+TEST(CudaQuant, Fp8ChainWithAndWithoutPdlIsBitwiseTheSame) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  const std::vector<std::pair<ProblemConfig, DType>> cases = {
+      {{.act = DType::bf16, .rwt = DType::bf16, .idt = DType::i32, .T = 1, .E = 40, .K = 8, .H = 512, .I = 256},
+       DType::f32},
+      {{.act = DType::bf16, .idt = DType::i32, .T = 6, .E = 9, .K = 2, .H = 264, .I = 200, .sentinels = true},
+       DType::ue8m0},
+      {{.act = DType::f16, .idt = DType::i32, .T = 150, .E = 5, .K = 2, .H = 384, .I = 136}, DType::f32},
+  };
+  const bool pdl_was = cuda::set_pdl_enabled(true);
+  uint64_t seed = 1900;
+  for (const auto& [c, sdt] : cases) {
+    const test::ExpertsProblem p = make_fp8_problem(c, seed++, sdt, /*biases_in_act_dtype=*/true);
+    const Experts g = p.experts.to(Device::cuda(0));
+    const ExpertsGraphShape shape{.tokens = c.T, .top_k = c.K, .act_dtype = c.act, .index_dtype = c.idt,
+                                  .weight_dtype = c.rwt};
+    Tensor first;
+    for (const bool pdl : {true, false}) {
+      cuda::set_pdl_enabled(pdl);
+      const std::string label = std::string("pdl ") + (pdl ? "on " : "off ") + c.to_string();
+      const Tensor direct = test::run_backend(g, "grouped_mm", p.hidden_states, p.top_k_index, p.top_k_weights);
+      EXPECT_EQ(test::compare_with_reference(p, direct), "") << label;
+      if (!first.defined()) first = direct;
+      EXPECT_TRUE(test::bitwise_equal(direct, first)) << label << ": uncaptured";
+      ExpertsGraph graph(g, shape, "grouped_mm");
+      graph.hidden_states().copy_from(p.hidden_states.view());
+      graph.top_k_index().copy_from(p.top_k_index.view());
+      graph.top_k_weights().copy_from(p.top_k_weights.view());
+      Tensor o = graph.out();
+      test::poison(o);
+      graph.replay();
+      EXPECT_TRUE(test::bitwise_equal(graph.out().to(Device::cpu()), first)) << label << ": replayed";
+    }
+  }
+  cuda::set_pdl_enabled(pdl_was);
 }
 
 // The launcher refuses what the kernel cannot read (unaligned or short A rows) instead of reading out of bounds.
