@@ -25,6 +25,7 @@
 #include "test_fp8_problem.h"
 #include "test_util.h"
 #ifdef MOEKIT_WITH_CUDA
+#include "backends/cuda/kernels/cutlass_gemm.h"
 #include "backends/cuda/kernels/kernels.h"
 #include "backends/cuda/kernels/quant_fp4.h"
 #include "backends/cuda/policy.h"
@@ -261,7 +262,8 @@ TEST(CudaQuant, Fp8GemvForcedOnAndOffMatchesTheReference) {
 }
 
 // Sets the sm90 FP8 kernel's measurement switches (staged scales, bulk output stores, short A boxes, idle
-// warpgroups, work items from the producer) and the second projection's 16-bit rows for the scope.
+// warpgroups, work items from the producer) and the second projection's 16-bit rows for the scope, CUTLASS's
+// kernel off.
 class Fp8Sm90Forms {
  public:
   Fp8Sm90Forms(bool staged, bool tma_store, bool rows16, bool short_a, bool skip_idle, bool item_ring)
@@ -270,7 +272,8 @@ class Fp8Sm90Forms {
         rows16_(cuda::set_grouped_down_rows16(rows16)),
         short_a_(cuda::kernels::set_fp8_sm90_short_a(short_a)),
         skip_idle_(cuda::kernels::set_fp8_sm90_skip_idle(skip_idle)),
-        item_ring_(cuda::kernels::set_fp8_sm90_item_ring(item_ring)) {}
+        item_ring_(cuda::kernels::set_fp8_sm90_item_ring(item_ring)),
+        cutlass_(cuda::set_fp8_cutlass(false)) {}
   ~Fp8Sm90Forms() {
     cuda::kernels::set_fp8_sm90_staged_scales(staged_);
     cuda::kernels::set_fp8_sm90_tma_store(tma_store_);
@@ -278,12 +281,13 @@ class Fp8Sm90Forms {
     cuda::kernels::set_fp8_sm90_short_a(short_a_);
     cuda::kernels::set_fp8_sm90_skip_idle(skip_idle_);
     cuda::kernels::set_fp8_sm90_item_ring(item_ring_);
+    cuda::set_fp8_cutlass(cutlass_);
   }
   Fp8Sm90Forms(const Fp8Sm90Forms&) = delete;
   Fp8Sm90Forms& operator=(const Fp8Sm90Forms&) = delete;
 
  private:
-  bool staged_, tma_store_, rows16_, short_a_, skip_idle_, item_ring_;
+  bool staged_, tma_store_, rows16_, short_a_, skip_idle_, item_ring_, cutlass_;
 };
 
 // The sm90 FP8 kernel's forms (scales staged by the producer, 16-bit outputs through bulk tensor stores, short A
@@ -387,6 +391,60 @@ TEST(CudaQuant, Fp8ChainWithAndWithoutPdlIsBitwiseTheSame) {
     }
   }
   cuda::set_pdl_enabled(pdl_was);
+}
+
+// CUTLASS's FP8 grouped GEMM (where the build has it and the device is sm_90), taken from one row per expert and any
+// hidden size on:
+// bf16 experts whose sizes are multiples of 128 against the f64 reference (uneven and empty experts, sentinels,
+// odd E, UE8M0 scales, i32 ids, 16-byte padded weight rows), the calls counted to show that it served them, and a
+// second run the same bits (no atomics in its sums). Off, the same calls on moekit's kernel within the same bound.
+TEST(CudaQuant, Fp8CutlassMatchesTheReference) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  int major = 0, minor = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
+  if (!cuda::kernels::grouped_gemm_fp8_cutlass_built() || major * 10 + minor != 90)
+    GTEST_SKIP() << "CUTLASS's FP8 kernel is not in this build or the device is not sm_90";
+  struct Rows {
+    int64_t previous;
+    explicit Rows(int64_t r) : previous(cuda::set_fp8_cutlass_rows(r)) {}
+    ~Rows() { cuda::set_fp8_cutlass_rows(previous); }
+  } rows(1);
+  const int64_t hidden_was = cuda::set_fp8_cutlass_hidden(1);
+  const std::vector<std::pair<ProblemConfig, DType>> cases = {
+      {{.act = DType::bf16, .T = 600, .E = 5, .K = 2, .H = 512, .I = 256}, DType::f32},
+      {{.act = DType::bf16, .rwt = DType::bf16, .T = 300, .E = 7, .K = 3, .H = 384, .I = 640, .empty_experts = true,
+        .sentinels = true},
+       DType::ue8m0},
+      {{.act = DType::bf16, .idt = DType::i32, .T = 257, .E = 3, .K = 2, .H = 1024, .I = 128,
+        .activation = Activation::gelu},
+       DType::f32},
+      {{.act = DType::bf16, .T = 40, .E = 12, .K = 3, .H = 256, .I = 384, .used = 5}, DType::f32},
+  };
+  uint64_t seed = 1700;
+  for (const auto& [c, sdt] : cases) {
+    const test::ExpertsProblem p = make_fp8_problem(c, seed++, sdt, /*biases_in_act_dtype=*/true);
+    const Experts g = p.experts.to(Device::cuda(0));
+    for (const bool on : {true, false}) {
+      const bool previous = cuda::set_fp8_cutlass(on);
+      for (const char* name : {"grouped_mm", "deepgemm"}) {
+        const int64_t calls = cuda::fp8_cutlass_calls();
+        double err = 0;
+        const Tensor out = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
+        const std::string problem = test::compare_with_reference(p, out, &err);
+        std::printf("  %-10s cutlass %d %s scales %s: rel L2 %.2e %s\n", name, int(on), c.to_string().c_str(),
+                    dtype_name(sdt), err, problem.c_str());
+        EXPECT_TRUE(problem.empty()) << name << " cutlass " << on << " " << c.to_string() << ": " << problem;
+        EXPECT_EQ(cuda::fp8_cutlass_calls() - calls, on ? 1 : 0) << name << " " << c.to_string();
+        if (on) {
+          const Tensor again = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
+          EXPECT_TRUE(test::bitwise_equal(out, again)) << name << " " << c.to_string() << ": not deterministic";
+        }
+      }
+      cuda::set_fp8_cutlass(previous);
+    }
+  }
+  cuda::set_fp8_cutlass_hidden(hidden_was);
 }
 
 // The launcher refuses what the kernel cannot read (unaligned or short A rows) instead of reading out of bounds.

@@ -47,6 +47,13 @@ int64_t set_fp8_gemv_max_pairs(int64_t pairs);
 // previous value (process-wide).
 bool fp8_gemv_sparse_only();
 bool set_fp8_gemv_sparse_only(bool on);
+// FP8 experts at large token counts on CUTLASS's grouped GEMM where the build has it (MOEKIT_FP8_CUTLASS, on): from a
+// number of rows per expert on average (MOEKIT_FP8_CUTLASS_ROWS, 128) and a hidden size (MOEKIT_FP8_CUTLASS_HIDDEN,
+// 4096); each setter returns the previous setting. fp8_cutlass_calls: the calls it has served in this process.
+bool set_fp8_cutlass(bool on);
+int64_t set_fp8_cutlass_rows(int64_t rows);
+int64_t set_fp8_cutlass_hidden(int64_t hidden);
+int64_t fp8_cutlass_calls();
 // The same for FP4 experts (the GEMV over FP4 bytes; the tiled FP4 kernel beyond): 64 by default,
 // MOEKIT_FP4_GEMV_MAX_PAIRS in the environment at first use (0: never).
 int64_t fp4_gemv_max_pairs();

@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "backends/cuda/kernels/cutlass_gemm.h"
 #include "backends/cuda/kernels/quant_fp4.h"
 #include "backends/cuda/policy.h"
 #include "backends/cuda/state.h"
@@ -49,6 +50,25 @@ EnvSwitch g_token_quant{"MOEKIT_FP8_TOKEN_QUANT", true};
 // (E = 8) T = 1 (P = 2) 1.61x slower, T = 4 / 8 / 16 0.86x / 0.87x / 0.50x; qwen3-30b-a3b (E = 128) T = 1 (P = 8)
 // 1.21x, T = 8 (P = 64) 0.92x; deepseek-v3 (E = 256) T = 1 / 8 (P = 8 / 64) 1.28x / 1.25x.
 EnvSwitch g_gemv_sparse{"MOEKIT_FP8_GEMV_SPARSE", true};
+// Large token counts on CUTLASS's FP8 grouped GEMM (grouped_gemm_cutlass_fp8.cu, where the build has it): the first
+// projection's [gate | up] rows in bf16 (the rounding the gated epilogues apply first), the gate, computed as they
+// compute it, and the activations' quantisation in one pass (gate_quantize_fp8_rows), the second projection in bf16
+// rows summed by combine_rows16. Measured on the H200 (docs/perf.md, 2026-12-02) against the sm90 kernel: 5-11%
+// faster from 128 rows per expert where the hidden size is 4096 or more (mixtral-8x7b, deepseek-v3), slower with
+// fewer rows and on qwen3-30b-a3b (hidden 2048) at every size: kFp8CutlassRows rows per expert on average
+// (MOEKIT_FP8_CUTLASS_ROWS) and kFp8CutlassHidden (MOEKIT_FP8_CUTLASS_HIDDEN); MOEKIT_FP8_CUTLASS=0 keeps moekit's
+// sm90 kernel everywhere.
+EnvSwitch g_fp8_cutlass{"MOEKIT_FP8_CUTLASS", true};
+constexpr int64_t kFp8CutlassRows = 128, kFp8CutlassHidden = 4096;
+std::atomic<int64_t>& fp8_cutlass_rows() {
+  static std::atomic<int64_t> v{std::max<int64_t>(1, env_int("MOEKIT_FP8_CUTLASS_ROWS", kFp8CutlassRows))};
+  return v;
+}
+std::atomic<int64_t>& fp8_cutlass_hidden() {
+  static std::atomic<int64_t> v{std::max<int64_t>(1, env_int("MOEKIT_FP8_CUTLASS_HIDDEN", kFp8CutlassHidden))};
+  return v;
+}
+std::atomic<int64_t> g_fp8_cutlass_calls{0};
 
 // The GEMV's default reach (policy.h fp8_gemv_max_pairs): 64, the decode sizes of issue 11 (T = 1..64 at top-k
 // 1..8 reach it at P = 64). Not yet measured against the mma.sync kernel on the H200: the crossover may lie
@@ -84,6 +104,10 @@ int64_t fp8_gemv_max_pairs() { return fp8_gemv_limit().load(); }
 int64_t set_fp8_gemv_max_pairs(int64_t pairs) { return fp8_gemv_limit().exchange(pairs); }
 bool fp8_gemv_sparse_only() { return g_gemv_sparse.on(); }
 bool set_fp8_gemv_sparse_only(bool on) { return g_gemv_sparse.set(on); }
+bool set_fp8_cutlass(bool on) { return g_fp8_cutlass.set(on); }
+int64_t set_fp8_cutlass_rows(int64_t rows) { return fp8_cutlass_rows().exchange(std::max<int64_t>(1, rows)); }
+int64_t set_fp8_cutlass_hidden(int64_t hidden) { return fp8_cutlass_hidden().exchange(std::max<int64_t>(1, hidden)); }
+int64_t fp8_cutlass_calls() { return g_fp8_cutlass_calls.load(); }
 int64_t fp4_gemv_max_pairs() { return fp4_gemv_limit().load(); }
 int64_t set_fp4_gemv_max_pairs(int64_t pairs) { return fp4_gemv_limit().exchange(pairs); }
 
@@ -171,11 +195,27 @@ void run_fp8(const CallContext& c) {
                      : sm90_ok && P >= fp8_sm90_tile_rows() * E ? 128
                                                                  : k::fp8_tile_m(P, int(E));
   const bool sm90 = sm90_ok && !gemv && tile_m == 128;
+  // CUTLASS's kernel: bf16, [gate | up] rows without bias, whole 128 x 128 scale blocks (inputs and outputs multiples
+  // of 128, the gated projection's halves each whole blocks), enough rows per expert.
+  k::CutlassFp8Args cut1, cut2;
+  const bool cutlass = sm90 && !float_acts && g_fp8_cutlass.on() && c.type == k::Elem::bf16 &&
+                       c.first_epilogue == k::kEpiGated && c.b1 == nullptr && H % 128 == 0 && I % 128 == 0 &&
+                       c.s1_rows == N1 / 128 && (N1 / c.seg1) % 128 == 0 && c.s2_rows == H / 128 &&
+                       P >= fp8_cutlass_rows().load() * E && H >= fp8_cutlass_hidden().load() && [&] {
+                         cut1 = {nullptr, nullptr, c.q1, N1 * c.q1_ld, c.q1_ld, c.s1, c.s1_rows * HB, nullptr,
+                                 int(E), N1, H, nullptr};
+                         cut2 = {nullptr, nullptr, c.q2, H * c.q2_ld, c.q2_ld, c.s2, c.s2_rows * IB, nullptr,
+                                 int(E), H, I, nullptr};
+                         const uint8_t* probe_a = reinterpret_cast<const uint8_t*>(size_t(256));
+                         cut1.a = cut2.a = probe_a;
+                         cut1.out = cut2.out = const_cast<uint8_t*>(probe_a);
+                         return k::grouped_gemm_fp8_cutlass_ok(cut1, arch) && k::grouped_gemm_fp8_cutlass_ok(cut2, arch);
+                       }();
   const int64_t xrows = sm90 ? P : T;  // quantized token rows: in sorted order for the TMA kernel
   const bool token_quant = sm90 && g_token_quant.on();  // quantized per token, then copied into sorted order
   // The sm90 path's second projection in 16-bit rows for combine_rows16 (the TMA engine's form; y holds room for
   // f32 rows). MOEKIT_DOWN_ROWS16=0: f32 rows and combine.
-  const bool rows16 = sm90 && grouped_down_rows16();
+  const bool rows16 = sm90 && (cutlass || grouped_down_rows16());
   // Float activations are read in place, gathered by index, unless the token rows are not 16-byte aligned: then
   // gathered into the workspace first.
   const bool gather_x = float_acts && !aligned16(c.call.hidden_states.data);
@@ -183,7 +223,7 @@ void run_fp8(const CallContext& c) {
   k::RoutingBuffers r;
   uint8_t *xq = nullptr, *aq = nullptr, *xq_tok = nullptr;
   float *xs = nullptr, *as = nullptr, *y = nullptr, *xs_tok = nullptr;
-  void *act = nullptr, *xg = nullptr;
+  void *act = nullptr, *xg = nullptr, *h1 = nullptr, *cut_ws = nullptr;
   carve_workspace(*c.ws, [&](Carver& w) {
     take_routing(w, r, P, E);
     if (!float_acts) {
@@ -197,7 +237,12 @@ void run_fp8(const CallContext& c) {
       }
     }
     if (gather_x) xg = w.take_bytes(P * H * k::elem_bytes(c.type));  // token rows in sorted order
-    act = w.take_bytes(P * I * k::elem_bytes(c.type));  // [P, I] gated activations, sorted rows
+    if (cutlass) {
+      h1 = w.take_bytes(P * N1 * 2);  // [P, 2I] bf16 [gate | up] rows
+      cut_ws = w.take_bytes(int64_t(k::grouped_gemm_fp8_cutlass_workspace(int(E))));
+    } else {
+      act = w.take_bytes(P * I * k::elem_bytes(c.type));  // [P, I] gated activations, sorted rows
+    }
     y = w.take<float>(P * H);  // [P, H] f32, sorted rows
   });
   r.error = c.ws->error();
@@ -239,7 +284,22 @@ void run_fp8(const CallContext& c) {
                  what);
   };
 
-  if (float_acts)
+  if (cutlass) {
+    cut1.a = xq;
+    cut1.a_scale = xs;
+    cut1.offsets = r.offsets;
+    cut1.out = h1;
+    check_launch(k::grouped_gemm_fp8_cutlass(cut1, cut_ws, c.stream), "grouped_gemm_fp8_cutlass (first)");
+    check_launch(k::gate_quantize_fp8_rows(c.type, h1, P, I, c.gate, r.offsets + E, c.fp8_pow2, aq, IB * kFp8Block,
+                                           as, IB, c.stream),
+                 "gate_quantize_fp8_rows");
+    cut2.a = aq;
+    cut2.a_scale = as;
+    cut2.offsets = r.offsets;
+    cut2.out = y;
+    check_launch(k::grouped_gemm_fp8_cutlass(cut2, cut_ws, c.stream), "grouped_gemm_fp8_cutlass (second)");
+    g_fp8_cutlass_calls.fetch_add(1, std::memory_order_relaxed);
+  } else if (float_acts)
     gemm(projection_args(c, 1, r, gather_x ? xg : c.call.hidden_states.data, H, nullptr, 0,
                          gather_x ? nullptr : r.sorted_pair, gather_x ? 1 : int(c.top_k), act),
          "quantized projection (first)");
@@ -250,7 +310,7 @@ void run_fp8(const CallContext& c) {
 
   if (float_acts) {
     gemm(projection_args(c, 2, r, act, I, nullptr, 0, nullptr, 1, y), "quantized projection (second)");
-  } else {
+  } else if (!cutlass) {
     check_launch(k::quantize_fp8_rows(c.type, act, I, nullptr, 1, P, I, r.offsets + E, c.fp8_pow2, aq,
                                       IB * kFp8Block, as, IB, c.stream),
                  "quantize_fp8_rows (activations)");

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "backends/cuda/kernels/cutlass_gemm.h"
 #include "backends/cuda/kernels/fp8_epilogue.cuh"
 #include "backends/cuda/kernels/grouped_gemm_common.cuh"
 #include "base/cuda_pdl.cuh"
@@ -164,6 +165,69 @@ __global__ void quantize_fp8_rows_wide_kernel(const T* __restrict__ x, int64_t l
     }
   }
   uint32_t* out = reinterpret_cast<uint32_t*>(q + row * ldq + k0);  // k0 + 8 <= ldq: rows padded to whole groups
+  out[0] = w[0];
+  out[1] = w[1];
+  if (l == 0) scale[row * lds + g] = s;
+}
+
+// The gate of a gated projection from its 16-bit output [rows, 2 inter] ([gate | up], the projection rounded to T as
+// the gated epilogues round it), computed as they do (fp8_gated: each step torch runs in T rounded to it), then
+// quantised as the wide kernel above does: 16 lanes per (row, group of 128 outputs), eight outputs per lane.
+template <class T>
+__global__ void gate_quantize_fp8_rows_kernel(const T* __restrict__ h1, int64_t rows, int64_t inter,
+                                              const GateParams gate, const int32_t* __restrict__ valid_rows, int pow2,
+                                              bool vec, uint8_t* __restrict__ q, int64_t ldq,
+                                              float* __restrict__ scale, int64_t lds) {
+  pdl_wait();
+  pdl_trigger();
+  const int64_t groups = (inter + 127) / 128;
+  const int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
+  const int l = threadIdx.x % 16;
+  const int64_t row = item / groups, g = item % groups;
+  const bool active = row < rows && (!valid_rows || row < __ldg(valid_rows));
+  const int64_t k0 = g * 128 + l * 8;
+  float v[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+  if (active) {
+    const T* gr = h1 + row * 2 * inter + k0;
+    const T* ur = gr + inter;
+    float gv[8], uv[8];
+    if (vec && k0 + 8 <= inter) {
+      const uint4 a = __ldg(reinterpret_cast<const uint4*>(gr)), b = __ldg(reinterpret_cast<const uint4*>(ur));
+      const T* ga = reinterpret_cast<const T*>(&a);
+      const T* ub = reinterpret_cast<const T*>(&b);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) gv[i] = to_f32(ga[i]), uv[i] = to_f32(ub[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        gv[i] = k0 + i < inter ? to_f32(gr[i]) : 0.0f;
+        uv[i] = k0 + i < inter ? to_f32(ur[i]) : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      v[i] = k0 + i < inter ? to_f32(from_f32<T>(fp8_gated<T>(gate, gv[i], uv[i], false, 0.0f, 0.0f))) : 0.0f;
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+  for (int o = 8; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (!active) return;
+  float s = __fdiv_rn(amax, 448.0f);
+  if (pow2 && s > 0.0f) s = pow2_ceil(s);
+  uint32_t w[2] = {0, 0};
+  if (s > 0.0f) {
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+      const uint32_t c = e4m3x2(__fdiv_rn(v[i], s), __fdiv_rn(v[i + 1], s));
+      const uint32_t m = (k0 + i < inter ? 0x00ffu : 0u) | (k0 + i + 1 < inter ? 0xff00u : 0u);
+      w[i / 4] |= (c & m) << (8 * (i % 4));
+    }
+  }
+  uint32_t* out = reinterpret_cast<uint32_t*>(q + row * ldq + k0);
   out[0] = w[0];
   out[1] = w[1];
   if (l == 0) scale[row * lds + g] = s;
@@ -431,6 +495,28 @@ cudaError_t quantize_fp8_rows(Elem type, const void* x, int64_t ldx, const int32
     return launch_pdl(pdl_enabled(), quantize_fp8_rows_kernel<T>, dim3(blocks), dim3(256), 0, stream,
                       static_cast<const T*>(x), ldx, src_rows, src_div, rows, k, valid_rows, pow2_scales ? 1 : 0, q,
                       ldq, scale, lds);
+  });
+}
+
+cudaError_t gate_quantize_fp8_rows(Elem type, const void* h1, int64_t rows, int64_t inter, const GateParams& gate,
+                                   const int32_t* valid_rows, bool pow2_scales, uint8_t* q, int64_t ldq, float* scale,
+                                   int64_t lds, cudaStream_t stream) {
+  const int64_t groups = (inter + 127) / 128;
+  if (rows == 0 || inter == 0) return cudaSuccess;
+  if (type == Elem::f32 || !gate.concatenated || gate.kind == kGateActOnly || ldq < groups * 128 || ldq % 4 ||
+      lds < groups)
+    return cudaErrorInvalidValue;
+  return with_elem(type, [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (sizeof(T) == 4) {
+      return cudaErrorInvalidValue;
+    } else {
+      const bool vec = (reinterpret_cast<uintptr_t>(h1) % 16) == 0 && inter % 8 == 0;
+      const unsigned blocks = unsigned((rows * groups * 16 + 255) / 256);
+      return launch_pdl(pdl_enabled(), gate_quantize_fp8_rows_kernel<T>, dim3(blocks), dim3(256), 0, stream,
+                        static_cast<const T*>(h1), rows, inter, gate, valid_rows, pow2_scales ? 1 : 0, vec, q, ldq,
+                        scale, lds);
+    }
   });
 }
 
