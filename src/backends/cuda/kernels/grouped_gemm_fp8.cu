@@ -113,6 +113,36 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
 #endif
 }
 
+// The second half of the 16-lane quantisation, for a lane's eight values v of inputs k0.. of a row of k: the group's
+// amax over its 16 lanes (every lane reaches the shuffles, active or not), its scale (a power of two with pow2), the
+// lane's codes (zero past k) stored into row `row` of q (k0 + 8 <= ldq: rows padded to whole groups) and, by lane 0,
+// the scale into scale[row, g].
+__device__ __forceinline__ void store_group16(const float (&v)[8], bool active, int64_t k0, int64_t k, int pow2, int l,
+                                              uint8_t* __restrict__ q, int64_t ldq, float* __restrict__ scale,
+                                              int64_t lds, int64_t row, int64_t g) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+  for (int o = 8; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (!active) return;
+  float s = __fdiv_rn(amax, 448.0f);
+  if (pow2 && s > 0.0f) s = pow2_ceil(s);
+  uint32_t w[2] = {0, 0};
+  if (s > 0.0f) {
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+      const uint32_t c = e4m3x2(__fdiv_rn(v[i], s), __fdiv_rn(v[i + 1], s));
+      const uint32_t m = (k0 + i < k ? 0x00ffu : 0u) | (k0 + i + 1 < k ? 0xff00u : 0u);  // padding: zero codes
+      w[i / 4] |= (c & m) << (8 * (i % 4));
+    }
+  }
+  uint32_t* out = reinterpret_cast<uint32_t*>(q + row * ldq + k0);
+  out[0] = w[0];
+  out[1] = w[1];
+  if (l == 0) scale[row * lds + g] = s;
+}
+
 template <class T>
 __global__ void quantize_fp8_rows_wide_kernel(const T* __restrict__ x, int64_t ldx, const int32_t* __restrict__ src_rows,
                                               int src_div, int64_t rows, int64_t k,
@@ -147,27 +177,7 @@ __global__ void quantize_fp8_rows_wide_kernel(const T* __restrict__ x, int64_t l
       for (int i = 0; i < 8; ++i) v[i] = k0 + i < k ? to_f32(xr[i]) : 0.0f;
     }
   }
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-  for (int o = 8; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if (!active) return;
-  float s = __fdiv_rn(amax, 448.0f);
-  if (pow2 && s > 0.0f) s = pow2_ceil(s);
-  uint32_t w[2] = {0, 0};
-  if (s > 0.0f) {
-#pragma unroll
-    for (int i = 0; i < 8; i += 2) {
-      const uint32_t c = e4m3x2(__fdiv_rn(v[i], s), __fdiv_rn(v[i + 1], s));
-      const uint32_t m = (k0 + i < k ? 0x00ffu : 0u) | (k0 + i + 1 < k ? 0xff00u : 0u);  // padding: zero codes
-      w[i / 4] |= (c & m) << (8 * (i % 4));
-    }
-  }
-  uint32_t* out = reinterpret_cast<uint32_t*>(q + row * ldq + k0);  // k0 + 8 <= ldq: rows padded to whole groups
-  out[0] = w[0];
-  out[1] = w[1];
-  if (l == 0) scale[row * lds + g] = s;
+  store_group16(v, active, k0, k, pow2, l, q, ldq, scale, lds, row, g);
 }
 
 // The gate of a gated projection from its 16-bit output [rows, 2 inter] ([gate | up], the projection rounded to T as
@@ -210,27 +220,7 @@ __global__ void gate_quantize_fp8_rows_kernel(const T* __restrict__ h1, int64_t 
     for (int i = 0; i < 8; ++i)
       v[i] = k0 + i < inter ? to_f32(from_f32<T>(fp8_gated<T>(gate, gv[i], uv[i], false, 0.0f, 0.0f))) : 0.0f;
   }
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-  for (int o = 8; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if (!active) return;
-  float s = __fdiv_rn(amax, 448.0f);
-  if (pow2 && s > 0.0f) s = pow2_ceil(s);
-  uint32_t w[2] = {0, 0};
-  if (s > 0.0f) {
-#pragma unroll
-    for (int i = 0; i < 8; i += 2) {
-      const uint32_t c = e4m3x2(__fdiv_rn(v[i], s), __fdiv_rn(v[i + 1], s));
-      const uint32_t m = (k0 + i < inter ? 0x00ffu : 0u) | (k0 + i + 1 < inter ? 0xff00u : 0u);
-      w[i / 4] |= (c & m) << (8 * (i % 4));
-    }
-  }
-  uint32_t* out = reinterpret_cast<uint32_t*>(q + row * ldq + k0);
-  out[0] = w[0];
-  out[1] = w[1];
-  if (l == 0) scale[row * lds + g] = s;
+  store_group16(v, active, k0, inter, pow2, l, q, ldq, scale, lds, row, g);
 }
 
 // ---- weight quantisation in 128 x 128 blocks (moekit/quant.h quantize_fp8 with f32 scales), one block each ----
