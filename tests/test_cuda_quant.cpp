@@ -9,7 +9,7 @@
 // on the tiled kernel with row tiles of 32 and 128, sentinels, empty experts, biases, gpt-oss's interleaved clamped
 // SwiGLU), the GEMV forced on and off. The sm90 FP8 kernel's staged-scale and bulk-store forms against its plain
 // form, bit for bit; the FP8 chain with Programmatic Dependent Launch on and off, uncaptured and in graphs, bit for
-// bit. Skips without a GPU.
+// bit; CUTLASS's FP8 grouped GEMM against the reference. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -394,10 +394,9 @@ TEST(CudaQuant, Fp8ChainWithAndWithoutPdlIsBitwiseTheSame) {
 }
 
 // CUTLASS's FP8 grouped GEMM (where the build has it and the device is sm_90), taken from one row per expert and any
-// hidden size on:
-// bf16 experts whose sizes are multiples of 128 against the f64 reference (uneven and empty experts, sentinels,
-// odd E, UE8M0 scales, i32 ids, 16-byte padded weight rows), the calls counted to show that it served them, and a
-// second run the same bits (no atomics in its sums). Off, the same calls on moekit's kernel within the same bound.
+// hidden size on: bf16 experts whose sizes are multiples of 128 against the f64 reference (uneven and empty experts,
+// sentinels, odd E, UE8M0 scales, i32 ids, a gelu gate), the calls counted to show that it served them, and a second
+// run the same bits (no atomics in its sums). Off, the same calls on moekit's kernel within the same bound.
 TEST(CudaQuant, Fp8CutlassMatchesTheReference) {
   MOEKIT_SKIP_WITHOUT_CUDA();
   int major = 0, minor = 0;
@@ -405,12 +404,13 @@ TEST(CudaQuant, Fp8CutlassMatchesTheReference) {
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
   if (!cuda::kernels::grouped_gemm_fp8_cutlass_built() || major * 10 + minor != 90)
     GTEST_SKIP() << "CUTLASS's FP8 kernel is not in this build or the device is not sm_90";
-  struct Rows {
-    int64_t previous;
-    explicit Rows(int64_t r) : previous(cuda::set_fp8_cutlass_rows(r)) {}
-    ~Rows() { cuda::set_fp8_cutlass_rows(previous); }
-  } rows(1);
-  const int64_t hidden_was = cuda::set_fp8_cutlass_hidden(1);
+  struct Policy {  // from one row per expert and any hidden size, for the scope
+    int64_t rows = cuda::set_fp8_cutlass_rows(1), hidden = cuda::set_fp8_cutlass_hidden(1);
+    ~Policy() {
+      cuda::set_fp8_cutlass_rows(rows);
+      cuda::set_fp8_cutlass_hidden(hidden);
+    }
+  } policy;
   const std::vector<std::pair<ProblemConfig, DType>> cases = {
       {{.act = DType::bf16, .T = 600, .E = 5, .K = 2, .H = 512, .I = 256}, DType::f32},
       {{.act = DType::bf16, .rwt = DType::bf16, .T = 300, .E = 7, .K = 3, .H = 384, .I = 640, .empty_experts = true,
@@ -444,7 +444,6 @@ TEST(CudaQuant, Fp8CutlassMatchesTheReference) {
       cuda::set_fp8_cutlass(previous);
     }
   }
-  cuda::set_fp8_cutlass_hidden(hidden_was);
 }
 
 // The launcher refuses what the kernel cannot read (unaligned or short A rows) instead of reading out of bounds.
