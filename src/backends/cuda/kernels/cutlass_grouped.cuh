@@ -6,9 +6,10 @@
 #pragma once
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
+#include <type_traits>
 
+#include "base/cuda_device.h"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
@@ -120,15 +121,9 @@ struct Groups {
   }
 
   typename Gemm::Arguments arguments(int experts) const {
-    static std::atomic<int> sm_count{0};
     cutlass::KernelHardwareInfo hw;
     cudaGetDevice(&hw.device_id);
-    int sms = sm_count.load();
-    if (sms == 0) {
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, hw.device_id);
-      sm_count.store(sms);
-    }
-    hw.sm_count = sms;
+    hw.sm_count = device_info(hw.device_id).multiprocessors;  // the current device's (cached per device)
     typename Gemm::Arguments args;
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
     args.problem_shape = {experts, shapes, nullptr};
