@@ -46,7 +46,8 @@ TEST(CudaQuant, ActivationQuantisationIsBitwiseTheHosts) {
   for (const DType dt : {DType::f32, DType::bf16, DType::f16})
     for (const int64_t k : {int64_t(1), int64_t(77), int64_t(128), int64_t(300), int64_t(1000)})
       for (const bool pow2 : {false, true}) {
-        const int64_t rows = 37, groups = fp8_blocks(k), ldq = groups * 128;
+        // 9000 rows at k = 1000: more (row, group) items than one pass of the kernel's grid covers
+        const int64_t rows = k == 1000 ? 9000 : 37, groups = fp8_blocks(k), ldq = groups * 128;
         Tensor x = test::randn({rows, k}, DType::f32, rng, 3.0);
         float* xp = x.ptr<float>();
         std::uniform_int_distribution<int> pick(0, 9);
@@ -393,10 +394,11 @@ TEST(CudaQuant, Fp8ChainWithAndWithoutPdlIsBitwiseTheSame) {
   cuda::set_pdl_enabled(pdl_was);
 }
 
-// CUTLASS's FP8 grouped GEMM (where the build has it and the device is sm_90), taken from one row per expert and any
-// hidden size on: bf16 experts whose sizes are multiples of 128 against the f64 reference (uneven and empty experts,
-// sentinels, odd E, UE8M0 scales, i32 ids, a gelu gate), the calls counted to show that it served them, and a second
-// run the same bits (no atomics in its sums). Off, the same calls on moekit's kernel within the same bound.
+// CUTLASS's FP8 grouped GEMM (where the build has it and the device is sm_90), each of its two forms (cooperative,
+// ping-pong) taken from one row per expert and any hidden size on, for both projections or the first alone: bf16 experts whose sizes are multiples of 128
+// against the f64 reference (uneven and empty experts, sentinels, odd E, UE8M0 scales, i32 ids, a gelu gate), the
+// calls counted per form to show which one served them, and a second run the same bits (no atomics in its sums).
+// Neither form, the same calls on moekit's kernel within the same bound.
 TEST(CudaQuant, Fp8CutlassMatchesTheReference) {
   MOEKIT_SKIP_WITHOUT_CUDA();
   int major = 0, minor = 0;
@@ -404,13 +406,15 @@ TEST(CudaQuant, Fp8CutlassMatchesTheReference) {
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
   if (!cuda::kernels::grouped_gemm_fp8_cutlass_built() || major * 10 + minor != 90)
     GTEST_SKIP() << "CUTLASS's FP8 kernel is not in this build or the device is not sm_90";
-  struct Policy {  // from one row per expert and any hidden size, for the scope
-    int64_t rows = cuda::set_fp8_cutlass_rows(1), hidden = cuda::set_fp8_cutlass_hidden(1);
+  // Each form forced from one row per expert and any hidden size, for the scope.
+  struct Policy {
+    cuda::Fp8CutlassPolicy previous = cuda::fp8_cutlass_policy();
+    bool on = cuda::set_fp8_cutlass(true);
     ~Policy() {
-      cuda::set_fp8_cutlass_rows(rows);
-      cuda::set_fp8_cutlass_hidden(hidden);
+      cuda::set_fp8_cutlass_policy(previous);
+      cuda::set_fp8_cutlass(on);
     }
-  } policy;
+  } restore;
   const std::vector<std::pair<ProblemConfig, DType>> cases = {
       {{.act = DType::bf16, .T = 600, .E = 5, .K = 2, .H = 512, .I = 256}, DType::f32},
       {{.act = DType::bf16, .rwt = DType::bf16, .T = 300, .E = 7, .K = 3, .H = 384, .I = 640, .empty_experts = true,
@@ -425,23 +429,31 @@ TEST(CudaQuant, Fp8CutlassMatchesTheReference) {
   for (const auto& [c, sdt] : cases) {
     const test::ExpertsProblem p = make_fp8_problem(c, seed++, sdt, /*biases_in_act_dtype=*/true);
     const Experts g = p.experts.to(Device::cuda(0));
-    for (const bool on : {true, false}) {
-      const bool previous = cuda::set_fp8_cutlass(on);
+    // Cooperative, ping-pong (both projections on CUTLASS), cooperative first projection with moekit's second, off.
+    for (const int form : {0, 1, 2, 3}) {
+      cuda::Fp8CutlassPolicy policy;
+      policy.rows = policy.pairs = form == 0 || form == 2 ? 1 : int64_t(1) << 40;
+      policy.pingpong_min_rows = 1;
+      policy.pingpong_max_rows = form == 1 ? int64_t(1) << 40 : 0;
+      policy.pingpong_hidden = int64_t(1) << 40;
+      policy.second_hidden = form == 2 ? int64_t(1) << 40 : 1;
+      cuda::set_fp8_cutlass_policy(policy);
       for (const char* name : {"grouped_mm", "deepgemm"}) {
-        const int64_t calls = cuda::fp8_cutlass_calls();
+        const int64_t cooperative = cuda::fp8_cutlass_calls(false), pingpong = cuda::fp8_cutlass_calls(true);
         double err = 0;
         const Tensor out = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
         const std::string problem = test::compare_with_reference(p, out, &err);
-        std::printf("  %-10s cutlass %d %s scales %s: rel L2 %.2e %s\n", name, int(on), c.to_string().c_str(),
+        std::printf("  %-10s cutlass form %d %s scales %s: rel L2 %.2e %s\n", name, form, c.to_string().c_str(),
                     dtype_name(sdt), err, problem.c_str());
-        EXPECT_TRUE(problem.empty()) << name << " cutlass " << on << " " << c.to_string() << ": " << problem;
-        EXPECT_EQ(cuda::fp8_cutlass_calls() - calls, on ? 1 : 0) << name << " " << c.to_string();
-        if (on) {
+        EXPECT_TRUE(problem.empty()) << name << " cutlass form " << form << " " << c.to_string() << ": " << problem;
+        EXPECT_EQ(cuda::fp8_cutlass_calls(false) - cooperative, form == 0 || form == 2 ? 1 : 0)
+            << name << " " << c.to_string();
+        EXPECT_EQ(cuda::fp8_cutlass_calls(true) - pingpong, form == 1 ? 1 : 0) << name << " " << c.to_string();
+        if (form != 3) {
           const Tensor again = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
           EXPECT_TRUE(test::bitwise_equal(out, again)) << name << " " << c.to_string() << ": not deterministic";
         }
       }
-      cuda::set_fp8_cutlass(previous);
     }
   }
 }

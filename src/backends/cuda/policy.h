@@ -47,13 +47,23 @@ int64_t set_fp8_gemv_max_pairs(int64_t pairs);
 // previous value (process-wide).
 bool fp8_gemv_sparse_only();
 bool set_fp8_gemv_sparse_only(bool on);
-// FP8 experts at large token counts on CUTLASS's grouped GEMM where the build has it (MOEKIT_FP8_CUTLASS, on): from a
-// number of rows per expert on average (MOEKIT_FP8_CUTLASS_ROWS, 128) and a hidden size (MOEKIT_FP8_CUTLASS_HIDDEN,
-// 4096); each setter returns the previous setting. fp8_cutlass_calls: the calls it has served in this process.
+// FP8 experts on CUTLASS's grouped GEMM where the build has it (MOEKIT_FP8_CUTLASS, on), in two forms chosen by the
+// rows per expert on average over the call's pairs (P / E): the cooperative form (128-row tiles) from `rows` rows per
+// expert and `pairs` pairs; else the ping-pong form (64-row tiles) for [pingpong_min_rows, pingpong_max_rows) rows
+// per expert below a hidden size of pingpong_hidden; else moekit's sm90 kernel. The second projection goes to
+// CUTLASS from a hidden size of second_hidden, below it to moekit's kernel. The defaults are what the H200 measured
+// (quantized_fp8.cpp); the environment overrides them at first use (MOEKIT_FP8_CUTLASS_ROWS, _PAIRS, _PINGPONG_MIN,
+// _PINGPONG_MAX, _PINGPONG_HIDDEN, _SECOND_HIDDEN). Setting the policy returns the previous one (process-wide).
+struct Fp8CutlassPolicy {
+  int64_t rows = 128, pairs = 2048;
+  int64_t pingpong_min_rows = 8, pingpong_max_rows = 64, pingpong_hidden = 4096;
+  int64_t second_hidden = 4096;
+};
 bool set_fp8_cutlass(bool on);
-int64_t set_fp8_cutlass_rows(int64_t rows);
-int64_t set_fp8_cutlass_hidden(int64_t hidden);
-int64_t fp8_cutlass_calls();
+Fp8CutlassPolicy fp8_cutlass_policy();
+Fp8CutlassPolicy set_fp8_cutlass_policy(const Fp8CutlassPolicy& policy);
+// The calls served in this process by each form.
+int64_t fp8_cutlass_calls(bool pingpong);
 // The same for FP4 experts (the GEMV over FP4 bytes; the tiled FP4 kernel beyond): 64 by default,
 // MOEKIT_FP4_GEMV_MAX_PAIRS in the environment at first use (0: never).
 int64_t fp4_gemv_max_pairs();

@@ -27,8 +27,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <utility>
 
 #include "backends/cuda/kernels/cutlass_gemm.h"
+#include "backends/cuda/kernels/fp8_rows.h"
 #include "backends/cuda/kernels/quant_fp4.h"
 #include "backends/cuda/policy.h"
 #include "backends/cuda/state.h"
@@ -50,25 +53,37 @@ EnvSwitch g_token_quant{"MOEKIT_FP8_TOKEN_QUANT", true};
 // (E = 8) T = 1 (P = 2) 1.61x slower, T = 4 / 8 / 16 0.86x / 0.87x / 0.50x; qwen3-30b-a3b (E = 128) T = 1 (P = 8)
 // 1.21x, T = 8 (P = 64) 0.92x; deepseek-v3 (E = 256) T = 1 / 8 (P = 8 / 64) 1.28x / 1.25x.
 EnvSwitch g_gemv_sparse{"MOEKIT_FP8_GEMV_SPARSE", true};
-// Large token counts on CUTLASS's FP8 grouped GEMM (grouped_gemm_cutlass_fp8.cu, where the build has it): the first
-// projection's [gate | up] rows in bf16 (the rounding the gated epilogues apply first), the gate, computed as they
-// compute it, and the activations' quantisation in one pass (gate_quantize_fp8_rows), the second projection in bf16
-// rows summed by combine_rows16. Measured on the H200 (docs/perf.md, 2026-12-02) against the sm90 kernel: 5-11%
-// faster from 128 rows per expert where the hidden size is 4096 or more (mixtral-8x7b, deepseek-v3), slower with
-// fewer rows and on qwen3-30b-a3b (hidden 2048) at every size: kFp8CutlassRows rows per expert on average
-// (MOEKIT_FP8_CUTLASS_ROWS) and kFp8CutlassHidden (MOEKIT_FP8_CUTLASS_HIDDEN); MOEKIT_FP8_CUTLASS=0 keeps moekit's
-// sm90 kernel everywhere.
+// FP8 experts on CUTLASS's grouped GEMM (grouped_gemm_cutlass_fp8.cu, where the build has it): the first projection's
+// [gate | up] rows in bf16 (the rounding the gated epilogues apply first), the gate, computed as they compute it, and
+// the activations' quantisation in one pass (gate_quantize_fp8_rows), the second projection in bf16 rows summed by
+// combine_rows16 or moekit's sm90 kernel reading the gate pass's rows. Measured on the H200 (docs/perf.md,
+// 2026-12-02) against the sm90 kernel alone, median us:
+// - the first projection on the cooperative form (128 x 128 tiles) from 128 rows per expert and 2048 pairs, at any
+//   hidden size: qwen3-30b-a3b (hidden 2048) T = 2048 / 4096 / 16384 392 / 618 / 2059 against 411 / 647 / 2110 with
+//   moekit's second projection (CUTLASS's second: 415 / 641 / 2141); mixtral-8x7b T = 1024 (2048 pairs) 1021 against
+//   1124, but T = 512 (1024 pairs) 678 against 650;
+// - the second projection on CUTLASS from hidden size 4096: mixtral-8x7b T = 4096 / 16384 3145 / 13189 against
+//   3394 / 13562 on moekit's; deepseek-v3 within the run's noise either way (5243 / 5017 at T = 4096);
+// - the ping-pong form (64 x 128 tiles) for 8 to 63 rows per expert at hidden sizes below 4096: qwen3-30b-a3b T = 128
+//   / 256 / 512 221 / 230 / 243 against 235 / 253 / 273; at par or slower on deepseek-v3 and mixtral-8x7b at the same
+//   rows per expert, slower from 64.
+// MOEKIT_FP8_CUTLASS=0 keeps moekit's sm90 kernel everywhere.
 EnvSwitch g_fp8_cutlass{"MOEKIT_FP8_CUTLASS", true};
-constexpr int64_t kFp8CutlassRows = 128, kFp8CutlassHidden = 4096;
-std::atomic<int64_t>& fp8_cutlass_rows() {
-  static std::atomic<int64_t> v{std::max<int64_t>(1, env_int("MOEKIT_FP8_CUTLASS_ROWS", kFp8CutlassRows))};
-  return v;
+std::mutex g_fp8_cutlass_mutex;
+Fp8CutlassPolicy& fp8_cutlass_policy_locked() {
+  static Fp8CutlassPolicy p = [] {
+    Fp8CutlassPolicy d;
+    d.rows = std::max<int64_t>(1, env_int("MOEKIT_FP8_CUTLASS_ROWS", d.rows));
+    d.pairs = std::max<int64_t>(1, env_int("MOEKIT_FP8_CUTLASS_PAIRS", d.pairs));
+    d.pingpong_min_rows = std::max<int64_t>(1, env_int("MOEKIT_FP8_CUTLASS_PINGPONG_MIN", d.pingpong_min_rows));
+    d.pingpong_max_rows = std::max<int64_t>(0, env_int("MOEKIT_FP8_CUTLASS_PINGPONG_MAX", d.pingpong_max_rows));
+    d.pingpong_hidden = std::max<int64_t>(0, env_int("MOEKIT_FP8_CUTLASS_PINGPONG_HIDDEN", d.pingpong_hidden));
+    d.second_hidden = std::max<int64_t>(1, env_int("MOEKIT_FP8_CUTLASS_SECOND_HIDDEN", d.second_hidden));
+    return d;
+  }();
+  return p;
 }
-std::atomic<int64_t>& fp8_cutlass_hidden() {
-  static std::atomic<int64_t> v{std::max<int64_t>(1, env_int("MOEKIT_FP8_CUTLASS_HIDDEN", kFp8CutlassHidden))};
-  return v;
-}
-std::atomic<int64_t> g_fp8_cutlass_calls{0};
+std::atomic<int64_t> g_fp8_cutlass_calls[2] = {0, 0};  // cooperative, ping-pong
 
 // The GEMV's default reach (policy.h fp8_gemv_max_pairs): 64, the decode sizes of issue 11 (T = 1..64 at top-k
 // 1..8 reach it at P = 64). Not yet measured against the mma.sync kernel on the H200: the crossover may lie
@@ -105,9 +120,15 @@ int64_t set_fp8_gemv_max_pairs(int64_t pairs) { return fp8_gemv_limit().exchange
 bool fp8_gemv_sparse_only() { return g_gemv_sparse.on(); }
 bool set_fp8_gemv_sparse_only(bool on) { return g_gemv_sparse.set(on); }
 bool set_fp8_cutlass(bool on) { return g_fp8_cutlass.set(on); }
-int64_t set_fp8_cutlass_rows(int64_t rows) { return fp8_cutlass_rows().exchange(std::max<int64_t>(1, rows)); }
-int64_t set_fp8_cutlass_hidden(int64_t hidden) { return fp8_cutlass_hidden().exchange(std::max<int64_t>(1, hidden)); }
-int64_t fp8_cutlass_calls() { return g_fp8_cutlass_calls.load(); }
+Fp8CutlassPolicy fp8_cutlass_policy() {
+  std::lock_guard<std::mutex> lock(g_fp8_cutlass_mutex);
+  return fp8_cutlass_policy_locked();
+}
+Fp8CutlassPolicy set_fp8_cutlass_policy(const Fp8CutlassPolicy& policy) {
+  std::lock_guard<std::mutex> lock(g_fp8_cutlass_mutex);
+  return std::exchange(fp8_cutlass_policy_locked(), policy);
+}
+int64_t fp8_cutlass_calls(bool pingpong) { return g_fp8_cutlass_calls[pingpong ? 1 : 0].load(); }
 int64_t fp4_gemv_max_pairs() { return fp4_gemv_limit().load(); }
 int64_t set_fp4_gemv_max_pairs(int64_t pairs) { return fp4_gemv_limit().exchange(pairs); }
 
@@ -198,19 +219,27 @@ void run_fp8(const CallContext& c) {
   // CUTLASS's kernel: bf16, [gate | up] rows without bias, whole 128 x 128 scale blocks (inputs and outputs multiples
   // of 128, the gated projection's halves each whole blocks), enough rows per expert.
   k::CutlassFp8Args cut1, cut2;
+  // The form from the rows per expert on average (policy.h Fp8CutlassPolicy).
+  const Fp8CutlassPolicy cp = fp8_cutlass_policy();
+  const bool cooperative = P >= cp.rows * E && P >= cp.pairs;
+  const bool pingpong =
+      !cooperative && P >= cp.pingpong_min_rows * E && P < cp.pingpong_max_rows * E && H < cp.pingpong_hidden;
   const bool cutlass = sm90 && !float_acts && g_fp8_cutlass.on() && c.type == k::Elem::bf16 &&
                        c.first_epilogue == k::kEpiGated && c.b1 == nullptr && H % 128 == 0 && I % 128 == 0 &&
                        c.s1_rows == N1 / 128 && (N1 / c.seg1) % 128 == 0 && c.s2_rows == H / 128 &&
-                       P >= fp8_cutlass_rows().load() * E && H >= fp8_cutlass_hidden().load() && [&] {
+                       (cooperative || pingpong) && [&] {
                          cut1 = {nullptr, nullptr, c.q1, N1 * c.q1_ld, c.q1_ld, c.s1, c.s1_rows * HB, nullptr,
-                                 int(E), N1, H, nullptr};
+                                 int(E), N1, H, nullptr, pingpong};
                          cut2 = {nullptr, nullptr, c.q2, H * c.q2_ld, c.q2_ld, c.s2, c.s2_rows * IB, nullptr,
-                                 int(E), H, I, nullptr};
+                                 int(E), H, I, nullptr, pingpong};
                          const uint8_t* probe_a = reinterpret_cast<const uint8_t*>(size_t(256));
                          cut1.a = cut2.a = probe_a;
                          cut1.out = cut2.out = const_cast<uint8_t*>(probe_a);
                          return k::grouped_gemm_fp8_cutlass_ok(cut1, arch) && k::grouped_gemm_fp8_cutlass_ok(cut2, arch);
                        }();
+  // The second projection on CUTLASS's kernel from a hidden size, else on moekit's sm90 kernel (reading the gate
+  // pass's rows as its own first projection's).
+  const bool cutlass_second = cutlass && H >= cp.second_hidden;
   const int64_t xrows = sm90 ? P : T;  // quantized token rows: in sorted order for the TMA kernel
   const bool token_quant = sm90 && g_token_quant.on();  // quantized per token, then copied into sorted order
   // The sm90 path's second projection in 16-bit rows for combine_rows16 (the TMA engine's form; y holds room for
@@ -258,12 +287,9 @@ void run_fp8(const CallContext& c) {
     check_launch(k::quantize_fp8_rows(c.type, c.call.hidden_states.data, H, nullptr, 1, T, H, nullptr, c.fp8_pow2,
                                       xq_tok, HB * kFp8Block, xs_tok, HB, c.stream),
                  "quantize_fp8_rows (hidden states)");
-    // e4m3 rows as 2-byte elements (HB * 128 bytes: whole 16-byte pieces), then the f32 scales.
-    check_launch(k::gather_rows(k::Elem::bf16, xq_tok, HB * kFp8Block / 2, r.sorted_pair, int(c.top_k), r.offsets + E,
-                                P, xq, c.stream),
-                 "gather_rows (e4m3 token rows)");
-    check_launch(k::gather_rows(k::Elem::f32, xs_tok, HB, r.sorted_pair, int(c.top_k), r.offsets + E, P, xs, c.stream),
-                 "gather_rows (token row scales)");
+    check_launch(k::gather_fp8_rows(xq_tok, xs_tok, HB * kFp8Block, HB, r.sorted_pair, int(c.top_k), r.offsets + E, P,
+                                    xq, xs, c.stream),
+                 "gather_fp8_rows");
   } else if (sm90) {
     check_launch(k::quantize_fp8_rows(c.type, c.call.hidden_states.data, H, r.sorted_pair, int(c.top_k), P, H,
                                       r.offsets + E, c.fp8_pow2, xq, HB * kFp8Block, xs, HB, c.stream),
@@ -293,12 +319,7 @@ void run_fp8(const CallContext& c) {
     check_launch(k::gate_quantize_fp8_rows(c.type, h1, P, I, c.gate, r.offsets + E, c.fp8_pow2, aq, IB * kFp8Block,
                                            as, IB, c.stream),
                  "gate_quantize_fp8_rows");
-    cut2.a = aq;
-    cut2.a_scale = as;
-    cut2.offsets = r.offsets;
-    cut2.out = y;
-    check_launch(k::grouped_gemm_fp8_cutlass(cut2, cut_ws, c.stream), "grouped_gemm_fp8_cutlass (second)");
-    g_fp8_cutlass_calls.fetch_add(1, std::memory_order_relaxed);
+    g_fp8_cutlass_calls[pingpong ? 1 : 0].fetch_add(1, std::memory_order_relaxed);
   } else if (float_acts)
     gemm(projection_args(c, 1, r, gather_x ? xg : c.call.hidden_states.data, H, nullptr, 0,
                          gather_x ? nullptr : r.sorted_pair, gather_x ? 1 : int(c.top_k), act),
@@ -310,10 +331,17 @@ void run_fp8(const CallContext& c) {
 
   if (float_acts) {
     gemm(projection_args(c, 2, r, act, I, nullptr, 0, nullptr, 1, y), "quantized projection (second)");
-  } else if (!cutlass) {
-    check_launch(k::quantize_fp8_rows(c.type, act, I, nullptr, 1, P, I, r.offsets + E, c.fp8_pow2, aq,
-                                      IB * kFp8Block, as, IB, c.stream),
-                 "quantize_fp8_rows (activations)");
+  } else if (cutlass_second) {
+    cut2.a = aq;
+    cut2.a_scale = as;
+    cut2.offsets = r.offsets;
+    cut2.out = y;
+    check_launch(k::grouped_gemm_fp8_cutlass(cut2, cut_ws, c.stream), "grouped_gemm_fp8_cutlass (second)");
+  } else {
+    if (!cutlass)
+      check_launch(k::quantize_fp8_rows(c.type, act, I, nullptr, 1, P, I, r.offsets + E, c.fp8_pow2, aq,
+                                        IB * kFp8Block, as, IB, c.stream),
+                   "quantize_fp8_rows (activations)");
     k::Fp4GemmArgs g2 = projection_args(c, 2, r, aq, IB * kFp8Block, as, IB, nullptr, 1, y);
     if (rows16) g2.epilogue = k::kEpiWeighted;  // 16-bit rows (no weights): combine_rows16 below
     gemm(g2, "quantized projection (second)");

@@ -21,6 +21,7 @@ struct CutlassFp8Args {
   int experts = 0;
   int64_t n = 0, k = 0;  // multiples of 128
   void* out = nullptr;   // bf16 [rows, n]
+  bool pingpong = false;  // the kernel's form: cooperative 128-row tiles, or ping-pong 64-row tiles (few rows per expert)
 };
 // Whether this build has the kernel (CUTLASS's headers found at configure time), and whether it serves these
 // arguments on a device of compute capability `arch` (sm_90 only).

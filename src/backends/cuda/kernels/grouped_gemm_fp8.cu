@@ -9,6 +9,8 @@
 // cp.async stages, rows of 144 bytes in shared memory so the fragment loads are free of bank conflicts.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -16,7 +18,9 @@
 
 #include "backends/cuda/kernels/cutlass_gemm.h"
 #include "backends/cuda/kernels/fp8_epilogue.cuh"
+#include "backends/cuda/kernels/fp8_rows.h"
 #include "backends/cuda/kernels/grouped_gemm_common.cuh"
+#include "base/cuda_device.h"
 #include "base/cuda_pdl.cuh"
 #include "base/env.h"
 
@@ -113,6 +117,19 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
 #endif
 }
 
+// v / s as far as its e4m3 code goes, where inv is s's correctly rounded reciprocal (fast: finite). The product
+// v * inv lies within 3 f32 ulp of the correctly rounded quotient, so it has the quotient's e4m3 code unless it lies
+// within a few ulp of a midpoint between two e4m3 values (the 20 bits below e4m3's three mantissa bits at 0x80000)
+// or below e4m3's normal range (2^-6, where the midpoints sit elsewhere): only there the IEEE division, which the
+// host's quantisation runs everywhere. The codes are then the host's bit for bit at a fraction of the divisions.
+__device__ __forceinline__ float e4m3_quotient(float v, float s, float inv, bool fast) {
+  const float p = __fmul_rn(v, inv);
+  const uint32_t low = __float_as_uint(p) & 0xfffffu;
+  const bool near_midpoint = low - (0x80000u - 8u) < 16u;
+  if (fast && !near_midpoint && fabsf(p) >= 0.03125f) return p;
+  return __fdiv_rn(v, s);
+}
+
 // The second half of the 16-lane quantisation, for a lane's eight values v of inputs k0.. of a row of k: the group's
 // amax over its 16 lanes (every lane reaches the shuffles, active or not), its scale (a power of two with pow2), the
 // lane's codes (zero past k) stored into row `row` of q (k0 + 8 <= ldq: rows padded to whole groups) and, by lane 0,
@@ -130,9 +147,11 @@ __device__ __forceinline__ void store_group16(const float (&v)[8], bool active, 
   if (pow2 && s > 0.0f) s = pow2_ceil(s);
   uint32_t w[2] = {0, 0};
   if (s > 0.0f) {
+    const float inv = __frcp_rn(s);
+    const bool fast = inv <= 3.0e38f;  // else the reciprocal overflowed: the division throughout
 #pragma unroll
     for (int i = 0; i < 8; i += 2) {
-      const uint32_t c = e4m3x2(__fdiv_rn(v[i], s), __fdiv_rn(v[i + 1], s));
+      const uint32_t c = e4m3x2(e4m3_quotient(v[i], s, inv, fast), e4m3_quotient(v[i + 1], s, inv, fast));
       const uint32_t m = (k0 + i < k ? 0x00ffu : 0u) | (k0 + i + 1 < k ? 0xff00u : 0u);  // padding: zero codes
       w[i / 4] |= (c & m) << (8 * (i % 4));
     }
@@ -143,6 +162,41 @@ __device__ __forceinline__ void store_group16(const float (&v)[8], bool active, 
   if (l == 0) scale[row * lds + g] = s;
 }
 
+// Eight values of T from p (16-byte aligned where vec) into v, those at or past `left` zero.
+template <class T>
+__device__ __forceinline__ void load8(const T* __restrict__ p, bool vec, int64_t left, float (&v)[8]) {
+  if (vec && left >= 8) {
+    if constexpr (sizeof(T) == 4) {
+      const float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    } else {
+      const uint4 a = __ldg(reinterpret_cast<const uint4*>(p));
+      const T* h = reinterpret_cast<const T*>(&a);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = to_f32(h[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = i < left ? to_f32(p[i]) : 0.0f;
+  }
+}
+
+// The 16-lane kernels' item: 16 lanes per (row, group of 128 inputs), eight inputs per lane; active: a row below
+// `rows` and *valid_rows (when set).
+struct QuantItem {
+  int64_t row, g, k0;
+  int l;
+  bool active;
+  __device__ QuantItem(int64_t rows, int64_t k, const int32_t* valid_rows) {
+    const int64_t groups = (k + 127) / 128;
+    const int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
+    l = threadIdx.x % 16;
+    row = item / groups, g = item % groups;
+    active = row < rows && (!valid_rows || row < __ldg(valid_rows));
+    k0 = g * 128 + l * 8;
+  }
+};
+
 template <class T>
 __global__ void quantize_fp8_rows_wide_kernel(const T* __restrict__ x, int64_t ldx, const int32_t* __restrict__ src_rows,
                                               int src_div, int64_t rows, int64_t k,
@@ -151,76 +205,52 @@ __global__ void quantize_fp8_rows_wide_kernel(const T* __restrict__ x, int64_t l
                                               int64_t lds) {
   pdl_wait();
   pdl_trigger();
-  const int64_t groups = (k + 127) / 128;
-  const int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
-  const int l = threadIdx.x % 16;
-  const int64_t row = item / groups, g = item % groups;
-  const bool active = row < rows && (!valid_rows || row < __ldg(valid_rows));
-  const int64_t k0 = g * 128 + l * 8;
-  float v[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = 0.0f;
-  if (active) {
-    const T* xr = x + (src_rows ? int64_t(__ldg(src_rows + row) / src_div) : row) * ldx + k0;
-    if (vec && k0 + 8 <= k) {
-      if constexpr (sizeof(T) == 4) {
-        const float4 a = __ldg(reinterpret_cast<const float4*>(xr)), b = __ldg(reinterpret_cast<const float4*>(xr) + 1);
-        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-      } else {
-        const uint4 a = __ldg(reinterpret_cast<const uint4*>(xr));
-        const T* h = reinterpret_cast<const T*>(&a);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = to_f32(h[i]);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = k0 + i < k ? to_f32(xr[i]) : 0.0f;
-    }
-  }
-  store_group16(v, active, k0, k, pow2, l, q, ldq, scale, lds, row, g);
+  const QuantItem it(rows, k, valid_rows);
+  float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  if (it.active)
+    load8(x + (src_rows ? int64_t(__ldg(src_rows + it.row) / src_div) : it.row) * ldx + it.k0, vec, k - it.k0, v);
+  store_group16(v, it.active, it.k0, k, pow2, it.l, q, ldq, scale, lds, it.row, it.g);
 }
 
 // The gate of a gated projection from its 16-bit output [rows, 2 inter] ([gate | up], the projection rounded to T as
-// the gated epilogues round it), computed as they do (fp8_gated: each step torch runs in T rounded to it), then
-// quantised as the wide kernel above does: 16 lanes per (row, group of 128 outputs), eight outputs per lane.
-template <class T>
+// the gated epilogues round it), computed as they do (fp8_gated with the gate code CODE as a constant, or
+// kActRuntime: each step torch runs in T rounded to it), then quantised as the wide kernel above does.
+template <class T, int CODE>
 __global__ void gate_quantize_fp8_rows_kernel(const T* __restrict__ h1, int64_t rows, int64_t inter,
                                               const GateParams gate, const int32_t* __restrict__ valid_rows, int pow2,
                                               bool vec, uint8_t* __restrict__ q, int64_t ldq,
                                               float* __restrict__ scale, int64_t lds) {
   pdl_wait();
   pdl_trigger();
-  const int64_t groups = (inter + 127) / 128;
-  const int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
-  const int l = threadIdx.x % 16;
-  const int64_t row = item / groups, g = item % groups;
-  const bool active = row < rows && (!valid_rows || row < __ldg(valid_rows));
-  const int64_t k0 = g * 128 + l * 8;
-  float v[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = 0.0f;
-  if (active) {
-    const T* gr = h1 + row * 2 * inter + k0;
-    const T* ur = gr + inter;
+  const QuantItem it(rows, inter, valid_rows);
+  float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  if (it.active) {
     float gv[8], uv[8];
-    if (vec && k0 + 8 <= inter) {
-      const uint4 a = __ldg(reinterpret_cast<const uint4*>(gr)), b = __ldg(reinterpret_cast<const uint4*>(ur));
-      const T* ga = reinterpret_cast<const T*>(&a);
-      const T* ub = reinterpret_cast<const T*>(&b);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) gv[i] = to_f32(ga[i]), uv[i] = to_f32(ub[i]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        gv[i] = k0 + i < inter ? to_f32(gr[i]) : 0.0f;
-        uv[i] = k0 + i < inter ? to_f32(ur[i]) : 0.0f;
-      }
-    }
+    const T* gr = h1 + it.row * 2 * inter + it.k0;
+    load8(gr, vec, inter - it.k0, gv);
+    load8(gr + inter, vec, inter - it.k0, uv);
 #pragma unroll
     for (int i = 0; i < 8; ++i)
-      v[i] = k0 + i < inter ? to_f32(from_f32<T>(fp8_gated<T>(gate, gv[i], uv[i], false, 0.0f, 0.0f))) : 0.0f;
+      if (it.k0 + i < inter) v[i] = to_f32(from_f32<T>(fp8_gated<T, CODE>(gate, gv[i], uv[i], false, 0.0f, 0.0f)));
   }
-  store_group16(v, active, k0, inter, pow2, l, q, ldq, scale, lds, row, g);
+  store_group16(v, it.active, it.k0, inter, pow2, it.l, q, ldq, scale, lds, it.row, it.g);
+}
+
+// One warp per sorted row: the token row's codes in 16-byte pieces and its scales (fp8_rows.h).
+__global__ void gather_fp8_rows_kernel(const uint8_t* __restrict__ q_tok, const float* __restrict__ scale_tok,
+                                       int64_t ldq, int64_t lds, const int32_t* __restrict__ sorted_pair, int top_k,
+                                       const int32_t* __restrict__ valid_rows, int64_t rows, uint8_t* __restrict__ q,
+                                       float* __restrict__ scale) {
+  pdl_wait();
+  pdl_trigger();
+  const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= rows || r >= __ldg(valid_rows)) return;
+  const int64_t t = __ldg(sorted_pair + r) / top_k;
+  const uint4* src = reinterpret_cast<const uint4*>(q_tok + t * ldq);
+  uint4* dst = reinterpret_cast<uint4*>(q + r * ldq);
+  for (int64_t i = lane; i < ldq / 16; i += 32) dst[i] = __ldg(src + i);
+  for (int64_t i = lane; i < lds; i += 32) scale[r * lds + i] = __ldg(scale_tok + t * lds + i);
 }
 
 // ---- weight quantisation in 128 x 128 blocks (moekit/quant.h quantize_fp8 with f32 scales), one block each ----
@@ -502,12 +532,25 @@ cudaError_t gate_quantize_fp8_rows(Elem type, const void* h1, int64_t rows, int6
       return cudaErrorInvalidValue;
     } else {
       const bool vec = (reinterpret_cast<uintptr_t>(h1) % 16) == 0 && inter % 8 == 0;
-      const unsigned blocks = unsigned((rows * groups * 16 + 255) / 256);
-      return launch_pdl(pdl_enabled(), gate_quantize_fp8_rows_kernel<T>, dim3(blocks), dim3(256), 0, stream,
-                        static_cast<const T*>(h1), rows, inter, gate, valid_rows, pow2_scales ? 1 : 0, vec, q, ldq,
-                        scale, lds);
+      const dim3 grid(unsigned((rows * groups * 16 + 255) / 256));
+      const bool silu = gate.kind == kGateActMul && gate.activation == kActSilu;  // the common gate as a constant
+      return launch_pdl(pdl_enabled(),
+                        silu ? gate_quantize_fp8_rows_kernel<T, kActSilu> : gate_quantize_fp8_rows_kernel<T, kActRuntime>,
+                        grid, dim3(256), 0, stream, static_cast<const T*>(h1), rows, inter, gate, valid_rows,
+                        pow2_scales ? 1 : 0, vec, q, ldq, scale, lds);
     }
   });
+}
+
+cudaError_t gather_fp8_rows(const uint8_t* q_tok, const float* scale_tok, int64_t ldq, int64_t lds,
+                            const int32_t* sorted_pair, int top_k, const int32_t* valid_rows, int64_t rows, uint8_t* q,
+                            float* scale, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  if (ldq % 16 || lds < 0 || top_k < 1 || reinterpret_cast<uintptr_t>(q_tok) % 16 ||
+      reinterpret_cast<uintptr_t>(q) % 16 || rows > INT32_MAX)
+    return cudaErrorInvalidValue;
+  return launch_pdl(pdl_enabled(), gather_fp8_rows_kernel, dim3(unsigned((rows + 7) / 8)), dim3(256), 0, stream,
+                    q_tok, scale_tok, ldq, lds, sorted_pair, top_k, valid_rows, rows, q, scale);
 }
 
 cudaError_t quantize_fp8_blocks(Elem type, const void* w, int64_t batch, int64_t n, int64_t k, int64_t segments,
