@@ -46,7 +46,7 @@ TEST(CudaQuant, ActivationQuantisationIsBitwiseTheHosts) {
   for (const DType dt : {DType::f32, DType::bf16, DType::f16})
     for (const int64_t k : {int64_t(1), int64_t(77), int64_t(128), int64_t(300), int64_t(1000)})
       for (const bool pow2 : {false, true}) {
-        // 9000 rows at k = 1000: more (row, group) items than one pass of the kernel's grid covers
+        // 9000 rows at k = 1000: the kernel over thousands of blocks, values from every part of the e4m3 range
         const int64_t rows = k == 1000 ? 9000 : 37, groups = fp8_blocks(k), ldq = groups * 128;
         Tensor x = test::randn({rows, k}, DType::f32, rng, 3.0);
         float* xp = x.ptr<float>();
@@ -395,10 +395,10 @@ TEST(CudaQuant, Fp8ChainWithAndWithoutPdlIsBitwiseTheSame) {
 }
 
 // CUTLASS's FP8 grouped GEMM (where the build has it and the device is sm_90), each of its two forms (cooperative,
-// ping-pong) taken from one row per expert and any hidden size on, for both projections or the first alone: bf16 experts whose sizes are multiples of 128
-// against the f64 reference (uneven and empty experts, sentinels, odd E, UE8M0 scales, i32 ids, a gelu gate), the
-// calls counted per form to show which one served them, and a second run the same bits (no atomics in its sums).
-// Neither form, the same calls on moekit's kernel within the same bound.
+// ping-pong) taken from one row per expert and any hidden size on, for both projections or the first alone: bf16
+// experts whose sizes are multiples of 128 against the f64 reference (uneven and empty experts, sentinels, odd E,
+// UE8M0 scales, i32 ids, a gelu gate), the calls counted per form to show which one served them, and a second run
+// the same bits (no atomics in its sums). Neither form, the same calls on moekit's kernel within the same bound.
 TEST(CudaQuant, Fp8CutlassMatchesTheReference) {
   MOEKIT_SKIP_WITHOUT_CUDA();
   int major = 0, minor = 0;

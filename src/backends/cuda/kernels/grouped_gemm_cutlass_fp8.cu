@@ -1,9 +1,9 @@
 // The FP8 block-scaled grouped projection on CUTLASS's Hopper kernels (KernelPtrArrayTmaWarpSpecialized{Cooperative,
 // Pingpong}FP8Blockwise): one GEMM per expert over its sorted rows, e4m3 operands fed by TMA (A multicast over a
-// cluster of two column tiles), activation scales per row and 128 inputs, weight scales per 128 x 128 block, promoted into f32
-// accumulators once per 128 inputs, and a bf16 output stored through TMA. The per-expert problem sizes and pointers
-// are written on the device from the routing offsets by a small kernel ahead of it, so the call needs no host
-// synchronisation and can be captured in a CUDA graph.
+// cluster of two column tiles), activation scales per row and 128 inputs, weight scales per 128 x 128 block, promoted
+// into f32 accumulators once per 128 inputs, and a bf16 output stored through TMA. The per-expert problem sizes and
+// pointers are written on the device from the routing offsets by a small kernel ahead of it, so the call needs no
+// host synchronisation and can be captured in a CUDA graph.
 //
 // Built only where CUTLASS's headers were found (MOEKIT_HAVE_CUTLASS, see CMakeLists.txt); elsewhere the entry points
 // say that it is absent and the callers keep moekit's own sm90 kernel.
@@ -49,12 +49,14 @@ struct Fp8Gemm {
   static constexpr int kAlignD = 16 / sizeof(ElementD);
   using EpilogueSchedule = std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
                                               cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-  using KernelSchedule = std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
-                                            cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
+  using KernelSchedule =
+      std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
-      kAlignD, EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+      kAlignD, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, LayoutSFA*>, kAlignA,
       ElementB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignB, float, TileShape, ClusterShape,

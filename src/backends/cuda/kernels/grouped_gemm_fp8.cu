@@ -9,8 +9,6 @@
 // cp.async stages, rows of 144 bytes in shared memory so the fragment loads are free of bank conflicts.
 #include <cuda_runtime.h>
 
-#include <algorithm>
-#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -20,7 +18,6 @@
 #include "backends/cuda/kernels/fp8_epilogue.cuh"
 #include "backends/cuda/kernels/fp8_rows.h"
 #include "backends/cuda/kernels/grouped_gemm_common.cuh"
-#include "base/cuda_device.h"
 #include "base/cuda_pdl.cuh"
 #include "base/env.h"
 
@@ -534,10 +531,10 @@ cudaError_t gate_quantize_fp8_rows(Elem type, const void* h1, int64_t rows, int6
       const bool vec = (reinterpret_cast<uintptr_t>(h1) % 16) == 0 && inter % 8 == 0;
       const dim3 grid(unsigned((rows * groups * 16 + 255) / 256));
       const bool silu = gate.kind == kGateActMul && gate.activation == kActSilu;  // the common gate as a constant
-      return launch_pdl(pdl_enabled(),
-                        silu ? gate_quantize_fp8_rows_kernel<T, kActSilu> : gate_quantize_fp8_rows_kernel<T, kActRuntime>,
-                        grid, dim3(256), 0, stream, static_cast<const T*>(h1), rows, inter, gate, valid_rows,
-                        pow2_scales ? 1 : 0, vec, q, ldq, scale, lds);
+      const auto kernel =
+          silu ? gate_quantize_fp8_rows_kernel<T, kActSilu> : gate_quantize_fp8_rows_kernel<T, kActRuntime>;
+      return launch_pdl(pdl_enabled(), kernel, grid, dim3(256), 0, stream, static_cast<const T*>(h1), rows, inter,
+                        gate, valid_rows, pow2_scales ? 1 : 0, vec, q, ldq, scale, lds);
     }
   });
 }
