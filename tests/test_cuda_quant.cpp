@@ -9,7 +9,8 @@
 // on the tiled kernel with row tiles of 32 and 128, sentinels, empty experts, biases, gpt-oss's interleaved clamped
 // SwiGLU), the GEMV forced on and off. The sm90 FP8 kernel's staged-scale and bulk-store forms against its plain
 // form, bit for bit; the FP8 chain with Programmatic Dependent Launch on and off, uncaptured and in graphs, bit for
-// bit; CUTLASS's FP8 grouped GEMM against the reference. Skips without a GPU.
+// bit; CUTLASS's FP8 grouped GEMM against the reference; the decode GEMV's pair form against its sorted form, bit for
+// bit. Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -258,6 +259,59 @@ TEST(CudaQuant, Fp8GemvForcedOnAndOffMatchesTheReference) {
           EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << name << " " << c.to_string();
         }
       }
+    }
+  }
+}
+
+// Sets the FP8 GEMV's pair form's reach in tokens for the scope (policy.h fp8_pair_max_tokens).
+class Fp8PairTokens {
+ public:
+  explicit Fp8PairTokens(int64_t tokens) : previous_(cuda::set_fp8_pair_max_tokens(tokens)) {}
+  ~Fp8PairTokens() { cuda::set_fp8_pair_max_tokens(previous_); }
+  Fp8PairTokens(const Fp8PairTokens&) = delete;
+  Fp8PairTokens& operator=(const Fp8PairTokens&) = delete;
+
+ private:
+  int64_t previous_;
+};
+
+// The GEMV's pair form (no routing sort; the activations' quantisation and the combine in the projections' last
+// blocks, over arrival counters) against the sorted form, bit for bit, and both against the reference: one token
+// and a few, every activation dtype, gated and act-only epilogues, biases, UE8M0 scales, sentinels, K and I not
+// multiples of 128 (a last partial group of outputs), experts shared by tokens, top-k 1 (a single slot per counter);
+// the pair form run twice (the counters left zero by each run), outputs poisoned before each run.
+TEST(CudaQuant, Fp8PairFormIsBitwiseTheSortedForm) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  const std::vector<std::pair<ProblemConfig, DType>> cases = {
+      {{.act = DType::bf16, .rwt = DType::bf16, .idt = DType::i32, .T = 1, .E = 40, .K = 8, .H = 512, .I = 384},
+       DType::f32},
+      {{.act = DType::bf16, .T = 5, .E = 6, .K = 3, .H = 264, .I = 200, .has_bias = true, .sentinels = true},
+       DType::ue8m0},
+      {{.act = DType::f16, .rwt = DType::f16, .T = 8, .E = 16, .K = 4, .H = 200, .I = 136}, DType::f32},
+      {{.T = 3, .E = 9, .K = 3, .H = 300, .I = 100, .has_gate = false, .activation = Activation::gelu}, DType::f32},
+      {{.T = 2, .E = 5, .K = 2, .H = 144, .I = 64, .has_bias = true, .sentinels = true}, DType::f32},
+      {{.act = DType::bf16, .T = 7, .E = 4, .K = 1, .H = 128, .I = 256}, DType::f32},
+  };
+  const Fp8GemvPolicy gemv(int64_t(1) << 40);
+  uint64_t seed = 2100;
+  for (const auto& [c, sdt] : cases) {
+    const test::ExpertsProblem p = make_fp8_problem(c, seed++, sdt, /*biases_in_act_dtype=*/true);
+    const Experts g = p.experts.to(Device::cuda(0));
+    Tensor sorted;
+    {
+      const Fp8PairTokens off(0);
+      sorted = test::run_backend(g, "batched_mm", p.hidden_states, p.top_k_index, p.top_k_weights);
+    }
+    EXPECT_EQ(test::compare_with_reference(p, sorted), "") << "sorted " << c.to_string();
+    const Fp8PairTokens on(64);
+    for (int run = 0; run < 2; ++run) {
+      double err = 0;
+      const Tensor pairs = test::run_backend(g, "batched_mm", p.hidden_states, p.top_k_index, p.top_k_weights);
+      const std::string problem = test::compare_with_reference(p, pairs, &err);
+      std::printf("  pair form run %d %s scales %s: rel L2 %.2e %s\n", run, c.to_string().c_str(), dtype_name(sdt), err,
+                  problem.c_str());
+      EXPECT_EQ(problem, "") << "pairs " << c.to_string();
+      EXPECT_TRUE(test::bitwise_equal(pairs, sorted)) << "run " << run << " " << c.to_string();
     }
   }
 }

@@ -47,6 +47,12 @@ int64_t set_fp8_gemv_max_pairs(int64_t pairs);
 // previous value (process-wide).
 bool fp8_gemv_sparse_only();
 bool set_fp8_gemv_sparse_only(bool on);
+// Within the GEMV's reach, calls of up to this many tokens run its pair form (kernels.h fp8_pair_gemv: no routing
+// sort, the activations' quantisation and the combine fused into the projections' last blocks; three launches where
+// the sorted form takes six): 4 by default, MOEKIT_FP8_PAIR_TOKENS in the environment at first use (0: never).
+// Setting it returns the previous value (process-wide).
+int64_t fp8_pair_max_tokens();
+int64_t set_fp8_pair_max_tokens(int64_t tokens);
 // FP8 experts on CUTLASS's grouped GEMM where the build has it (MOEKIT_FP8_CUTLASS, on), in two forms chosen by the
 // rows per expert on average over the call's pairs (P / E): the cooperative form (128-row tiles) from `rows` rows per
 // expert and `pairs` pairs; else the ping-pong form (64-row tiles) for [pingpong_min_rows, pingpong_max_rows) rows

@@ -14,7 +14,9 @@
 // Decode sizes (P <= fp8_gemv_max_pairs(), policy.h; where the sm90 kernel applies, also 2 P < E:
 // fp8_gemv_sparse_only): both projections on the FP8 GEMV instead (gemv_quant.cu), over the same sorted rows and
 // quantized activations: one block per (hit expert's row tile, block of columns), each hit expert's weights
-// streamed once per step, idle experts costing nothing.
+// streamed once per step, idle experts costing nothing. Up to fp8_pair_max_tokens() tokens, its pair form instead:
+// no sort, one block per (pair, block of columns), the activations' quantisation and the combine fused into the
+// projections' last blocks (run_fp8_pairs).
 //
 // FP4 experts (e2m1 with ue8m0 scales per row and 32 inputs) run the same forward over their packed weights
 // (kernels/quant_fp4.h): the tiled FP4 kernel (grouped_gemm_fp4.cu, e2m1 expanded in registers) or, at decode sizes,
@@ -89,6 +91,8 @@ std::atomic<int64_t> g_fp8_cutlass_calls[2] = {0, 0};  // cooperative, ping-pong
 // 1..8 reach it at P = 64). Not yet measured against the mma.sync kernel on the H200: the crossover may lie
 // higher, notably for few experts with many rows each (MOEKIT_FP8_GEMV_MAX_PAIRS overrides it for measuring).
 constexpr int64_t kFp8GemvMaxPairs = 64;
+// The GEMV's pair form up to this many tokens (policy.h fp8_pair_max_tokens).
+constexpr int64_t kFp8PairMaxTokens = 4;
 // Row tile of the GEMV's routing: up to this many rows of an expert share one block per column block (a tile of
 // more rows is another block, streaming the weights again).
 constexpr int kFp8GemvTile = 64;
@@ -109,6 +113,10 @@ std::atomic<int64_t>& fp8_gemv_limit() {
   static std::atomic<int64_t> v{env_int("MOEKIT_FP8_GEMV_MAX_PAIRS", kFp8GemvMaxPairs)};
   return v;
 }
+std::atomic<int64_t>& fp8_pair_limit() {
+  static std::atomic<int64_t> v{env_int("MOEKIT_FP8_PAIR_TOKENS", kFp8PairMaxTokens)};
+  return v;
+}
 std::atomic<int64_t>& fp4_gemv_limit() {
   static std::atomic<int64_t> v{env_int("MOEKIT_FP4_GEMV_MAX_PAIRS", kFp4GemvMaxPairs)};
   return v;
@@ -117,6 +125,8 @@ std::atomic<int64_t>& fp4_gemv_limit() {
 
 int64_t fp8_gemv_max_pairs() { return fp8_gemv_limit().load(); }
 int64_t set_fp8_gemv_max_pairs(int64_t pairs) { return fp8_gemv_limit().exchange(pairs); }
+int64_t fp8_pair_max_tokens() { return fp8_pair_limit().load(); }
+int64_t set_fp8_pair_max_tokens(int64_t tokens) { return fp8_pair_limit().exchange(tokens); }
 bool fp8_gemv_sparse_only() { return g_gemv_sparse.on(); }
 bool set_fp8_gemv_sparse_only(bool on) { return g_gemv_sparse.set(on); }
 bool set_fp8_cutlass(bool on) { return g_fp8_cutlass.set(on); }
@@ -183,6 +193,69 @@ kernels::Fp4GemmArgs projection_args(const CallContext& c, int proj, const kerne
   return g;
 }
 
+// Whether the GEMV's pair form serves the call: the arrival counters it needs fit the workspace's.
+bool fp8_pairs_fit(const CallContext& c) {
+  const int64_t groups = fp8_blocks(c.inter), cols = (c.hidden + 31) / 32;  // kernels.h fp8_pair_counters
+  return c.pairs * groups + c.tokens * cols <= StreamWorkspace::kCounterWords;
+}
+
+// The GEMV's pair form (kernels.h fp8_pair_gemv): the token rows quantized, the first projection quantizing its
+// outputs in its last blocks, the second summing the slots in its (three launches; the sorted form takes six).
+void run_fp8_pairs(const CallContext& c) {
+  namespace k = kernels;
+  const int64_t P = c.pairs, T = c.tokens, H = c.hidden, I = c.inter;
+  const int64_t HB = fp8_blocks(H), IB = fp8_blocks(I);
+  uint8_t *xq = nullptr, *aq = nullptr;
+  float *xs = nullptr, *as = nullptr, *y = nullptr;
+  void* act = nullptr;
+  uint32_t* const counters = c.ws->counters();
+  k::RoutingBuffers none;
+  k::Fp4GemmArgs g1 = projection_args(c, 1, none, nullptr, HB * kFp8Block, nullptr, HB, nullptr, 1, nullptr);
+  k::Fp4GemmArgs g2 = projection_args(c, 2, none, nullptr, IB * kFp8Block, nullptr, IB, nullptr, 1, nullptr);
+  const int64_t words1 = k::fp8_pair_counters(g1, int(c.top_k));
+  carve_workspace(*c.ws, [&](Carver& w) {
+    xq = w.take<uint8_t>(T * HB * kFp8Block);  // e4m3 token rows, padded to whole groups, and their scales
+    xs = w.take<float>(T * HB);
+    act = w.take_bytes(P * I * k::elem_bytes(c.type));  // [P, I] gated activations
+    aq = w.take<uint8_t>(P * IB * kFp8Block);            // and their e4m3 rows and scales
+    as = w.take<float>(P * IB);
+    y = w.take<float>(P * H);  // [P, H] f32
+  });
+  check_launch(k::quantize_fp8_rows(c.type, c.call.hidden_states.data, H, nullptr, 1, T, H, nullptr, c.fp8_pow2, xq,
+                                    HB * kFp8Block, xs, HB, c.stream),
+               "quantize_fp8_rows (hidden states)");
+  k::Fp8PairArgs pa;
+  pa.index = c.call.top_k_index.data;
+  pa.index_type = c.index_type;
+  pa.top_k = int(c.top_k);
+  pa.error = c.ws->error();
+  pa.counters = counters;
+  pa.a_row_div = int(c.top_k);
+  pa.q = aq;
+  pa.ldq = IB * kFp8Block;
+  pa.scale = as;
+  pa.lds = IB;
+  pa.pow2 = c.fp8_pow2;
+  g1.a = xq;
+  g1.a_scale = xs;
+  g1.out = act;
+  check_launch(k::fp8_pair_gemv(g1, pa, c.stream), "fp8_pair_gemv (first)");
+  k::Fp8PairArgs pb;
+  pb.index = pa.index;
+  pb.index_type = pa.index_type;
+  pb.top_k = pa.top_k;
+  pb.error = pa.error;
+  pb.counters = counters + words1;
+  pb.routing_weights = c.call.top_k_weights.data;
+  pb.routing_weight_type = c.weight_type;
+  pb.bias2 = c.b2;
+  pb.out = c.call.out.data;
+  g2.a = aq;
+  g2.a_scale = as;
+  g2.out = y;
+  check_launch(k::fp8_pair_gemv(g2, pb, c.stream), "fp8_pair_gemv (second)");
+}
+
 }  // namespace
 
 void run_fp8(const CallContext& c) {
@@ -209,6 +282,11 @@ void run_fp8(const CallContext& c) {
   const bool gemv = fp4 ? (float_acts && c.type == k::Elem::f32) || P <= fp4_gemv_max_pairs()
                         : P <= fp8_gemv_max_pairs() && c.q1_ld % 16 == 0 && c.q2_ld % 16 == 0 && aligned16(c.q1) &&
                               aligned16(c.q2) && !(sm90_ok && fp8_gemv_sparse_only() && 2 * P >= E);
+  // The GEMV's pair form for a few tokens (FP8 weights, quantized activations).
+  if (gemv && !fp4 && T <= fp8_pair_max_tokens() && P <= 65535 && fp8_pairs_fit(c)) {
+    run_fp8_pairs(c);
+    return;
+  }
   // Row tiles: the sm90 kernel's 128 from fp8_sm90_tile_rows() rows per expert on average (its TMA pipeline streams
   // the weights faster than the mma.sync kernel's 32-row tiles even when most of a tile is padding); elsewhere
   // fp8_tile_m's choice.

@@ -9,9 +9,20 @@ StreamWorkspace::StreamWorkspace(int device, cudaStream_t stream) : device_(devi
   {
     RelaxedCaptureMode relaxed;
     error_ = DeviceBuffer(sizeof(unsigned long long), device);
+    counters_ = DeviceBuffer(size_t(kCounterWords) * sizeof(uint32_t), device);
   }
   if (stream_is_capturing(stream)) captured_ = true;
   MOEKIT_CUDA_CALL(cudaMemsetAsync(error_.data(), 0xff, sizeof(unsigned long long), stream));  // kNoRoutingError
+  MOEKIT_CUDA_CALL(cudaMemsetAsync(counters_.data(), 0, counters_.size(), stream));
+  counters_zeroed_ = !captured_;
+}
+
+uint32_t* StreamWorkspace::counters() {
+  if (!counters_zeroed_ && !stream_is_capturing(stream_)) {
+    MOEKIT_CUDA_CALL(cudaMemsetAsync(counters_.data(), 0, counters_.size(), stream_));
+    counters_zeroed_ = true;
+  }
+  return static_cast<uint32_t*>(counters_.data());
 }
 
 void* StreamWorkspace::host() {

@@ -31,6 +31,12 @@ class StreamWorkspace {
   // The sticky routing error word (kernels::kNoRoutingError when clean). A workspace made during capture
   // clears it in the graph's first node.
   unsigned long long* error() const { return static_cast<unsigned long long*>(error_.data()); }
+  // Arrival counters for kernels whose last block to finish a part does the step after it (kernels.h
+  // fp8_pair_gemv): kCounterWords words, zero between launches, each launch leaving them zero. Zeroed when the
+  // workspace is made (by a node of the graph when it is made during capture) and, for a workspace made during
+  // capture, again before its first use outside capture.
+  uint32_t* counters();
+  static constexpr int64_t kCounterWords = 16384;
   void* host();  // pinned, kHostBytes; allocated on first use (never needed during capture)
   static constexpr size_t kHostBytes = 8 * 1024;
   cudaStream_t stream() const { return stream_; }
@@ -39,7 +45,8 @@ class StreamWorkspace {
  private:
   int device_;
   cudaStream_t stream_;
-  DeviceBuffer arena_, error_;
+  DeviceBuffer arena_, error_, counters_;
+  bool counters_zeroed_ = false;  // outside capture
   std::vector<DeviceBuffer> retired_;  // arenas that recorded graphs still use
   bool captured_ = false;
   std::unique_ptr<PinnedBuffer> host_;

@@ -14,6 +14,12 @@
 // order of f32 additions. The epilogues are fp8_epilogue.cuh's (the gated activations rounded as transformers'
 // FP8 path materialises them), so the next quantisation sees the reference's values.
 //
+// The pair form (fp8_pair_gemv, a few tokens) runs the same pass per (token, slot) pair, its expert read from
+// top_k_index, with no routing sort, and fuses the step after each projection into the last block to finish its
+// part (arrival counters in the stream workspace, left zero): the gated activations' quantisation after the first,
+// the weighted combine after the second. Three launches (quantisation of the token rows, the two projections) where
+// the sorted form takes six.
+//
 // FP4 weights (quant_fp4.h) run the same kernel: a lane's 16 bytes are then 32 e2m1 codes, one ue8m0 scale group
 // (the chunk is converted in two halves of 16), a quarter of the bytes of bf16 per weight. A is the quantized e4m3
 // rows as above (FP4 with UE8M0 scales) or the activations as they are (MXFP4: rows of the activation dtype, read
@@ -22,10 +28,14 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cstring>
+
 #include "backends/cuda/kernels/fp4_convert.cuh"
 #include "backends/cuda/kernels/fp8_epilogue.cuh"
+#include "backends/cuda/kernels/fp8_quant.cuh"
 #include "backends/cuda/kernels/quant_fp4.h"
 #include "base/cuda_pdl.cuh"
+#include "base/env.h"
 
 namespace moekit::cuda::kernels {
 
@@ -97,30 +107,83 @@ __device__ __forceinline__ void load_a16(const uint8_t* row, int64_t k0, float (
   }
 }
 
-// FP4: the weights are e2m1 (a 16-byte chunk: 32 inputs, one scale group); AF: A is float (see quant_fp4.h).
-template <class T, int EPI, int RC, int U, bool FP4, bool AF>
-__global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Fp4GemmArgs args, int tile_m) {
-  pdl_wait();  // launched with PDL: the routing, the quantized rows and the first projection come before
-  pdl_trigger();
-  const int tile = blockIdx.y;
-  if (tile >= __ldg(args.tile_offsets + args.experts)) return;
-  const int expert = tile_expert(args.tile_offsets, args.experts, tile);
-  const int64_t m0 = __ldg(args.offsets + expert) + int64_t(tile - __ldg(args.tile_offsets + expert)) * tile_m;
-  const int64_t m_end = min(int64_t(__ldg(args.offsets + expert + 1)), m0 + tile_m);
-  if (m0 >= m_end) return;
-
-  constexpr int kCols = EPI == kEpiGated ? kWRows / 2 : kWRows;
+// One pass of a warp over K: acc[j][r] += the lane's share of weight row j's dot product with A row r < nr, each
+// 128-input block's (FP4: 32-input group's) products summed in f32, then scaled once by a_scale * w_scale. Every
+// weight load of U steps is issued before the first conversion.
+template <class T, int RC, int U, bool FP4, bool AF>
+__device__ __forceinline__ void gemv_pass(const Fp4GemmArgs& args, const uint8_t* const (&wrow)[kWRows],
+                                          const float* const (&wsc)[kWRows], const uint8_t* const (&wse)[kWRows],
+                                          const uint8_t* const (&arow)[RC], const float* const (&asc)[RC], int nr,
+                                          int lane, float (&acc)[kWRows][RC]) {
   constexpr int kHalves = FP4 ? 2 : 1;  // 16 inputs each
-  constexpr int64_t kAElem = AF ? int64_t(sizeof(T)) : 1;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t c0 = (int64_t(blockIdx.x) * kWarps + warp) * kCols;
-  if (c0 >= args.n) return;
+  const int64_t bk = args.b_k;
+  for (int64_t i0 = int64_t(lane) * kChunk; i0 < bk; i0 += int64_t(kStep) * U) {
+    uint4 wv[U][kWRows];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {  // every weight load of the U steps first
+      const int64_t i = i0 + int64_t(u) * kStep;
+#pragma unroll
+      for (int j = 0; j < kWRows; ++j) wv[u][j] = i < bk ? load_stream(wrow[j] + i) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t i = i0 + int64_t(u) * kStep;
+      if (i >= bk) break;
+      const int64_t k0 = FP4 ? 2 * i : i;  // the chunk's first input
+      float sw[kWRows];
+#pragma unroll
+      for (int j = 0; j < kWRows; ++j) {
+        if constexpr (FP4) sw[j] = ue8m0_f32(__ldg(wse[j] + i / 16));
+        else sw[j] = __ldg(wsc[j] + i / 128);  // i / 128 < KB: bk <= KB * 128
+      }
+      float sa[RC];
+#pragma unroll
+      for (int r = 0; r < RC; ++r) sa[r] = (!AF && r < nr) ? __ldg(asc[r] + k0 / 128) : 1.0f;
+      float part[kWRows][RC];
+#pragma unroll
+      for (int j = 0; j < kWRows; ++j)
+#pragma unroll
+        for (int r = 0; r < RC; ++r) part[j][r] = 0.0f;
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        float af[RC][16];
+#pragma unroll
+        for (int r = 0; r < RC; ++r)
+          if (r < nr) load_a16<T, AF>(arow[r], k0 + 16 * h, af[r]);
+#pragma unroll
+        for (int j = 0; j < kWRows; ++j) {
+          float wf[16];
+          if constexpr (FP4) {
+            if (h == 0) e2m1x16_to_f32(wv[u][j].x, wv[u][j].y, wf);
+            else e2m1x16_to_f32(wv[u][j].z, wv[u][j].w, wf);
+          } else {
+            e4m3x16_to_f32(wv[u][j], wf);
+          }
+#pragma unroll
+          for (int r = 0; r < RC; ++r) {
+            if (r < nr) {
+#pragma unroll
+              for (int e = 0; e < 16; ++e) part[j][r] = fmaf(af[r][e], wf[e], part[j][r]);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kWRows; ++j)
+#pragma unroll
+        for (int r = 0; r < RC; ++r) acc[j][r] += part[j][r] * (sa[r] * sw[j]);
+    }
+  }
+}
 
-  const int64_t KB = (args.k + 127) / 128, bk = args.b_k;
+// The weight rows of the warp's columns from c0 (gated: gate and up rows in turn) of expert `expert`, with their
+// scale rows (FP8: f32 block scales; FP4: ue8m0 codes).
+template <int EPI, bool FP4>
+__device__ __forceinline__ void weight_rows(const Fp4GemmArgs& args, int expert, int64_t c0,
+                                            const uint8_t* (&wrow)[kWRows], const float* (&wsc)[kWRows],
+                                            const uint8_t* (&wse)[kWRows]) {
+  const int64_t KB = (args.k + 127) / 128;
   const int64_t seg = args.b_scale_seg, seg_blocks = (seg + 127) / 128;
-  const uint8_t* wrow[kWRows];
-  const float* wsc[kWRows];    // FP8: f32 block scales of the row
-  const uint8_t* wse[kWRows];  // FP4: ue8m0 codes of the row
 #pragma unroll
   for (int j = 0; j < kWRows; ++j) {
     const int64_t wr = weight_row<EPI>(args, c0, j);
@@ -134,7 +197,77 @@ __global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Fp4GemmAr
       wse[j] = nullptr;
     }
   }
+}
+
+template <int RC>
+__device__ __forceinline__ void warp_sums(float (&acc)[kWRows][RC]) {
+#pragma unroll
+  for (int j = 0; j < kWRows; ++j)
+#pragma unroll
+    for (int r = 0; r < RC; ++r)
+#pragma unroll
+      for (int d = 16; d > 0; d /= 2) acc[j][r] += __shfl_xor_sync(0xffffffffu, acc[j][r], d);
+}
+
+// The epilogue of the warp's columns from c0 for rows m.. (nr of them; the sums reduced over the warp): lane
+// cc * RC + r stores column c0 + cc of row m + r.
+template <class T, int EPI, int RC>
+__device__ __forceinline__ void store_columns(const Fp4GemmArgs& args, const float (&acc)[kWRows][RC], int expert,
+                                              int64_t c0, int64_t m, int nr, int lane) {
+  constexpr int kCols = EPI == kEpiGated ? kWRows / 2 : kWRows;
+  if (lane >= kCols * RC) return;
+  const int cc = lane / RC, r = lane % RC;
+  const int64_t c = c0 + cc;
+  if (r >= nr || c >= args.n) return;
+  float first = 0.0f, second = 0.0f;
+#pragma unroll
+  for (int jc = 0; jc < kCols; ++jc)
+#pragma unroll
+    for (int rr = 0; rr < RC; ++rr)
+      if (jc == cc && rr == r) {
+        if constexpr (EPI == kEpiGated) {
+          first = acc[2 * jc][rr];
+          second = acc[2 * jc + 1][rr];
+        } else {
+          first = acc[jc][rr];
+        }
+      }
   const T* bias = args.bias ? static_cast<const T*>(args.bias) + int64_t(expert) * args.bias_expert_stride : nullptr;
+  const int64_t row = m + r;
+  if constexpr (EPI == kEpiGated) {
+    const float bg = bias ? to_f32(bias[gate_row(args.gate, c)]) : 0.0f;
+    const float bu = bias ? to_f32(bias[up_row(args.gate, c, args.inter)]) : 0.0f;
+    static_cast<T*>(args.out)[row * args.ldo + c] =
+        from_f32<T>(fp8_gated<T>(args.gate, first, second, bias != nullptr, bg, bu));
+  } else if constexpr (EPI == kEpiActOnly) {
+    const float y = fp8_act_only<T>(args.gate, first, bias != nullptr, bias ? to_f32(bias[c]) : 0.0f);
+    static_cast<T*>(args.out)[row * args.ldo + c] = from_f32<T>(y);
+  } else {
+    static_cast<float*>(args.out)[row * args.ldo + c] = first;
+  }
+}
+
+// FP4: the weights are e2m1 (a 16-byte chunk: 32 inputs, one scale group); AF: A is float (see quant_fp4.h).
+template <class T, int EPI, int RC, int U, bool FP4, bool AF>
+__global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Fp4GemmArgs args, int tile_m) {
+  pdl_wait();  // launched with PDL: the routing, the quantized rows and the first projection come before
+  pdl_trigger();
+  const int tile = blockIdx.y;
+  if (tile >= __ldg(args.tile_offsets + args.experts)) return;
+  const int expert = tile_expert(args.tile_offsets, args.experts, tile);
+  const int64_t m0 = __ldg(args.offsets + expert) + int64_t(tile - __ldg(args.tile_offsets + expert)) * tile_m;
+  const int64_t m_end = min(int64_t(__ldg(args.offsets + expert + 1)), m0 + tile_m);
+  if (m0 >= m_end) return;
+
+  constexpr int kCols = EPI == kEpiGated ? kWRows / 2 : kWRows;
+  constexpr int64_t kAElem = AF ? int64_t(sizeof(T)) : 1;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t c0 = (int64_t(blockIdx.x) * kWarps + warp) * kCols;
+  if (c0 >= args.n) return;
+  const uint8_t* wrow[kWRows];
+  const float* wsc[kWRows];
+  const uint8_t* wse[kWRows];
+  weight_rows<EPI, FP4>(args, expert, c0, wrow, wsc, wse);
 
   for (int64_t m = m0; m < m_end; m += RC) {
     const int nr = int(min(int64_t(RC), m_end - m));
@@ -152,102 +285,147 @@ __global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Fp4GemmAr
     for (int j = 0; j < kWRows; ++j)
 #pragma unroll
       for (int r = 0; r < RC; ++r) acc[j][r] = 0.0f;
+    gemv_pass<T, RC, U, FP4, AF>(args, wrow, wsc, wse, arow, asc, nr, lane, acc);
+    warp_sums(acc);
+    store_columns<T, EPI, RC>(args, acc, expert, c0, m, nr, lane);
+  }
+}
 
-    for (int64_t i0 = int64_t(lane) * kChunk; i0 < bk; i0 += int64_t(kStep) * U) {
-      uint4 wv[U][kWRows];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {  // every weight load of the U steps first
-        const int64_t i = i0 + int64_t(u) * kStep;
-#pragma unroll
-        for (int j = 0; j < kWRows; ++j) wv[u][j] = i < bk ? load_stream(wrow[j] + i) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t i = i0 + int64_t(u) * kStep;
-        if (i >= bk) break;
-        const int64_t k0 = FP4 ? 2 * i : i;  // the chunk's first input
-        float sw[kWRows];
-#pragma unroll
-        for (int j = 0; j < kWRows; ++j) {
-          if constexpr (FP4) sw[j] = ue8m0_f32(__ldg(wse[j] + i / 16));
-          else sw[j] = __ldg(wsc[j] + i / 128);  // i / 128 < KB: bk <= KB * 128
-        }
-        float sa[RC];
-#pragma unroll
-        for (int r = 0; r < RC; ++r) sa[r] = (!AF && r < nr) ? __ldg(asc[r] + k0 / 128) : 1.0f;
-        float part[kWRows][RC];
-#pragma unroll
-        for (int j = 0; j < kWRows; ++j)
-#pragma unroll
-          for (int r = 0; r < RC; ++r) part[j][r] = 0.0f;
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h) {
-          float af[RC][16];
-#pragma unroll
-          for (int r = 0; r < RC; ++r)
-            if (r < nr) load_a16<T, AF>(arow[r], k0 + 16 * h, af[r]);
-#pragma unroll
-          for (int j = 0; j < kWRows; ++j) {
-            float wf[16];
-            if constexpr (FP4) {
-              if (h == 0) e2m1x16_to_f32(wv[u][j].x, wv[u][j].y, wf);
-              else e2m1x16_to_f32(wv[u][j].z, wv[u][j].w, wf);
-            } else {
-              e4m3x16_to_f32(wv[u][j], wf);
-            }
-#pragma unroll
-            for (int r = 0; r < RC; ++r) {
-              if (r < nr) {
-#pragma unroll
-                for (int e = 0; e < 16; ++e) part[j][r] = fmaf(af[r][e], wf[e], part[j][r]);
-              }
-            }
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kWRows; ++j)
-#pragma unroll
-          for (int r = 0; r < RC; ++r) acc[j][r] += part[j][r] * (sa[r] * sw[j]);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kWRows; ++j)
-#pragma unroll
-      for (int r = 0; r < RC; ++r)
-#pragma unroll
-        for (int d = 16; d > 0; d /= 2) acc[j][r] += __shfl_xor_sync(0xffffffffu, acc[j][r], d);
+// An element of T written by another block of this launch, read from L2 (past L1, which is not coherent).
+template <class T>
+__device__ __forceinline__ float load_cg(const T* p) {
+  if constexpr (sizeof(T) == 4) {
+    return __ldcg(reinterpret_cast<const float*>(p));
+  } else {
+    const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(p));
+    T v;
+    memcpy(&v, &bits, sizeof(T));
+    return to_f32(v);
+  }
+}
 
-    // Lane cc * RC + r stores column c0 + cc of row m + r.
-    if (lane >= kCols * RC) continue;
-    const int cc = lane / RC, r = lane % RC;
-    const int64_t c = c0 + cc;
-    if (r >= nr || c >= args.n) continue;
-    float first = 0.0f, second = 0.0f;
+// Routing weight q of an array of `type`.
+__device__ __forceinline__ float routing_weight(const void* w, Elem type, int64_t q) {
+  switch (type) {
+    case Elem::bf16: return to_f32(static_cast<const bf16*>(w)[q]);
+    case Elem::f16: return to_f32(static_cast<const f16*>(w)[q]);
+    default: return static_cast<const float*>(w)[q];
+  }
+}
+
+// Output columns of a block of the pair form: a divisor of 128 (16 gated, 32 otherwise).
+template <int EPI>
+constexpr int pair_block_cols() {
+  return kWarps * (EPI == kEpiGated ? kWRows / 2 : kWRows);
+}
+
+// The pair form (fp8_pair_gemv, kernels.h): block (x, p) streams pair p's expert's weight rows of its columns
+// against A row p / a_row_div (once: one row per pair), then arrives on its counter; the block that arrives last
+// does the step after the projection for what the arrivals cover, reading the others' outputs from L2 after the
+// fences of the usual last-block pattern, and sets the counter back to zero:
+// - first projection (gated or activation epilogue): the blocks of each 128 outputs of a pair (a group) count on one
+//   counter; the last quantizes the group (store_group16, as quantize_fp8_rows does) into row p of pa.q / pa.scale.
+//   A dropped pair's blocks return at once (its row is never read).
+// - second projection (f32 out): the K blocks of a token's columns (one per slot, dropped slots included) count on
+//   one counter; the last sums w * (y + bias) over the slots in slot order and rounds once, as combine does.
+template <class T, int EPI>
+__global__ void __launch_bounds__(kThreads, 2) pair_gemv_kernel(const Fp4GemmArgs args, const Fp8PairArgs pa,
+                                                                int prefetch) {
+  __shared__ int last;
+  const int64_t p = blockIdx.y;
+  constexpr int kCols = EPI == kEpiGated ? kWRows / 2 : kWRows;
+  constexpr int kBlockCols = pair_block_cols<EPI>();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t c0 = (int64_t(blockIdx.x) * kWarps + warp) * kCols;
+  // Before the wait: the pair's expert id (top_k_index is written before the launch that precedes this one, which
+  // lets this one start only after its own wait) and, with `prefetch`, an L2 prefetch of the first `prefetch` steps
+  // of the warp's weight rows (constant).
+  const int early = pair_expert_of(pa.index, pa.index_type, p, pa.top_k, args.experts, nullptr);
+  const uint8_t* wrow[kWRows];
+  const float* wsc[kWRows];
+  const uint8_t* wse[kWRows];
+  if (early < args.experts && c0 < args.n) {
+    weight_rows<EPI, false>(args, early, c0, wrow, wsc, wse);
+    for (int u = 0; u < prefetch; ++u) {
+      const int64_t i = int64_t(lane) * kChunk + int64_t(u) * kStep;
+      if (i >= args.b_k) break;
 #pragma unroll
-    for (int jc = 0; jc < kCols; ++jc)
-#pragma unroll
-      for (int rr = 0; rr < RC; ++rr)
-        if (jc == cc && rr == r) {
-          if constexpr (EPI == kEpiGated) {
-            first = acc[2 * jc][rr];
-            second = acc[2 * jc + 1][rr];
-          } else {
-            first = acc[jc][rr];
-          }
-        }
-    const int64_t row = m + r;
-    if constexpr (EPI == kEpiGated) {
-      const float bg = bias ? to_f32(bias[gate_row(args.gate, c)]) : 0.0f;
-      const float bu = bias ? to_f32(bias[up_row(args.gate, c, args.inter)]) : 0.0f;
-      static_cast<T*>(args.out)[row * args.ldo + c] =
-          from_f32<T>(fp8_gated<T>(args.gate, first, second, bias != nullptr, bg, bu));
-    } else if constexpr (EPI == kEpiActOnly) {
-      const float y = fp8_act_only<T>(args.gate, first, bias != nullptr, bias ? to_f32(bias[c]) : 0.0f);
-      static_cast<T*>(args.out)[row * args.ldo + c] = from_f32<T>(y);
-    } else {
-      static_cast<float*>(args.out)[row * args.ldo + c] = first;
+      for (int j = 0; j < kWRows; ++j) asm volatile("prefetch.global.L2 [%0];" ::"l"(wrow[j] + i));
     }
   }
+  pdl_wait();  // launched with PDL: the quantized rows (and the first projection) come before
+  pdl_trigger();
+  const int expert =
+      early < args.experts ? early : pair_expert_of(pa.index, pa.index_type, p, pa.top_k, args.experts, pa.error);
+  if (EPI != kEpiF32 && expert >= args.experts) return;
+  if (expert < args.experts && c0 < args.n) {
+    const int64_t src = p / pa.a_row_div;
+    const uint8_t* arow[1] = {args.a + src * args.lda};
+    const float* asc[1] = {args.a_scale + src * args.lds};
+    float acc[kWRows][1];
+#pragma unroll
+    for (int j = 0; j < kWRows; ++j) acc[j][0] = 0.0f;
+    gemv_pass<T, 1, 2, false, false>(args, wrow, wsc, wse, arow, asc, 1, lane, acc);
+    warp_sums(acc);
+    store_columns<T, EPI, 1>(args, acc, expert, c0, p, 1, lane);
+  }
+  __threadfence();  // this block's outputs visible device-wide before its arrival
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t* counter;
+    uint32_t expected;
+    if constexpr (EPI != kEpiF32) {
+      constexpr int kPer = 128 / kBlockCols;  // blocks per group
+      const int64_t g = blockIdx.x / kPer, groups = (args.n + 127) / 128;
+      counter = pa.counters + p * groups + g;
+      expected = uint32_t(min(int64_t(kPer), int64_t(gridDim.x) - g * kPer));
+    } else {
+      counter = pa.counters + (p / pa.top_k) * gridDim.x + blockIdx.x;
+      expected = uint32_t(pa.top_k);
+    }
+    last = atomicAdd(counter, 1u) + 1 == expected;
+    if (last) *counter = 0;  // every arrival of this launch is in: left zero for the next launch
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if constexpr (EPI != kEpiF32) {
+    if (warp != 0) return;
+    const int64_t g = blockIdx.x / (128 / kBlockCols);
+    const int l = lane % 16;
+    const bool active = lane < 16;
+    const int64_t k0 = g * 128 + l * 8;
+    const T* row = static_cast<const T*>(args.out) + p * args.ldo;
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = active && k0 + i < args.n ? load_cg(row + k0 + i) : 0.0f;
+    store_group16(v, active, k0, args.n, pa.pow2 ? 1 : 0, l, pa.q, pa.ldq, pa.scale, pa.lds, p, g);
+  } else {
+    const int K = pa.top_k;
+    const int64_t t = p / K;
+    const T* bias2 = static_cast<const T*>(pa.bias2);
+    const float* y = static_cast<const float*>(args.out);
+    for (int j = threadIdx.x; j < kBlockCols; j += kThreads) {
+      const int64_t c = int64_t(blockIdx.x) * kBlockCols + j;
+      if (c >= args.n) break;
+      float acc = 0.0f;
+      for (int s = 0; s < K; ++s) {  // slot order: deterministic
+        const int64_t q = t * K + s;
+        const int e = pair_expert_of(pa.index, pa.index_type, q, K, args.experts, nullptr);
+        if (e >= args.experts) continue;  // sentinel or bad id: exactly zero contribution
+        const float w = routing_weight(pa.routing_weights, pa.routing_weight_type, q);
+        acc += w * (__ldcg(y + q * args.ldo + c) + (bias2 ? to_f32(bias2[int64_t(e) * args.n + c]) : 0.0f));
+      }
+      static_cast<T*>(pa.out)[t * args.n + c] = from_f32<T>(acc);
+    }
+  }
+}
+
+// The pair form's L2 prefetch before its PDL wait: this many 512-byte steps of each weight row a warp streams
+// (MOEKIT_FP8_PAIR_PREFETCH in the environment, read once; 0: none). Launch argument of the pair kernel.
+int pair_prefetch_steps() {
+  static const int steps = int(env_int_in("MOEKIT_FP8_PAIR_PREFETCH", 0, 1 << 20, 2));
+  return pdl_enabled() ? steps : 0;
 }
 
 template <class T, int EPI, bool FP4, bool AF>
@@ -278,6 +456,14 @@ cudaError_t launch_gemv_any(const Fp4GemmArgs& a, int tile_m, int rows_per_pass,
   });
 }
 
+template <class T, int EPI>
+cudaError_t launch_pair(const Fp4GemmArgs& a, const Fp8PairArgs& pa, cudaStream_t stream) {
+  constexpr int kBlockCols = pair_block_cols<EPI>();
+  const dim3 grid{unsigned((a.n + kBlockCols - 1) / kBlockCols), unsigned(a.max_rows)};
+  return launch_pdl(pdl_enabled(), pair_gemv_kernel<T, EPI>, grid, dim3(kThreads), 0, stream, a, pa,
+                    pair_prefetch_steps());
+}
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 }  // namespace
@@ -293,6 +479,37 @@ cudaError_t fp8_gemv(const Fp8GemmArgs& a, int tile_m, int rows_per_pass, cudaSt
   Fp4GemmArgs g;
   static_cast<Fp8GemmArgs&>(g) = a;
   return launch_gemv_any<false, false>(g, tile_m, rows_per_pass, stream);
+}
+
+int64_t fp8_pair_counters(const Fp8GemmArgs& a, int top_k) {
+  if (top_k < 1) return 0;
+  if (a.epilogue == kEpiF32) {
+    constexpr int kBlockCols = pair_block_cols<kEpiF32>();
+    return a.max_rows / top_k * ((a.n + kBlockCols - 1) / kBlockCols);
+  }
+  return a.max_rows * ((a.n + 127) / 128);
+}
+
+cudaError_t fp8_pair_gemv(const Fp8GemmArgs& a, const Fp8PairArgs& pa, cudaStream_t stream) {
+  if (!fp8_gemv_ok(a) || pa.top_k < 1 || a.max_rows % pa.top_k != 0 || a.max_rows > 65535 || pa.a_row_div < 1 ||
+      pa.index == nullptr || pa.counters == nullptr || a.a_scale == nullptr)
+    return cudaErrorInvalidValue;
+  const int64_t groups = (a.n + 127) / 128;
+  if (a.epilogue == kEpiF32 ? pa.out == nullptr || pa.routing_weights == nullptr
+                            : pa.q == nullptr || pa.scale == nullptr || pa.ldq < groups * 128 || pa.ldq % 16 != 0 ||
+                                  pa.lds < groups)
+    return cudaErrorInvalidValue;
+  if (a.max_rows == 0 || a.n == 0) return cudaSuccess;
+  Fp4GemmArgs g;
+  static_cast<Fp8GemmArgs&>(g) = a;
+  return with_elem(a.type, [&](auto tag) {
+    using T = decltype(tag);
+    switch (a.epilogue) {
+      case kEpiGated: return launch_pair<T, kEpiGated>(g, pa, stream);
+      case kEpiActOnly: return launch_pair<T, kEpiActOnly>(g, pa, stream);
+      default: return launch_pair<T, kEpiF32>(g, pa, stream);
+    }
+  });
 }
 
 bool fp4_gemv_ok(const Fp4GemmArgs& a) {

@@ -308,4 +308,34 @@ bool set_fp8_sm90_item_ring(bool on);
 bool fp8_gemv_ok(const Fp8GemmArgs& a);
 cudaError_t fp8_gemv(const Fp8GemmArgs& a, int tile_m, int rows_per_pass, cudaStream_t stream);
 
+// The pair form of the GEMV for a few tokens, without the routing sort: pair p (of a.max_rows, a multiple of
+// top_k) runs on the expert top_k_index[p] (ids outside [0, experts] recorded in the error word as route_validate
+// does; the sentinel and bad ids contribute nothing) against A row p / a_row_div, one block per (pair, block of
+// columns), and the step after each projection is fused into its last block (arrival counters: zero at launch,
+// left zero; fp8_pair_counters words per launch):
+// - gated / activation epilogue: out [P, n] of `type` as fp8_gemv writes it, then quantized per 128 outputs into
+//   q [P, ldq] / scale [P, lds] exactly as quantize_fp8_rows would quantize out;
+// - kEpiF32: out [P, n] f32, then pa.out[t, :] = sum over slots s in order of w[t * K + s] * (out[t * K + s, :] +
+//   bias2[e, :]), rounded once to `type`, exactly as combine sums them.
+// The same values as fp8_gemv over the sorted pairs followed by those kernels, bit for bit.
+struct Fp8PairArgs {
+  const void* index = nullptr;  // top_k_index [P]
+  Index index_type = Index::i32;
+  int top_k = 1;
+  unsigned long long* error = nullptr;  // sticky routing error word, or null
+  uint32_t* counters = nullptr;
+  int a_row_div = 1;
+  uint8_t* q = nullptr;  // first projection: its outputs' e4m3 rows and scales
+  int64_t ldq = 0;
+  float* scale = nullptr;
+  int64_t lds = 0;
+  bool pow2 = false;  // power-of-two scales
+  const void* routing_weights = nullptr;  // second projection: [P] of routing_weight_type
+  Elem routing_weight_type = Elem::f32;
+  const void* bias2 = nullptr;  // [E, n] of `type`, or null
+  void* out = nullptr;          // [P / top_k, n] of `type`
+};
+int64_t fp8_pair_counters(const Fp8GemmArgs& a, int top_k);
+cudaError_t fp8_pair_gemv(const Fp8GemmArgs& a, const Fp8PairArgs& pa, cudaStream_t stream);
+
 }  // namespace moekit::cuda::kernels
