@@ -328,8 +328,8 @@ constexpr int pair_block_cols() {
 //   A dropped pair's blocks return at once (its row is never read).
 // - second projection (f32 out): the K blocks of a token's columns (one per slot, dropped slots included) count on
 //   one counter; the last sums w * (y + bias) over the slots in slot order and rounds once, as combine does.
-template <class T, int EPI>
-__global__ void __launch_bounds__(kThreads, 2) pair_gemv_kernel(const Fp4GemmArgs args, const Fp8PairArgs pa,
+template <class T, int EPI, int MINB>
+__global__ void __launch_bounds__(kThreads, MINB) pair_gemv_kernel(const Fp4GemmArgs args, const Fp8PairArgs pa,
                                                                 int prefetch) {
   __shared__ int last;
   const int64_t p = blockIdx.y;
@@ -456,12 +456,28 @@ cudaError_t launch_gemv_any(const Fp4GemmArgs& a, int tile_m, int rows_per_pass,
   });
 }
 
+// Blocks per multiprocessor the pair kernel is compiled for: 3 (80 registers, no spills; 2: 96-102 registers;
+// 4: 64 registers with 60-byte spills), MOEKIT_FP8_PAIR_BLOCKS in the environment (2, 3 or 4; read once).
+int pair_min_blocks() {
+  static const int b = int(env_int_in("MOEKIT_FP8_PAIR_BLOCKS", 2, 4, 3));
+  return b;
+}
+
 template <class T, int EPI>
 cudaError_t launch_pair(const Fp4GemmArgs& a, const Fp8PairArgs& pa, cudaStream_t stream) {
   constexpr int kBlockCols = pair_block_cols<EPI>();
   const dim3 grid{unsigned((a.n + kBlockCols - 1) / kBlockCols), unsigned(a.max_rows)};
-  return launch_pdl(pdl_enabled(), pair_gemv_kernel<T, EPI>, grid, dim3(kThreads), 0, stream, a, pa,
-                    pair_prefetch_steps());
+  switch (pair_min_blocks()) {
+    case 2:
+      return launch_pdl(pdl_enabled(), pair_gemv_kernel<T, EPI, 2>, grid, dim3(kThreads), 0, stream, a, pa,
+                        pair_prefetch_steps());
+    case 4:
+      return launch_pdl(pdl_enabled(), pair_gemv_kernel<T, EPI, 4>, grid, dim3(kThreads), 0, stream, a, pa,
+                        pair_prefetch_steps());
+    default:
+      return launch_pdl(pdl_enabled(), pair_gemv_kernel<T, EPI, 3>, grid, dim3(kThreads), 0, stream, a, pa,
+                        pair_prefetch_steps());
+  }
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
