@@ -263,17 +263,21 @@ TEST(CudaQuant, Fp8GemvForcedOnAndOffMatchesTheReference) {
   }
 }
 
-// Sets the FP8 GEMV's pair form's reach in tokens for the scope (policy.h fp8_pair_max_tokens).
-class Fp8PairTokens {
+// Sets a process-wide policy value for the scope through its setter (which returns the previous value).
+template <int64_t (*Set)(int64_t)>
+class ScopedPolicy {
  public:
-  explicit Fp8PairTokens(int64_t tokens) : previous_(cuda::set_fp8_pair_max_tokens(tokens)) {}
-  ~Fp8PairTokens() { cuda::set_fp8_pair_max_tokens(previous_); }
-  Fp8PairTokens(const Fp8PairTokens&) = delete;
-  Fp8PairTokens& operator=(const Fp8PairTokens&) = delete;
+  explicit ScopedPolicy(int64_t value) : previous_(Set(value)) {}
+  ~ScopedPolicy() { Set(previous_); }
+  ScopedPolicy(const ScopedPolicy&) = delete;
+  ScopedPolicy& operator=(const ScopedPolicy&) = delete;
 
  private:
   int64_t previous_;
 };
+
+// The FP8 GEMV's pair form's reach in tokens (policy.h fp8_pair_max_tokens).
+using Fp8PairTokens = ScopedPolicy<cuda::set_fp8_pair_max_tokens>;
 
 // The GEMV's pair form (no routing sort; the activations' quantisation and the combine in the projections' last
 // blocks, over arrival counters) against the sorted form, bit for bit, and both against the reference: one token
@@ -649,17 +653,8 @@ TEST(CudaQuant, Fp4GroupedBatchedAndDeepgemmMatchTheReference) {
 }
 
 #ifdef MOEKIT_WITH_CUDA
-// Sets the FP4 GEMV's reach for the scope.
-class Fp4GemvPolicy {
- public:
-  explicit Fp4GemvPolicy(int64_t max_pairs) : previous_(cuda::set_fp4_gemv_max_pairs(max_pairs)) {}
-  ~Fp4GemvPolicy() { cuda::set_fp4_gemv_max_pairs(previous_); }
-  Fp4GemvPolicy(const Fp4GemvPolicy&) = delete;
-  Fp4GemvPolicy& operator=(const Fp4GemvPolicy&) = delete;
-
- private:
-  int64_t previous_;
-};
+// The FP4 GEMV's reach for the scope.
+using Fp4GemvPolicy = ScopedPolicy<cuda::set_fp4_gemv_max_pairs>;
 
 // The FP4 GEMV forced on beyond its reach (experts of several row tiles of 64) and off (the tiled kernel at decode
 // sizes), both variants; the GEMV the same bits on a second run.

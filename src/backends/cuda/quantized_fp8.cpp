@@ -193,26 +193,22 @@ kernels::Fp4GemmArgs projection_args(const CallContext& c, int proj, const kerne
   return g;
 }
 
-// Whether the GEMV's pair form serves the call: the arrival counters it needs fit the workspace's.
-bool fp8_pairs_fit(const CallContext& c) {
-  const int64_t groups = fp8_blocks(c.inter), cols = (c.hidden + 31) / 32;  // kernels.h fp8_pair_counters
-  return c.pairs * groups + c.tokens * cols <= StreamWorkspace::kCounterWords;
-}
-
 // The GEMV's pair form (kernels.h fp8_pair_gemv): the token rows quantized, the first projection quantizing its
 // outputs in its last blocks, the second summing the slots in its (three launches; the sorted form takes six).
-void run_fp8_pairs(const CallContext& c) {
+// False, with nothing launched, where the arrival counters the call needs exceed the workspace's.
+bool run_fp8_pairs(const CallContext& c) {
   namespace k = kernels;
   const int64_t P = c.pairs, T = c.tokens, H = c.hidden, I = c.inter;
   const int64_t HB = fp8_blocks(H), IB = fp8_blocks(I);
   uint8_t *xq = nullptr, *aq = nullptr;
   float *xs = nullptr, *as = nullptr, *y = nullptr;
   void* act = nullptr;
-  uint32_t* const counters = c.ws->counters();
   k::RoutingBuffers none;
   k::Fp4GemmArgs g1 = projection_args(c, 1, none, nullptr, HB * kFp8Block, nullptr, HB, nullptr, 1, nullptr);
   k::Fp4GemmArgs g2 = projection_args(c, 2, none, nullptr, IB * kFp8Block, nullptr, IB, nullptr, 1, nullptr);
   const int64_t words1 = k::fp8_pair_counters(g1, int(c.top_k));
+  if (words1 + k::fp8_pair_counters(g2, int(c.top_k)) > StreamWorkspace::kCounterWords) return false;
+  uint32_t* const counters = c.ws->counters();
   carve_workspace(*c.ws, [&](Carver& w) {
     xq = w.take<uint8_t>(T * HB * kFp8Block);  // e4m3 token rows, padded to whole groups, and their scales
     xs = w.take<float>(T * HB);
@@ -254,6 +250,7 @@ void run_fp8_pairs(const CallContext& c) {
   g2.a_scale = as;
   g2.out = y;
   check_launch(k::fp8_pair_gemv(g2, pb, c.stream), "fp8_pair_gemv (second)");
+  return true;
 }
 
 }  // namespace
@@ -283,10 +280,7 @@ void run_fp8(const CallContext& c) {
                         : P <= fp8_gemv_max_pairs() && c.q1_ld % 16 == 0 && c.q2_ld % 16 == 0 && aligned16(c.q1) &&
                               aligned16(c.q2) && !(sm90_ok && fp8_gemv_sparse_only() && 2 * P >= E);
   // The GEMV's pair form for a few tokens (FP8 weights, quantized activations).
-  if (gemv && !fp4 && T <= fp8_pair_max_tokens() && P <= 65535 && fp8_pairs_fit(c)) {
-    run_fp8_pairs(c);
-    return;
-  }
+  if (gemv && !fp4 && T <= fp8_pair_max_tokens() && P <= 65535 && run_fp8_pairs(c)) return;
   // Row tiles: the sm90 kernel's 128 from fp8_sm90_tile_rows() rows per expert on average (its TMA pipeline streams
   // the weights faster than the mma.sync kernel's 32-row tiles even when most of a tile is padding); elsewhere
   // fp8_tile_m's choice.

@@ -46,21 +46,24 @@ __device__ __forceinline__ int tile_expert(const int32_t* tile_offsets, int expe
   return lo;
 }
 
-// The expert of pair p (E for the sentinel and for bad ids, which also set the error word: the smallest
-// (token << 40 | slot << 32 | uint32(id)), kernels.h's format).
+// Records bad id v of pair p in the sticky error word: the smallest (token << 40 | slot << 32 | uint32(id)),
+// kernels.h's format.
+__device__ __forceinline__ void record_bad_id(unsigned long long* error, int64_t p, int top_k, long long v) {
+  const int32_t clamped = v < INT_MIN ? INT_MIN : (v > INT_MAX ? INT_MAX : static_cast<int32_t>(v));
+  const unsigned long long t = static_cast<unsigned long long>(p / top_k);
+  const unsigned long long key = ((t < (1ull << 24) ? t : (1ull << 24) - 1) << 40) |
+                                 (static_cast<unsigned long long>(p % top_k & 0xff) << 32) |
+                                 static_cast<uint32_t>(clamped);
+  atomicMin(error, key);
+}
+
+// The expert of pair p (E for the sentinel and for bad ids, which also set the error word when it is given).
 __device__ __forceinline__ int pair_expert_of(const void* index, Index index_type, int64_t p, int top_k, int experts,
                                               unsigned long long* error) {
   const long long v = index_type == Index::i32 ? static_cast<long long>(static_cast<const int32_t*>(index)[p])
                                                : static_cast<long long>(static_cast<const int64_t*>(index)[p]);
   if (v >= 0 && v <= experts) return static_cast<int>(v);
-  if (error) {
-    const int32_t clamped = v < INT_MIN ? INT_MIN : (v > INT_MAX ? INT_MAX : static_cast<int32_t>(v));
-    const unsigned long long t = static_cast<unsigned long long>(p / top_k);
-    const unsigned long long key = ((t < (1ull << 24) ? t : (1ull << 24) - 1) << 40) |
-                                   (static_cast<unsigned long long>(p % top_k & 0xff) << 32) |
-                                   static_cast<uint32_t>(clamped);
-    atomicMin(error, key);
-  }
+  if (error) record_bad_id(error, p, top_k, v);
   return experts;
 }
 

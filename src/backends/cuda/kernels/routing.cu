@@ -9,7 +9,6 @@
 // Up to 4096 pairs and kOneBlockExperts experts (prefill of a few hundred tokens) the same sort
 // runs in one launch of one block: chunks of 1024 pairs ranked in order against running per-expert
 // counts in shared memory, then the scan and the placement, with the same results bit for bit.
-#include <climits>
 #include <cstdlib>
 
 #include "backends/cuda/kernels/device_math.cuh"
@@ -28,12 +27,7 @@ __device__ __forceinline__ int load_expert(const IdxT* index, int64_t p, int top
                                            unsigned long long* error) {
   const long long v = static_cast<long long>(index[p]);
   if (v >= 0 && v <= experts) return static_cast<int>(v);  // v == experts: sentinel, dropped
-  const int32_t clamped = v < INT_MIN ? INT_MIN : (v > INT_MAX ? INT_MAX : static_cast<int32_t>(v));
-  const unsigned long long t = static_cast<unsigned long long>(p / top_k);
-  const unsigned long long key = ((t < (1ull << 24) ? t : (1ull << 24) - 1) << 40) |
-                                 (static_cast<unsigned long long>(p % top_k & 0xff) << 32) |
-                                 static_cast<uint32_t>(clamped);
-  atomicMin(error, key);
+  record_bad_id(error, p, top_k, v);
   return experts;
 }
 
