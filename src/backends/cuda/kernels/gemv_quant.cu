@@ -457,17 +457,19 @@ cudaError_t launch_gemv_any(const Fp4GemmArgs& a, int tile_m, int rows_per_pass,
 }
 
 // Blocks per multiprocessor the pair kernel is compiled for: 3 (80 registers, no spills; 2: 96-102 registers;
-// 4: 64 registers with 60-byte spills), MOEKIT_FP8_PAIR_BLOCKS in the environment (2, 3 or 4; read once).
-int pair_min_blocks() {
-  static const int b = int(env_int_in("MOEKIT_FP8_PAIR_BLOCKS", 2, 4, 3));
-  return b;
+// 4: 64 registers with 60-byte spills). By default 4 where a token has 8 or more slots (deepseek-v3, qwen3-30b-a3b,
+// olmoe-1b-7b at T = 1: 4-12% faster than 3 on the H200) and 3 below (qwen1.5-moe-a2.7b's 4 slots and
+// mixtral-8x7b's 2 ran 10-11% slower at 4). MOEKIT_FP8_PAIR_BLOCKS in the environment (2, 3 or 4; read once) fixes it.
+int pair_min_blocks(int top_k) {
+  static const int forced = int(env_int_in("MOEKIT_FP8_PAIR_BLOCKS", 2, 4, 0));
+  return forced != 0 ? forced : top_k >= 8 ? 4 : 3;
 }
 
 template <class T, int EPI>
 cudaError_t launch_pair(const Fp4GemmArgs& a, const Fp8PairArgs& pa, cudaStream_t stream) {
   constexpr int kBlockCols = pair_block_cols<EPI>();
   const dim3 grid{unsigned((a.n + kBlockCols - 1) / kBlockCols), unsigned(a.max_rows)};
-  switch (pair_min_blocks()) {
+  switch (pair_min_blocks(pa.top_k)) {
     case 2:
       return launch_pdl(pdl_enabled(), pair_gemv_kernel<T, EPI, 2>, grid, dim3(kThreads), 0, stream, a, pa,
                         pair_prefetch_steps());
