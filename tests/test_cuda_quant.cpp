@@ -165,7 +165,8 @@ std::vector<std::pair<ProblemConfig, DType>> fp8_sweep() {
        .activation = Activation::relu2, .empty_experts = true}, DType::ue8m0);
   add({.act = DType::bf16, .idt = DType::i32, .T = 520, .E = 7, .K = 2, .H = 1024, .I = 384});
   // Decode sizes (P <= 64): the FP8 GEMV (gemv_quant.cu), one row per expert pass (P <= E) and four (P > E); with
-  // 16-bit activations on sm_90a and 2 P >= E the sm90 kernel instead (fp8_gemv_sparse_only)
+  // 16-bit activations on sm_90a and 2 P >= E or more tokens than the pair form takes, the sm90 kernel instead
+  // (fp8_gemv_sparse_only)
   add({.T = 1, .E = 9, .K = 8, .H = 200, .I = 136, .sentinels = true});                // odd E, H % 16 != 0
   add({.T = 2, .E = 33, .K = 4, .H = 1100, .I = 300, .has_bias = true});  // biases, H % 128 != 0 (FP8 is [gate | up] only)
   add({.T = 32, .E = 9, .K = 2, .H = 136, .I = 72, .used = 1});      // one expert, 64 rows (repeated per token)

@@ -11,8 +11,8 @@
 // sorted rows), its second projection in 16-bit rows summed by combine_rows16; otherwise the mma.sync kernel
 // (grouped_gemm_fp8.cu), which gathers the token rows itself. MOEKIT_FP8_WGMMA=0 in the environment keeps to the
 // mma.sync kernel (for comparisons).
-// Decode sizes (P <= fp8_gemv_max_pairs(), policy.h; where the sm90 kernel applies, also 2 P < E:
-// fp8_gemv_sparse_only): both projections on the FP8 GEMV instead (gemv_quant.cu), over the same sorted rows and
+// Decode sizes (P <= fp8_gemv_max_pairs(), policy.h; where the sm90 kernel applies, also 2 P < E and at most
+// fp8_pair_max_tokens() tokens: fp8_gemv_sparse_only): both projections on the FP8 GEMV instead (gemv_quant.cu), over the same sorted rows and
 // quantized activations: one block per (hit expert's row tile, block of columns), each hit expert's weights
 // streamed once per step, idle experts costing nothing. Up to fp8_pair_max_tokens() tokens, its pair form instead:
 // no sort, one block per (pair, block of columns), the activations' quantisation and the combine fused into the
@@ -53,7 +53,10 @@ bool wgmma_enabled() {
 EnvSwitch g_token_quant{"MOEKIT_FP8_TOKEN_QUANT", true};
 // policy.h fp8_gemv_sparse_only. Measured on the H200 (docs/perf.md), the sm90 kernel against the GEMV: mixtral-8x7b
 // (E = 8) T = 1 (P = 2) 1.61x slower, T = 4 / 8 / 16 0.86x / 0.87x / 0.50x; qwen3-30b-a3b (E = 128) T = 1 (P = 8)
-// 1.21x, T = 8 (P = 64) 0.92x; deepseek-v3 (E = 256) T = 1 / 8 (P = 8 / 64) 1.28x / 1.25x.
+// 1.21x, T = 8 (P = 64) 0.92x; deepseek-v3 (E = 256) T = 1 / 8 (P = 8 / 64) 1.28x / 1.25x (2026-12-01). Since then
+// the sm90 kernel streams faster (2026-12-03): deepseek-v3 T = 8 615 us against the sorted GEMV's 776, T = 4 366
+// against the pair form's 387, T = 1 127 against 120; qwen3-30b-a3b T = 1 / 4 44.5 / 76.9 against the pair form's
+// 27.0 / 70.1. Hence the GEMV within the pair form's tokens only.
 EnvSwitch g_gemv_sparse{"MOEKIT_FP8_GEMV_SPARSE", true};
 // FP8 experts on CUTLASS's grouped GEMM (grouped_gemm_cutlass_fp8.cu, where the build has it): the first projection's
 // [gate | up] rows in bf16 (the rounding the gated epilogues apply first), the gate, computed as they compute it, and
@@ -274,11 +277,12 @@ void run_fp8(const CallContext& c) {
                        (c.first_epilogue != k::kEpiGated || c.gate.concatenated) && c.q1_ld % 16 == 0 &&
                        (N1 * c.q1_ld) % 16 == 0 && (reinterpret_cast<uintptr_t>(c.q1) & 15) == 0;
   // Decode: the GEMV (its launcher checks the rest: strides are multiples of 16 by construction), where the sm90
-  // kernel applies only for fewer pairs than half the experts (fp8_gemv_sparse_only). f32 float activations always
-  // (no tensor-core kernel takes them unrounded).
+  // kernel applies only for fewer pairs than half the experts and within the pair form's tokens
+  // (fp8_gemv_sparse_only). f32 float activations always (no tensor-core kernel takes them unrounded).
   const bool gemv = fp4 ? (float_acts && c.type == k::Elem::f32) || P <= fp4_gemv_max_pairs()
                         : P <= fp8_gemv_max_pairs() && c.q1_ld % 16 == 0 && c.q2_ld % 16 == 0 && aligned16(c.q1) &&
-                              aligned16(c.q2) && !(sm90_ok && fp8_gemv_sparse_only() && 2 * P >= E);
+                              aligned16(c.q2) &&
+                              !(sm90_ok && fp8_gemv_sparse_only() && (2 * P >= E || T > fp8_pair_max_tokens()));
   // The GEMV's pair form for a few tokens (FP8 weights, quantized activations).
   if (gemv && !fp4 && T <= fp8_pair_max_tokens() && P <= 65535 && run_fp8_pairs(c)) return;
   // Row tiles: the sm90 kernel's 128 from fp8_sm90_tile_rows() rows per expert on average (its TMA pipeline streams

@@ -2,9 +2,42 @@
 // matrix descriptor of a 128-byte swizzled K-major tile and the m64 x n128 / n256 x k16 instructions
 // (f32 accumulators, bf16 or f16 operands from shared memory).
 #pragma once
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <atomic>
+
 #include "backends/cuda/kernels/grouped_gemm_common.cuh"
 
 namespace moekit::cuda::kernels::sm90 {
+
+// The driver's cuTensorMapEncodeTiled (null where the driver lacks it), looked up once.
+inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    (void)cudaGetLastError();
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// The multiprocessors of the current device (cached per device; 132 where the query fails): the persistent
+// kernels' grid.
+inline int sm_count() {
+  static std::atomic<int> known[64];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 132;
+  int v = known[device].load();
+  if (v == 0) {
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || v <= 0) v = 132;
+    known[device].store(v);
+  }
+  return v;
+}
 
 // Shared-memory matrix descriptor: K-major tile of 128-byte rows, 128-byte swizzle, 8-row groups
 // 1024 bytes apart.

@@ -584,31 +584,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess)
-      p = nullptr;
-    (void)cudaGetLastError();
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
-int sm_count() {
-  static std::atomic<int> known[64];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 132;
-  int v = known[device].load();
-  if (v == 0) {
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || v <= 0) v = 132;
-    known[device].store(v);
-  }
-  return v;
-}
-
 bool compiled_for(int arch) {
   if (arch != 90) return false;
   int device = 0;
@@ -618,7 +593,7 @@ bool compiled_for(int arch) {
   if (v == 0) {
     cudaFuncAttributes attr{};
     const bool ok = cudaFuncGetAttributes(&attr, grouped_gemm_sm90_fp8_kernel<kEpiF32, false, false>) == cudaSuccess &&
-                    attr.binaryVersion == 90 && encode_fn() != nullptr;
+                    attr.binaryVersion == 90 && sm90::encode_fn() != nullptr;
     (void)cudaGetLastError();
     v = ok ? 1 : 2;
     known[device].store(v);
@@ -647,7 +622,7 @@ KernelFn kernel_for(bool staged, bool bulk) {
 
 template <int EPI>
 cudaError_t launch(const Fp8GemmArgs& a, cudaStream_t stream) {
-  const auto encode = encode_fn();
+  const auto encode = sm90::encode_fn();
   if (!encode) return cudaErrorNotSupported;
   const int64_t kb = (a.k + kBK - 1) / kBK;
   CUtensorMap map_a{}, map_a32{}, map_a64{}, map_b{};
@@ -692,7 +667,7 @@ cudaError_t launch(const Fp8GemmArgs& a, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const int64_t cols = EPI == kEpiGated ? kBN / 2 : kBN;
   const int64_t work = grouped_max_tiles(a.max_rows, a.experts, kBM) * ((a.n + cols - 1) / cols);
-  const int grid = int(std::min<int64_t>(work, sm_count()));
+  const int grid = int(std::min<int64_t>(work, sm90::sm_count()));
   if (grid == 0) return cudaSuccess;
   kernel<<<grid, kThreads, smem, stream>>>(map_a, map_a32, map_a64, map_b, map_out, a, short_a ? 1 : 0,
                                            g_skip_idle.on() ? 1 : 0,

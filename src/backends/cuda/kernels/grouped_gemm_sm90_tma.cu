@@ -562,32 +562,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess)
-      p = nullptr;
-    (void)cudaGetLastError();
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
-// The multiprocessors of the current device (cached per device).
-int sm_count() {
-  static std::atomic<int> known[64];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 132;
-  int v = known[device].load();
-  if (v == 0) {
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || v <= 0) v = 132;
-    known[device].store(v);
-  }
-  return v;
-}
-
 bool tma_compiled_for(int arch) {
   if (arch != 90) return false;
   int device = 0;
@@ -597,7 +571,7 @@ bool tma_compiled_for(int arch) {
   if (v == 0) {
     cudaFuncAttributes attr{};
     const bool ok = cudaFuncGetAttributes(&attr, grouped_gemm_tma_kernel<bf16, kEpiF32>) == cudaSuccess &&
-                    attr.binaryVersion == 90 && attr.ptxVersion >= 90 && encode_fn() != nullptr;
+                    attr.binaryVersion == 90 && attr.ptxVersion >= 90 && sm90::encode_fn() != nullptr;
     (void)cudaGetLastError();
     v = ok ? 1 : 2;
     known[device].store(v);
@@ -641,7 +615,7 @@ bool split_out_on() { return g_split_out.on(); }
 
 template <class T, int EPI>
 cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
-  const auto encode = encode_fn();
+  const auto encode = sm90::encode_fn();
   if (!encode) return cudaErrorNotSupported;
   const bool pp = a.tile_m == 64;
   const int rows = pp ? 64 : kBM;
@@ -689,7 +663,7 @@ cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const int64_t cols = EPI == kEpiGated ? kBN / 2 : kBN;
   const int64_t work = grouped_max_tiles(a.max_rows, a.experts, rows) * ((a.n + cols - 1) / cols);
-  const int grid = int(std::min<int64_t>(work, sm_count()));
+  const int grid = int(std::min<int64_t>(work, sm90::sm_count()));
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(map_a, map_b, map_out, tma_store, pp, split_out_on(), a);
   return cudaGetLastError();
 }
