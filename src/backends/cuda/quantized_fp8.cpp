@@ -12,11 +12,11 @@
 // (grouped_gemm_fp8.cu), which gathers the token rows itself. MOEKIT_FP8_WGMMA=0 in the environment keeps to the
 // mma.sync kernel (for comparisons).
 // Decode sizes (P <= fp8_gemv_max_pairs(), policy.h; where the sm90 kernel applies, also 2 P < E and at most
-// fp8_pair_max_tokens() tokens: fp8_gemv_sparse_only): both projections on the FP8 GEMV instead (gemv_quant.cu), over the same sorted rows and
-// quantized activations: one block per (hit expert's row tile, block of columns), each hit expert's weights
-// streamed once per step, idle experts costing nothing. Up to fp8_pair_max_tokens() tokens, its pair form instead:
-// no sort, one block per (pair, block of columns), the activations' quantisation and the combine fused into the
-// projections' last blocks (run_fp8_pairs).
+// fp8_pair_max_tokens() tokens: fp8_gemv_sparse_only): both projections on the FP8 GEMV instead (gemv_quant.cu),
+// over the same sorted rows and quantized activations: one block per (hit expert's row tile, block of columns),
+// each hit expert's weights streamed once per step, idle experts costing nothing. Up to fp8_pair_max_tokens()
+// tokens, its pair form instead: no sort, one block per (pair, block of columns), the activations' quantisation and
+// the combine fused into the projections' last blocks (run_fp8_pairs).
 //
 // FP4 experts (e2m1 with ue8m0 scales per row and 32 inputs) run the same forward over their packed weights
 // (kernels/quant_fp4.h): the tiled FP4 kernel (grouped_gemm_fp4.cu, e2m1 expanded in registers) or, at decode sizes,
