@@ -454,7 +454,7 @@ TEST(CudaQuant, Fp8ChainWithAndWithoutPdlIsBitwiseTheSame) {
 }
 
 // CUTLASS's FP8 grouped GEMM (where the build has it and the device is sm_90), each of its two forms (cooperative,
-// ping-pong) taken from one row per expert and any hidden size on, for both projections or the first alone: bf16
+// ping-pong) taken from zero rows per expert and any hidden size on, for both projections or the first alone: bf16
 // experts whose sizes are multiples of 128 against the f64 reference (uneven and empty experts, sentinels, odd E,
 // UE8M0 scales, i32 ids, a gelu gate), the calls counted per form to show which one served them, and a second run
 // the same bits (no atomics in its sums). Neither form, the same calls on moekit's kernel within the same bound.
@@ -465,7 +465,7 @@ TEST(CudaQuant, Fp8CutlassMatchesTheReference) {
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
   if (!cuda::kernels::grouped_gemm_fp8_cutlass_built() || major * 10 + minor != 90)
     GTEST_SKIP() << "CUTLASS's FP8 kernel is not in this build or the device is not sm_90";
-  // Each form forced from one row per expert and any hidden size, for the scope.
+  // Each form forced from zero rows per expert and any hidden size, for the scope.
   struct Policy {
     cuda::Fp8CutlassPolicy previous = cuda::fp8_cutlass_policy();
     bool on = cuda::set_fp8_cutlass(true);
@@ -483,6 +483,8 @@ TEST(CudaQuant, Fp8CutlassMatchesTheReference) {
         .activation = Activation::gelu},
        DType::f32},
       {{.act = DType::bf16, .T = 40, .E = 12, .K = 3, .H = 256, .I = 384, .used = 5}, DType::f32},
+      // Fewer pairs than experts (less than one row per expert on average).
+      {{.act = DType::bf16, .T = 6, .E = 40, .K = 2, .H = 256, .I = 384}, DType::f32},
   };
   uint64_t seed = 1700;
   for (const auto& [c, sdt] : cases) {
@@ -491,8 +493,9 @@ TEST(CudaQuant, Fp8CutlassMatchesTheReference) {
     // Cooperative, ping-pong (both projections on CUTLASS), cooperative first projection with moekit's second, off.
     for (const int form : {0, 1, 2, 3}) {
       cuda::Fp8CutlassPolicy policy;
-      policy.rows = policy.pairs = form == 0 || form == 2 ? 1 : int64_t(1) << 40;
-      policy.pingpong_min_rows = 1;
+      policy.rows = form == 0 || form == 2 ? 0 : int64_t(1) << 40;
+      policy.pairs = form == 0 || form == 2 ? 1 : int64_t(1) << 40;
+      policy.pingpong_min_rows = policy.pingpong_wide_min_rows = 0;
       policy.pingpong_max_rows = form == 1 ? int64_t(1) << 40 : 0;
       policy.pingpong_hidden = int64_t(1) << 40;
       policy.second_hidden = form == 2 ? int64_t(1) << 40 : 1;

@@ -56,14 +56,16 @@ int64_t fp8_pair_max_tokens();
 int64_t set_fp8_pair_max_tokens(int64_t tokens);
 // FP8 experts on CUTLASS's grouped GEMM where the build has it (MOEKIT_FP8_CUTLASS, on), in two forms chosen by the
 // rows per expert on average over the call's pairs (P / E): the cooperative form (128-row tiles) from `rows` rows per
-// expert and `pairs` pairs; else the ping-pong form (64-row tiles) for [pingpong_min_rows, pingpong_max_rows) rows
-// per expert below a hidden size of pingpong_hidden; else moekit's sm90 kernel. The second projection goes to
-// CUTLASS from a hidden size of second_hidden, below it to moekit's kernel. The defaults are what the H200 measured
-// (quantized_fp8.cpp); the environment overrides them at first use (MOEKIT_FP8_CUTLASS_ROWS, _PAIRS, _PINGPONG_MIN,
-// _PINGPONG_MAX, _PINGPONG_HIDDEN, _SECOND_HIDDEN). Setting the policy returns the previous one (process-wide).
+// expert and `pairs` pairs; else the ping-pong form (64-row tiles) below pingpong_max_rows rows per expert, from
+// pingpong_min_rows below a hidden size of pingpong_hidden and from pingpong_wide_min_rows at or above it; else
+// moekit's sm90 kernel. The second projection goes to CUTLASS from a hidden size of second_hidden, below it to
+// moekit's kernel. The defaults are what the H200 measured (quantized_fp8.cpp); the environment overrides them at
+// first use (MOEKIT_FP8_CUTLASS_ROWS, _PAIRS, _PINGPONG_MIN, _PINGPONG_WIDE_MIN, _PINGPONG_MAX, _PINGPONG_HIDDEN,
+// _SECOND_HIDDEN). Setting the policy returns the previous one (process-wide).
 struct Fp8CutlassPolicy {
   int64_t rows = 128, pairs = 2048;
-  int64_t pingpong_min_rows = 8, pingpong_max_rows = 64, pingpong_hidden = 4096;
+  int64_t pingpong_min_rows = 0, pingpong_max_rows = 64, pingpong_hidden = 4096;
+  int64_t pingpong_wide_min_rows = 4;
   int64_t second_hidden = 4096;
 };
 bool set_fp8_cutlass(bool on);

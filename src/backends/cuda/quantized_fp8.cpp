@@ -69,9 +69,13 @@ EnvSwitch g_gemv_sparse{"MOEKIT_FP8_GEMV_SPARSE", true};
 //   1124, but T = 512 (1024 pairs) 678 against 650;
 // - the second projection on CUTLASS from hidden size 4096: mixtral-8x7b T = 4096 / 16384 3145 / 13189 against
 //   3394 / 13562 on moekit's; deepseek-v3 within the run's noise either way (5243 / 5017 at T = 4096);
-// - the ping-pong form (64 x 128 tiles) for 8 to 63 rows per expert at hidden sizes below 4096: qwen3-30b-a3b T = 128
-//   / 256 / 512 221 / 230 / 243 against 235 / 253 / 273; at par or slower on deepseek-v3 and mixtral-8x7b at the same
-//   rows per expert, slower from 64.
+// - the ping-pong form (64 x 128 tiles) below 64 rows per expert (slower from 64): qwen3-30b-a3b T = 128 / 256 / 512
+//   221 / 230 / 243 against 235 / 253 / 273; below 8 rows per expert (2026-12-03) qwen3-30b-a3b T = 5 / 8 / 16 / 64
+//   83.0 / 96.9 / 133.9 / 187.9 against 89.0 / 103.5 / 143.5 / 206.2, olmoe-1b-7b and qwen1.5-moe-a2.7b 5-9% at
+//   T = 5-24, hence from no rows at all below hidden 4096. At hidden 4096 and above from 4 rows per expert:
+//   deepseek-v3 T = 128 / 256 (4 / 8 rows) 2656 / 2788 against 2828 / 2975, mixtral-8x7b T = 64 / 128 (16 / 32 rows)
+//   393 / 404 against 410 / 416; at 4 rows mixtral-8x7b (T = 16) is the one cell it costs, 385 against 375; below 4
+//   rows par on deepseek-v3.
 // MOEKIT_FP8_CUTLASS=0 keeps moekit's sm90 kernel everywhere.
 EnvSwitch g_fp8_cutlass{"MOEKIT_FP8_CUTLASS", true};
 std::mutex g_fp8_cutlass_mutex;
@@ -80,7 +84,9 @@ Fp8CutlassPolicy& fp8_cutlass_policy_locked() {
     Fp8CutlassPolicy d;
     d.rows = std::max<int64_t>(1, env_int("MOEKIT_FP8_CUTLASS_ROWS", d.rows));
     d.pairs = std::max<int64_t>(1, env_int("MOEKIT_FP8_CUTLASS_PAIRS", d.pairs));
-    d.pingpong_min_rows = std::max<int64_t>(1, env_int("MOEKIT_FP8_CUTLASS_PINGPONG_MIN", d.pingpong_min_rows));
+    d.pingpong_min_rows = std::max<int64_t>(0, env_int("MOEKIT_FP8_CUTLASS_PINGPONG_MIN", d.pingpong_min_rows));
+    d.pingpong_wide_min_rows =
+        std::max<int64_t>(0, env_int("MOEKIT_FP8_CUTLASS_PINGPONG_WIDE_MIN", d.pingpong_wide_min_rows));
     d.pingpong_max_rows = std::max<int64_t>(0, env_int("MOEKIT_FP8_CUTLASS_PINGPONG_MAX", d.pingpong_max_rows));
     d.pingpong_hidden = std::max<int64_t>(0, env_int("MOEKIT_FP8_CUTLASS_PINGPONG_HIDDEN", d.pingpong_hidden));
     d.second_hidden = std::max<int64_t>(1, env_int("MOEKIT_FP8_CUTLASS_SECOND_HIDDEN", d.second_hidden));
@@ -298,8 +304,8 @@ void run_fp8(const CallContext& c) {
   // The form from the rows per expert on average (policy.h Fp8CutlassPolicy).
   const Fp8CutlassPolicy cp = fp8_cutlass_policy();
   const bool cooperative = P >= cp.rows * E && P >= cp.pairs;
-  const bool pingpong =
-      !cooperative && P >= cp.pingpong_min_rows * E && P < cp.pingpong_max_rows * E && H < cp.pingpong_hidden;
+  const bool pingpong = !cooperative && P < cp.pingpong_max_rows * E &&
+                        P >= (H < cp.pingpong_hidden ? cp.pingpong_min_rows : cp.pingpong_wide_min_rows) * E;
   const bool cutlass = sm90 && !float_acts && g_fp8_cutlass.on() && c.type == k::Elem::bf16 &&
                        c.first_epilogue == k::kEpiGated && c.b1 == nullptr && H % 128 == 0 && I % 128 == 0 &&
                        c.s1_rows == N1 / 128 && (N1 / c.seg1) % 128 == 0 && c.s2_rows == H / 128 &&
