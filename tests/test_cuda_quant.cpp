@@ -485,6 +485,10 @@ TEST(CudaQuant, Fp8CutlassMatchesTheReference) {
       {{.act = DType::bf16, .T = 40, .E = 12, .K = 3, .H = 256, .I = 384, .used = 5}, DType::f32},
       // Fewer pairs than experts (less than one row per expert on average).
       {{.act = DType::bf16, .T = 6, .E = 40, .K = 2, .H = 256, .I = 384}, DType::f32},
+      // Enough rows for the gate pass's four-row items (kGateRowsItems), a ragged last item, sentinels, a gelu gate.
+      {{.act = DType::bf16, .T = 2051, .E = 8, .K = 8, .H = 256, .I = 256, .activation = Activation::gelu,
+        .sentinels = true},
+       DType::f32},
   };
   uint64_t seed = 1700;
   for (const auto& [c, sdt] : cases) {

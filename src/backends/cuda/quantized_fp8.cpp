@@ -51,6 +51,14 @@ bool wgmma_enabled() {
 // rather than each sorted row (top_k copies of a token) quantized from the 16-bit rows: the same bytes, the
 // quantisation's arithmetic done once per token. MOEKIT_FP8_TOKEN_QUANT=0 quantizes the sorted rows (the first form).
 EnvSwitch g_token_quant{"MOEKIT_FP8_TOKEN_QUANT", true};
+// ... from this many pairs: below it one pass quantizes the sorted rows (two launches cost more than the repeated
+// arithmetic there; measured on the H200, docs/perf.md 2026-12-03: 1% at qwen3-30b-a3b T <= 64, P <= 512, against
+// 1.5-3% the other way at T >= 256). MOEKIT_FP8_TOKEN_QUANT_MIN_PAIRS overrides it.
+constexpr int64_t kFp8TokenQuantMinPairs = 1024;
+int64_t fp8_token_quant_min_pairs() {
+  static const int64_t v = std::max<int64_t>(0, env_int("MOEKIT_FP8_TOKEN_QUANT_MIN_PAIRS", kFp8TokenQuantMinPairs));
+  return v;
+}
 // policy.h fp8_gemv_sparse_only. Measured on the H200 (docs/perf.md), the sm90 kernel against the GEMV: mixtral-8x7b
 // (E = 8) T = 1 (P = 2) 1.61x slower, T = 4 / 8 / 16 0.86x / 0.87x / 0.50x; qwen3-30b-a3b (E = 128) T = 1 (P = 8)
 // 1.21x, T = 8 (P = 64) 0.92x; deepseek-v3 (E = 256) T = 1 / 8 (P = 8 / 64) 1.28x / 1.25x (2026-12-01). Since then
@@ -323,7 +331,8 @@ void run_fp8(const CallContext& c) {
   // pass's rows as its own first projection's).
   const bool cutlass_second = cutlass && H >= cp.second_hidden;
   const int64_t xrows = sm90 ? P : T;  // quantized token rows: in sorted order for the TMA kernel
-  const bool token_quant = sm90 && g_token_quant.on();  // quantized per token, then copied into sorted order
+  // Quantized per token, then copied into sorted order.
+  const bool token_quant = sm90 && g_token_quant.on() && P >= fp8_token_quant_min_pairs();
   // The sm90 path's second projection in 16-bit rows for combine_rows16 (the TMA engine's form; y holds room for
   // f32 rows). MOEKIT_DOWN_ROWS16=0: f32 rows and combine.
   const bool rows16 = sm90 && (cutlass || grouped_down_rows16());

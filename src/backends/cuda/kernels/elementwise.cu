@@ -140,29 +140,58 @@ __global__ void __launch_bounds__(kSumThreads)
 }
 
 // combine over 16-bit rows: one thread per 8 columns (16-byte pieces when `vec`) of one token, the K slots'
-// w * (y + bias) summed in f32 in slot order and rounded once (combine_kernel's arithmetic on rounded rows).
+// w * (y + bias) summed in f32 in slot order and rounded once (combine_kernel's arithmetic on rounded rows). The
+// slots are read kCombineSlots at a time, every row piece of a batch loaded before the first is summed: one memory
+// round trip per batch rather than per slot (a token's K rows are independent reads; at decode sizes the chain of
+// K dependent loads was the kernel's time). Launched with PDL behind the second projection.
+constexpr int kCombineSlots = 8;
 template <class T, class W>
 __global__ void __launch_bounds__(kSumThreads)
     combine_rows16_kernel(const T* y, const int32_t* pair_row, const int32_t* pair_expert, const W* weights,
                           const T* bias2, int top_k, int64_t hidden, int experts, T* out, bool vec) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t t = blockIdx.x;
   const int64_t h0 = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * 8;
   if (h0 >= hidden) return;
   float acc[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-  for (int k = 0; k < top_k; ++k) {  // slot order: deterministic
-    const int64_t p = t * top_k + k;
-    const int e = pair_expert[p];
-    if (e >= experts) continue;  // sentinel or bad id: exactly zero contribution
-    const float w = to_f32(weights[p]);
-    const T* row = y + int64_t(pair_row ? pair_row[p] : p) * hidden + h0;
-    const T* br = bias2 ? bias2 + int64_t(e) * hidden + h0 : nullptr;
-    float v[8], b[8] = {};
-    load_piece<true>(row, v, hidden - h0, vec);
-    if (br) load_piece<false>(br, b, hidden - h0, vec);
+  if (vec) {
+    for (int k0 = 0; k0 < top_k; k0 += kCombineSlots) {
+      int e[kCombineSlots];
+      uint4 raw[kCombineSlots];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j] += w * (v[j] + b[j]);
+      for (int s = 0; s < kCombineSlots; ++s) {
+        const int64_t p = t * top_k + k0 + s;
+        e[s] = k0 + s < top_k ? pair_expert[p] : experts;
+        raw[s] = make_uint4(0, 0, 0, 0);
+        if (e[s] < experts)  // sentinel or bad id: exactly zero contribution
+          raw[s] = __ldcs(reinterpret_cast<const uint4*>(y + int64_t(pair_row ? pair_row[p] : p) * hidden + h0));
+      }
+#pragma unroll
+      for (int s = 0; s < kCombineSlots; ++s) {  // slot order: deterministic
+        if (e[s] >= experts) continue;
+        const float w = to_f32(weights[t * top_k + k0 + s]);
+        const T* r = reinterpret_cast<const T*>(&raw[s]);
+        float b[8] = {};
+        if (bias2) load_piece<false>(bias2 + int64_t(e[s]) * hidden + h0, b, 8, true);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] += w * (to_f32(r[j]) + b[j]);
+      }
+    }
+  } else {
+    for (int k = 0; k < top_k; ++k) {  // slot order: deterministic
+      const int64_t p = t * top_k + k;
+      const int e = pair_expert[p];
+      if (e >= experts) continue;  // sentinel or bad id: exactly zero contribution
+      const float w = to_f32(weights[p]);
+      float v[8], b[8] = {};
+      load_piece<true>(y + int64_t(pair_row ? pair_row[p] : p) * hidden + h0, v, hidden - h0, false);
+      if (bias2) load_piece<false>(bias2 + int64_t(e) * hidden + h0, b, hidden - h0, false);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] += w * (v[j] + b[j]);
+    }
   }
   store_piece(out + t * hidden + h0, acc, hidden - h0, vec);
 }
@@ -183,10 +212,9 @@ cudaError_t combine_rows16(Elem type, Elem weight_type, const void* y, const int
     using T = decltype(tag);
     return with_elem(weight_type, [&](auto wtag) {
       using W = decltype(wtag);
-      combine_rows16_kernel<T, W><<<grid, threads, 0, stream>>>(
-          static_cast<const T*>(y), pair_row, pair_expert, static_cast<const W*>(weights), static_cast<const T*>(bias2),
-          top_k, hidden, experts, static_cast<T*>(out), vec);
-      return cudaGetLastError();
+      return launch_pdl(pdl_enabled(), combine_rows16_kernel<T, W>, grid, dim3(threads), 0, stream,
+                        static_cast<const T*>(y), pair_row, pair_expert, static_cast<const W*>(weights),
+                        static_cast<const T*>(bias2), top_k, hidden, experts, static_cast<T*>(out), vec);
     });
   };
   return type == Elem::bf16 ? launch(bf16{}) : launch(f16{});

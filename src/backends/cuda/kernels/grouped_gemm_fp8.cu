@@ -99,28 +99,96 @@ __global__ void quantize_fp8_rows_wide_kernel(const T* __restrict__ x, int64_t l
   store_group16(v, it.active, it.k0, k, pow2, it.l, q, ldq, scale, lds, it.row, it.g);
 }
 
+// a and b rounded to T (16-bit: one packed conversion for both); f32: unchanged.
+template <class T>
+__device__ __forceinline__ void round2(float& a, float& b) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    const float2 f = __bfloat1622float2(__floats2bfloat162_rn(a, b));
+    a = f.x, b = f.y;
+  } else if constexpr (std::is_same_v<T, f16>) {
+    const float2 f = __half22float2(__floats2half2_rn(a, b));
+    a = f.x, b = f.y;
+  }
+}
+
+// Eight gated values of inputs whose gate g and up u are T values already (the gate pass reads them rounded, so
+// fp8_gated's first rounding is the identity): for SiLU its remaining steps with the roundings to T done in pairs
+// (one packed conversion for two values), else fp8_gated itself; the result rounded to T as the epilogues store it.
+template <class T, int CODE>
+__device__ __forceinline__ void gate8(const GateParams& gate, const float (&g)[8], const float (&u)[8],
+                                      float (&v)[8]) {
+  if constexpr (CODE == kActSilu) {
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+      float s0 = silu_fast(g[i]), s1 = silu_fast(g[i + 1]);
+      round2<T>(s0, s1);
+      v[i] = s0 * u[i];
+      v[i + 1] = s1 * u[i + 1];
+      round2<T>(v[i], v[i + 1]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = to_f32(from_f32<T>(fp8_gated<T, CODE>(gate, g[i], u[i], false, 0.0f, 0.0f)));
+  }
+}
+
 // The gate of a gated projection from its 16-bit output [rows, 2 inter] ([gate | up], the projection rounded to T as
 // the gated epilogues round it), computed as they do (fp8_gated with the gate code CODE as a constant, or
-// kActRuntime: each step torch runs in T rounded to it), then quantised as the wide kernel above does.
-template <class T, int CODE>
+// kActRuntime: each step torch runs in T rounded to it), then quantised as the wide kernel above does. Each 16-lane
+// item covers the same group of R consecutive rows, all R rows' 16-byte pieces loaded before the first is gated
+// (R > 1 needs `vec`): R times the bytes in flight per lane, where one row's two loads in front of the long
+// gate-and-quantise chain left the pass at half the DRAM bandwidth on large calls.
+template <class T, int CODE, int R>
 __global__ void gate_quantize_fp8_rows_kernel(const T* __restrict__ h1, int64_t rows, int64_t inter,
                                               const GateParams gate, const int32_t* __restrict__ valid_rows, int pow2,
                                               bool vec, uint8_t* __restrict__ q, int64_t ldq,
                                               float* __restrict__ scale, int64_t lds) {
   pdl_wait();
   pdl_trigger();
-  const QuantItem it(rows, inter, valid_rows);
-  float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  if (it.active) {
-    float gv[8], uv[8];
-    const T* gr = h1 + it.row * 2 * inter + it.k0;
-    load8(gr, vec, inter - it.k0, gv);
-    load8(gr + inter, vec, inter - it.k0, uv);
+  const int64_t groups = (inter + 127) / 128;
+  const int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
+  const int l = threadIdx.x % 16;
+  const int64_t row0 = item / groups * R, g = item % groups, k0 = g * 128 + l * 8;
+  const int64_t live = valid_rows ? min(rows, int64_t(__ldg(valid_rows))) : rows;
+  if constexpr (R == 1) {
+    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (row0 < live) {
+      float gv[8], uv[8];
+      const T* gr = h1 + row0 * 2 * inter + k0;
+      load8(gr, vec, inter - k0, gv);
+      load8(gr + inter, vec, inter - k0, uv);
+      gate8<T, CODE>(gate, gv, uv, v);
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (it.k0 + i < inter) v[i] = to_f32(from_f32<T>(fp8_gated<T, CODE>(gate, gv[i], uv[i], false, 0.0f, 0.0f)));
+      for (int i = 0; i < 8; ++i)
+        if (k0 + i >= inter) v[i] = 0.0f;
+    }
+    store_group16(v, row0 < live, k0, inter, pow2, l, q, ldq, scale, lds, row0, g);
+  } else {
+    // inter % 8 == 0 (vec): a lane's piece is whole or wholly past the row (k0 >= inter only in the last group).
+    uint4 raw[R][2];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      raw[r][0] = raw[r][1] = make_uint4(0, 0, 0, 0);
+      if (row0 + r < live && k0 < inter) {
+        const uint4* gr = reinterpret_cast<const uint4*>(h1 + (row0 + r) * 2 * inter + k0);
+        raw[r][0] = __ldcs(gr);
+        raw[r][1] = __ldcs(gr + inter / 8);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const T* gh = reinterpret_cast<const T*>(&raw[r][0]);
+      const T* uh = reinterpret_cast<const T*>(&raw[r][1]);
+      float gv[8], uv[8], v[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) gv[i] = to_f32(gh[i]), uv[i] = to_f32(uh[i]);
+      gate8<T, CODE>(gate, gv, uv, v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (k0 >= inter) v[i] = 0.0f;
+      store_group16(v, row0 + r < live, k0, inter, pow2, l, q, ldq, scale, lds, row0 + r, g);
+    }
   }
-  store_group16(v, it.active, it.k0, inter, pow2, it.l, q, ldq, scale, lds, it.row, it.g);
 }
 
 // One warp per sorted row: the token row's codes in 16-byte pieces and its scales (fp8_rows.h).
@@ -405,6 +473,9 @@ cudaError_t quantize_fp8_rows(Elem type, const void* x, int64_t ldx, const int32
   });
 }
 
+// (rows x groups of 128) items from which gate_quantize_fp8_rows takes four rows per item.
+constexpr int64_t kGateRowsItems = 16384;
+
 cudaError_t gate_quantize_fp8_rows(Elem type, const void* h1, int64_t rows, int64_t inter, const GateParams& gate,
                                    const int32_t* valid_rows, bool pow2_scales, uint8_t* q, int64_t ldq, float* scale,
                                    int64_t lds, cudaStream_t stream) {
@@ -419,10 +490,15 @@ cudaError_t gate_quantize_fp8_rows(Elem type, const void* h1, int64_t rows, int6
       return cudaErrorInvalidValue;
     } else {
       const bool vec = (reinterpret_cast<uintptr_t>(h1) % 16) == 0 && inter % 8 == 0;
-      const dim3 grid(unsigned((rows * groups * 16 + 255) / 256));
+      // Four rows per item on large calls (kGateRowsItems items and more); one on small ones, whose few blocks
+      // would otherwise run four gate chains each in a row.
+      const int r = vec && rows * groups >= kGateRowsItems ? 4 : 1;
+      const dim3 grid(unsigned(((rows + r - 1) / r * groups * 16 + 255) / 256));
       const bool silu = gate.kind == kGateActMul && gate.activation == kActSilu;  // the common gate as a constant
-      const auto kernel =
-          silu ? gate_quantize_fp8_rows_kernel<T, kActSilu> : gate_quantize_fp8_rows_kernel<T, kActRuntime>;
+      const auto kernel = r == 4 ? (silu ? gate_quantize_fp8_rows_kernel<T, kActSilu, 4>
+                                         : gate_quantize_fp8_rows_kernel<T, kActRuntime, 4>)
+                                 : (silu ? gate_quantize_fp8_rows_kernel<T, kActSilu, 1>
+                                         : gate_quantize_fp8_rows_kernel<T, kActRuntime, 1>);
       return launch_pdl(pdl_enabled(), kernel, grid, dim3(256), 0, stream, static_cast<const T*>(h1), rows, inter,
                         gate, valid_rows, pow2_scales ? 1 : 0, vec, q, ldq, scale, lds);
     }
