@@ -1,6 +1,7 @@
 #include "base/cuda_device.h"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <vector>
 
@@ -22,6 +23,25 @@ void throw_cublas_error(const char* call, cublasStatus_t status, const char* fil
 
 std::string DeviceInfo::to_string() const {
   return detail::concat("cuda:", index, " (", name, ", compute capability ", major, ".", minor, ")");
+}
+
+int current_multiprocessors() {
+  static std::atomic<int> known[64];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (device < 0 || device >= 64) return 0;
+  int v = known[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || v <= 0) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    known[device].store(v, std::memory_order_relaxed);
+  }
+  return v;
 }
 
 const DeviceInfo& device_info(int device) {

@@ -27,6 +27,9 @@ struct DeviceInfo {
 };
 // Cached properties of a present device; throws when there is no such device.
 const DeviceInfo& device_info(int device);
+// The current device's multiprocessors, for kernel launchers that size a grid on every call: cached per device
+// without a lock after the first query; 0 where there is no current device (never throws).
+int current_multiprocessors();
 
 // Makes `device` current for the scope.
 class DeviceGuard {

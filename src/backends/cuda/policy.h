@@ -42,8 +42,9 @@ bool set_grouped_down_rows16(bool on);
 int64_t fp8_gemv_max_pairs();
 int64_t set_fp8_gemv_max_pairs(int64_t pairs);
 // Where the sm90 FP8 kernel applies (sm_90a, 16-bit activations), the GEMV within that reach also needs fewer pairs
-// than half the experts (2 P < E) and at most fp8_pair_max_tokens() tokens (its pair form): beyond either the sm90
-// kernel streams the hit experts' weights faster. On by default,
+// than half the experts (2 P < E) and at most the pair form's tokens (fp8_pair_max_tokens(), or its default 4 where
+// that is lower: MOEKIT_FP8_PAIR_TOKENS=0 then runs those calls on the sorted GEMV): beyond either the sm90 kernel
+// streams the hit experts' weights faster. On by default,
 // MOEKIT_FP8_GEMV_SPARSE=0 in the environment at first use (off: the reach alone decides). Setting it returns the
 // previous value (process-wide).
 bool fp8_gemv_sparse_only();

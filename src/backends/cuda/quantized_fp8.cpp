@@ -296,7 +296,8 @@ void run_fp8(const CallContext& c) {
   const bool gemv = fp4 ? (float_acts && c.type == k::Elem::f32) || P <= fp4_gemv_max_pairs()
                         : P <= fp8_gemv_max_pairs() && c.q1_ld % 16 == 0 && c.q2_ld % 16 == 0 && aligned16(c.q1) &&
                               aligned16(c.q2) &&
-                              !(sm90_ok && fp8_gemv_sparse_only() && (2 * P >= E || T > fp8_pair_max_tokens()));
+                              !(sm90_ok && fp8_gemv_sparse_only() &&
+                                (2 * P >= E || T > std::max(fp8_pair_max_tokens(), kFp8PairMaxTokens)));
   // The GEMV's pair form for a few tokens (FP8 weights, quantized activations).
   if (gemv && !fp4 && T <= fp8_pair_max_tokens() && P <= 65535 && run_fp8_pairs(c)) return;
   // Row tiles: the sm90 kernel's 128 from fp8_sm90_tile_rows() rows per expert on average (its TMA pipeline streams

@@ -123,7 +123,7 @@ struct Groups {
   typename Gemm::Arguments arguments(int experts) const {
     cutlass::KernelHardwareInfo hw;
     cudaGetDevice(&hw.device_id);
-    hw.sm_count = device_info(hw.device_id).multiprocessors;  // the current device's (cached per device)
+    hw.sm_count = current_multiprocessors();  // the current device's (cached per device)
     typename Gemm::Arguments args;
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
     args.problem_shape = {experts, shapes, nullptr};

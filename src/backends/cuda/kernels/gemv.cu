@@ -20,6 +20,7 @@
 #include <cstdlib>
 
 #include "backends/cuda/kernels/device_math.cuh"
+#include "base/cuda_device.h"
 #include "base/cuda_pdl.cuh"
 #include "base/env.h"
 
@@ -469,9 +470,8 @@ cudaError_t pair_gemv_combine(const PairGemvArgs& a, int64_t tokens, cudaStream_
     // environment, read once; 2 by default: the kernel's 124 registers fit two blocks of 256 threads, and one block
     // per multiprocessor ran qwen3-30b-a3b at T = 1 / 8 in 27.9 / 150.5 us against 25.7 / 127.2 on the H200).
     static const int per_sm = int(std::max<int64_t>(1, std::min<int64_t>(8, env_int("MOEKIT_COMBINE_BLOCKS_PER_SM", 2))));
-    int dev = 0, sms = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-      return cudaErrorInvalidValue;
+    const int sms = current_multiprocessors();
+    if (sms <= 0) return cudaErrorInvalidValue;
     const int64_t col_groups = (a.n + kRowsPerWarp - 1) / kRowsPerWarp;
     if (col_groups > INT_MAX / 2) return cudaErrorInvalidValue;
     int64_t by = std::max<int64_t>(1, std::min<int64_t>(col_groups, (int64_t(sms) * per_sm + tokens - 1) / tokens));

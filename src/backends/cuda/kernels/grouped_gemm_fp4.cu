@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_fp4_kernel(const Fp4Gem
   cp_async_wait<0>();
 
   with_epilogue_forms<EPI>(args, [&](auto tag, auto code) {  // one switch outside the unrolled columns
-    using T = decltype(tag);
+    using Out = decltype(tag);  // the output's element type for this form
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_fp4_kernel(const Fp4Gem
 #pragma unroll
         for (int ni = 0; ni < NI; ++ni) {
           const int v = wn * 32 + ni * 8 + t4 * 2;
-          store_fp8_pair<T, kBN, EPI, decltype(code)::value>(args, expert, bn, row, v, acc[mi][ni][2 * h],
+          store_fp8_pair<Out, kBN, EPI, decltype(code)::value>(args, expert, bn, row, v, acc[mi][ni][2 * h],
                                                              acc[mi][ni][2 * h + 1]);
         }
       }

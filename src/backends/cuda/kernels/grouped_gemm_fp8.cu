@@ -132,6 +132,22 @@ __device__ __forceinline__ void gate8(const GateParams& gate, const float (&g)[8
   }
 }
 
+// One row's lane of a gate pass item: the eight gated values (gate8; zero past the row's `inter` inputs and for an
+// inactive row) quantised with the item's other lanes (store_group16, which every lane joins).
+template <class T, int CODE>
+__device__ __forceinline__ void gate_store_group(const GateParams& gate, const float (&gv)[8], const float (&uv)[8],
+                                                 bool active, int64_t k0, int64_t inter, int pow2, int l, uint8_t* q,
+                                                 int64_t ldq, float* scale, int64_t lds, int64_t row, int64_t g) {
+  float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  if (active) {
+    gate8<T, CODE>(gate, gv, uv, v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (k0 + i >= inter) v[i] = 0.0f;
+  }
+  store_group16(v, active, k0, inter, pow2, l, q, ldq, scale, lds, row, g);
+}
+
 // The gate of a gated projection from its 16-bit output [rows, 2 inter] ([gate | up], the projection rounded to T as
 // the gated epilogues round it), computed as they do (fp8_gated with the gate code CODE as a constant, or
 // kActRuntime: each step torch runs in T rounded to it), then quantised as the wide kernel above does. Each 16-lane
@@ -151,18 +167,13 @@ __global__ void gate_quantize_fp8_rows_kernel(const T* __restrict__ h1, int64_t 
   const int64_t row0 = item / groups * R, g = item % groups, k0 = g * 128 + l * 8;
   const int64_t live = valid_rows ? min(rows, int64_t(__ldg(valid_rows))) : rows;
   if constexpr (R == 1) {
-    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    float gv[8], uv[8];
     if (row0 < live) {
-      float gv[8], uv[8];
       const T* gr = h1 + row0 * 2 * inter + k0;
       load8(gr, vec, inter - k0, gv);
       load8(gr + inter, vec, inter - k0, uv);
-      gate8<T, CODE>(gate, gv, uv, v);
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        if (k0 + i >= inter) v[i] = 0.0f;
     }
-    store_group16(v, row0 < live, k0, inter, pow2, l, q, ldq, scale, lds, row0, g);
+    gate_store_group<T, CODE>(gate, gv, uv, row0 < live, k0, inter, pow2, l, q, ldq, scale, lds, row0, g);
   } else {
     // inter % 8 == 0 (vec): a lane's piece is whole or wholly past the row (k0 >= inter only in the last group).
     uint4 raw[R][2];
@@ -179,14 +190,10 @@ __global__ void gate_quantize_fp8_rows_kernel(const T* __restrict__ h1, int64_t 
     for (int r = 0; r < R; ++r) {
       const T* gh = reinterpret_cast<const T*>(&raw[r][0]);
       const T* uh = reinterpret_cast<const T*>(&raw[r][1]);
-      float gv[8], uv[8], v[8];
+      float gv[8], uv[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) gv[i] = to_f32(gh[i]), uv[i] = to_f32(uh[i]);
-      gate8<T, CODE>(gate, gv, uv, v);
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        if (k0 >= inter) v[i] = 0.0f;
-      store_group16(v, row0 + r < live, k0, inter, pow2, l, q, ldq, scale, lds, row0 + r, g);
+      gate_store_group<T, CODE>(gate, gv, uv, row0 + r < live, k0, inter, pow2, l, q, ldq, scale, lds, row0 + r, g);
     }
   }
 }

@@ -5,9 +5,9 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
-#include <atomic>
 
 #include "backends/cuda/kernels/grouped_gemm_common.cuh"
+#include "base/cuda_device.h"
 
 namespace moekit::cuda::kernels::sm90 {
 
@@ -25,18 +25,10 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return fn;
 }
 
-// The multiprocessors of the current device (cached per device; 132 where the query fails): the persistent
-// kernels' grid.
+// The multiprocessors of the current device (132 where the query fails): the persistent kernels' grid.
 inline int sm_count() {
-  static std::atomic<int> known[64];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 132;
-  int v = known[device].load();
-  if (v == 0) {
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || v <= 0) v = 132;
-    known[device].store(v);
-  }
-  return v;
+  const int v = current_multiprocessors();
+  return v > 0 ? v : 132;
 }
 
 // Shared-memory matrix descriptor: K-major tile of 128-byte rows, 128-byte swizzle, 8-row groups
