@@ -83,6 +83,10 @@ struct BenchOptions {
   int min_iters = 5;      // at least this many
   double min_time_s = 0.2;     // time calls until this much has passed (within iters)
   double max_seconds = 30;     // per case: skip it when its estimated run would take longer
+  // CUDA: hold the stream this many microseconds (a device-side wait) before each timed call's start event, so that
+  // the call is already enqueued when its clock starts: device time alone, as a decode loop that runs ahead of the
+  // GPU sees it. 0: the stream is idle at the start event, and the host's launch of the call is timed with it.
+  double queue_ahead_us = 0;
   double tolerance = -1;       // relative L2 vs the f64 reference; <= 0: 1e-5 for f32, 1e-2 otherwise
   int64_t check_macs = 300'000'000;  // reference work per check (rows are subsampled to fit; 0: no reference rows)
   uint64_t seed = 1;

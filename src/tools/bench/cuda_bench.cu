@@ -38,6 +38,13 @@ __global__ void fill_e4m3_kernel(uint8_t* data, int64_t n, uint64_t seed) {
   }
 }
 
+// Holds the stream for `ns` nanoseconds of the device's global timer (one thread).
+__global__ void hold_kernel(uint64_t ns) {
+  uint64_t t0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  for (uint64_t t = t0; t - t0 < ns;) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+}
+
 double median_of(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
@@ -195,7 +202,7 @@ void synchronize(Stream stream) {
   MOEKIT_CUDA_CALL(cudaGetLastError());
 }
 
-double time_call_us(Stream stream, const std::function<void()>& enqueue) {
+double time_call_us(Stream stream, const std::function<void()>& enqueue, double queue_ahead_us) {
   auto s = static_cast<cudaStream_t>(stream);
   cudaEvent_t start = nullptr, stop = nullptr;
   MOEKIT_CUDA_CALL(cudaEventCreate(&start));
@@ -204,6 +211,10 @@ double time_call_us(Stream stream, const std::function<void()>& enqueue) {
     cudaEventDestroy(start);
     cudaEventDestroy(stop);
   });
+  if (queue_ahead_us > 0) {
+    hold_kernel<<<1, 1, 0, s>>>(uint64_t(queue_ahead_us * 1e3));
+    MOEKIT_CUDA_CALL(cudaGetLastError());
+  }
   MOEKIT_CUDA_CALL(cudaEventRecord(start, s));
   enqueue();
   MOEKIT_CUDA_CALL(cudaEventRecord(stop, s));

@@ -38,7 +38,9 @@ Stream create_stream(int device);
 void destroy_stream(Stream stream);
 void synchronize(Stream stream);
 
-// Times one call of `enqueue` (work put on `stream`) with a pair of events; waits for it to end.
-double time_call_us(Stream stream, const std::function<void()>& enqueue);
+// Times one call of `enqueue` (work put on `stream`) with a pair of events; waits for it to end. With
+// queue_ahead_us > 0 the stream first waits that long on the device, so that the start event fires with the call
+// already enqueued behind it (the host's launch latency out of the interval).
+double time_call_us(Stream stream, const std::function<void()>& enqueue, double queue_ahead_us = 0);
 
 }  // namespace moekit::bench::cuda

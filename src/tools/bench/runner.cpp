@@ -54,10 +54,10 @@ std::string BenchOptions::to_string() const {
   return fmt::format(
       "BenchOptions{{.shapes={}, .tokens={}, .backends={}, .device={}, .dtype={}, .index_dtype={}, .graph={}, "
       ".graph_max_tokens={}, .routing={}, .warmup={}, .iters={}, .min_iters={}, .min_time_s={}, .max_seconds={}, "
-      ".tolerance={}, .check_macs={}, .seed={}, .quant={}}}",
+      ".tolerance={}, .check_macs={}, .seed={}, .quant={}, .queue_ahead_us={}}}",
       shape_names, token_list, backend_names.empty() ? "all" : backend_names, device.to_string(), dtype_name(dtype),
       dtype_name(index_dtype), graph, graph_max_tokens, routing_name(routing), warmup, iters, min_iters, min_time_s,
-      max_seconds, tolerance, check_macs, seed, quant.empty() ? "none" : quant);
+      max_seconds, tolerance, check_macs, seed, quant.empty() ? "none" : quant, queue_ahead_us);
 }
 
 // ---- roofline ----
@@ -178,7 +178,7 @@ double usable_memory_bytes(Device device) {
 // The device-specific part of timing: one call on the CPU clock or between CUDA events.
 class Timer {
  public:
-  explicit Timer(Device device) : device_(device) {
+  Timer(Device device, double queue_ahead_us) : device_(device), queue_ahead_us_(queue_ahead_us) {
 #ifdef MOEKIT_WITH_CUDA
     if (device.is_cuda()) stream_ = cuda::create_stream(device.index);
 #endif
@@ -199,7 +199,7 @@ class Timer {
   // Microseconds of one call (its work finished when this returns).
   double time_us(const std::function<void()>& fn) const {
 #ifdef MOEKIT_WITH_CUDA
-    if (device_.is_cuda()) return cuda::time_call_us(stream_, fn);
+    if (device_.is_cuda()) return cuda::time_call_us(stream_, fn, queue_ahead_us_);
 #endif
     const auto t0 = Clock::now();
     fn();
@@ -208,6 +208,7 @@ class Timer {
 
  private:
   Device device_;
+  double queue_ahead_us_ = 0;
   Stream stream_ = nullptr;
 };
 
@@ -459,6 +460,8 @@ BenchReport run_bench(const BenchOptions& opt, const Ceilings& ceilings, const P
   MOEKIT_CHECK(opt.iters >= 1 && opt.min_iters >= 1 && opt.warmup >= 0, "bench: need iters >= 1, min_iters >= 1, warmup >= 0; got ",
                opt.iters, ", ", opt.min_iters, ", ", opt.warmup);
   MOEKIT_CHECK(opt.max_seconds > 0, "bench: max_seconds must be > 0, got ", opt.max_seconds);
+  MOEKIT_CHECK(opt.queue_ahead_us >= 0 && opt.queue_ahead_us <= 1e6, "bench: queue_ahead_us must be in [0, 1e6], got ",
+               opt.queue_ahead_us);
   MOEKIT_CHECK(!opt.graph || opt.device.is_cuda(), "bench: CUDA graphs (--graph) need --device cuda");
   MOEKIT_CHECK_CODE(opt.device.is_cpu() || cuda_available(), not_supported, "bench: device ", opt.device.to_string(),
                     " is not available (", cuda_device_count(), " CUDA devices in this build and machine)");
@@ -480,7 +483,7 @@ BenchReport run_bench(const BenchOptions& opt, const Ceilings& ceilings, const P
     if (progress) progress({done, total, label});
   };
 
-  const Timer timer(opt.device);
+  const Timer timer(opt.device, opt.queue_ahead_us);
   for (const auto& shape : opt.shapes) {
     std::vector<Case> cases;
     auto skip_all = [&](const Case& c, const std::string& why) {

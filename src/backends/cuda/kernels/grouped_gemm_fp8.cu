@@ -68,20 +68,21 @@ __global__ void quantize_fp8_rows_kernel(const T* __restrict__ x, int64_t ldx, c
 // the row allows them) and the hardware's e4m3 conversion (fp8_quant.cuh). The division by the scale
 // stays correctly rounded, so the codes are the host's bit for bit. Two (row, group) items per warp: no lane
 // leaves before the shuffles.
-// The 16-lane kernels' item: 16 lanes per (row, group of 128 inputs), eight inputs per lane; active: a row below
-// `rows` and *valid_rows (when set).
+// The 16-lane kernels' item: 16 lanes per (group of 128 inputs, R consecutive rows from `row`), eight inputs per
+// lane; a row is live below `rows` and *valid_rows (when set).
+template <int R = 1>
 struct QuantItem {
-  int64_t row, g, k0;
+  int64_t row, g, k0, live;
   int l;
-  bool active;
   __device__ QuantItem(int64_t rows, int64_t k, const int32_t* valid_rows) {
     const int64_t groups = (k + 127) / 128;
     const int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
     l = threadIdx.x % 16;
-    row = item / groups, g = item % groups;
-    active = row < rows && (!valid_rows || row < __ldg(valid_rows));
+    row = item / groups * R, g = item % groups;
+    live = valid_rows ? min(rows, int64_t(__ldg(valid_rows))) : rows;
     k0 = g * 128 + l * 8;
   }
+  __device__ bool active(int r = 0) const { return row + r < live; }
 };
 
 template <class T>
@@ -92,11 +93,11 @@ __global__ void quantize_fp8_rows_wide_kernel(const T* __restrict__ x, int64_t l
                                               int64_t lds) {
   pdl_wait();
   pdl_trigger();
-  const QuantItem it(rows, k, valid_rows);
+  const QuantItem<> it(rows, k, valid_rows);
   float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  if (it.active)
+  if (it.active())
     load8(x + (src_rows ? int64_t(__ldg(src_rows + it.row) / src_div) : it.row) * ldx + it.k0, vec, k - it.k0, v);
-  store_group16(v, it.active, it.k0, k, pow2, it.l, q, ldq, scale, lds, it.row, it.g);
+  store_group16(v, it.active(), it.k0, k, pow2, it.l, q, ldq, scale, lds, it.row, it.g);
 }
 
 // a and b rounded to T (16-bit: one packed conversion for both); f32: unchanged.
@@ -161,26 +162,24 @@ __global__ void gate_quantize_fp8_rows_kernel(const T* __restrict__ h1, int64_t 
                                               float* __restrict__ scale, int64_t lds) {
   pdl_wait();
   pdl_trigger();
-  const int64_t groups = (inter + 127) / 128;
-  const int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
-  const int l = threadIdx.x % 16;
-  const int64_t row0 = item / groups * R, g = item % groups, k0 = g * 128 + l * 8;
-  const int64_t live = valid_rows ? min(rows, int64_t(__ldg(valid_rows))) : rows;
+  const QuantItem<R> it(rows, inter, valid_rows);
+  const int64_t row0 = it.row, g = it.g, k0 = it.k0;
+  const int l = it.l;
   if constexpr (R == 1) {
     float gv[8], uv[8];
-    if (row0 < live) {
+    if (it.active()) {
       const T* gr = h1 + row0 * 2 * inter + k0;
       load8(gr, vec, inter - k0, gv);
       load8(gr + inter, vec, inter - k0, uv);
     }
-    gate_store_group<T, CODE>(gate, gv, uv, row0 < live, k0, inter, pow2, l, q, ldq, scale, lds, row0, g);
+    gate_store_group<T, CODE>(gate, gv, uv, it.active(), k0, inter, pow2, l, q, ldq, scale, lds, row0, g);
   } else {
     // inter % 8 == 0 (vec): a lane's piece is whole or wholly past the row (k0 >= inter only in the last group).
     uint4 raw[R][2];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       raw[r][0] = raw[r][1] = make_uint4(0, 0, 0, 0);
-      if (row0 + r < live && k0 < inter) {
+      if (it.active(r) && k0 < inter) {
         const uint4* gr = reinterpret_cast<const uint4*>(h1 + (row0 + r) * 2 * inter + k0);
         raw[r][0] = __ldcs(gr);
         raw[r][1] = __ldcs(gr + inter / 8);
@@ -193,7 +192,7 @@ __global__ void gate_quantize_fp8_rows_kernel(const T* __restrict__ h1, int64_t 
       float gv[8], uv[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) gv[i] = to_f32(gh[i]), uv[i] = to_f32(uh[i]);
-      gate_store_group<T, CODE>(gate, gv, uv, row0 + r < live, k0, inter, pow2, l, q, ldq, scale, lds, row0 + r, g);
+      gate_store_group<T, CODE>(gate, gv, uv, it.active(r), k0, inter, pow2, l, q, ldq, scale, lds, row0 + r, g);
     }
   }
 }
