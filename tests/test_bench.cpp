@@ -277,6 +277,8 @@ TEST(BenchCli, BadArgumentsAreRejectedClearly) {
       {"--dims 64,32,8,2 --backends eager,nosuch", "nosuch"},
       {"--dims 64,32,8,2 --tokens 1,0", "'0' is not a positive integer"},
       {"--dims 64,32,8,2 --graph", "--graph needs --device cuda"},
+      {"--dims 64,32,8,2 --queue-ahead-us 50", "--queue-ahead-us needs --device cuda"},
+      {"--dims 64,32,8,2 --device cuda --queue-ahead-us -3", "--queue-ahead-us"},
       {"--dims 64,32,8,2 --dtype f8", "--dtype"},
       {"--dims 64,32,8,2 --peak-tflops 1", "--bandwidth-gbps"},
       {"--dims 64,32,8,2 --routing zipf", "--routing"},

@@ -75,6 +75,8 @@ bench::BenchOptions to_options(const BenchArgs& a) {
   o.check_macs = a.check_macs;
   o.seed = a.seed;
   MOEKIT_CHECK(!o.graph || o.device.is_cuda(), "--graph needs --device cuda (CUDA graphs), got --device ", a.device);
+  MOEKIT_CHECK(a.queue_ahead_us == 0 || o.device.is_cuda(), "--queue-ahead-us needs --device cuda (it holds a CUDA "
+               "stream), got --device ", a.device);
   MOEKIT_CHECK((a.peak_tflops > 0) == (a.bandwidth_gbps > 0),
                "give both --peak-tflops and --bandwidth-gbps, or neither (then both are measured)");
   return o;
