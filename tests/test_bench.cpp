@@ -13,7 +13,11 @@
 #include "bench/bench.h"
 #include "base/gemm.h"
 #include "bench/report.h"
+#include "test_experts_problem.h"
 #include "test_util.h"
+#ifdef MOEKIT_WITH_CUDA
+#include "bench/cuda_bench.h"
+#endif
 
 using namespace moekit;
 using namespace moekit::bench;
@@ -290,3 +294,19 @@ TEST(BenchCli, BadArgumentsAreRejectedClearly) {
     EXPECT_NE(r.out.find(b.expect), std::string::npos) << b.args << " -> " << r.out;
   }
 }
+
+#ifdef MOEKIT_WITH_CUDA
+// --queue-ahead-us: the device-side hold before the start event stays out of the timed interval.
+TEST(BenchCuda, QueueAheadKeepsTheHoldOutOfTheTimedInterval) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  namespace bc = moekit::bench::cuda;
+  const Stream s = bc::create_stream(0);
+  const double held = bc::time_call_us(s, [] {}, 5000.0);  // 5 ms held, nothing enqueued to time
+  const double idle = bc::time_call_us(s, [] {}, 0.0);
+  bc::destroy_stream(s);
+  EXPECT_GE(held, 0.0);
+  EXPECT_LT(held, 1000.0) << "the hold was inside the interval";
+  EXPECT_GE(idle, 0.0);
+  EXPECT_LT(idle, 1000.0);
+}
+#endif
