@@ -5,7 +5,6 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
-
 #include "backends/cuda/kernels/grouped_gemm_common.cuh"
 #include "base/cuda_device.h"
 
