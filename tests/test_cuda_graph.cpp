@@ -8,6 +8,8 @@
 #include <cuda_runtime_api.h>
 
 #include "backends/cuda/kernels/kernels.h"
+#include "backends/cuda/policy.h"
+#include "base/cuda_device.h"
 #include "base/cuda_pdl.cuh"
 #endif
 
@@ -243,6 +245,81 @@ TEST(CudaGraph, CaptureOnAStreamThatNeverRanAForward) {
     }
     ASSERT_EQ(cudaStreamDestroy(capture), cudaSuccess);
   }
+#endif
+}
+
+// batched_mm's one-launch small-T form (kernels.h pair_fused: the second projection's rows staged in shared memory
+// while the first projection runs, a grid barrier between them) gives the two launches' output bit for bit, in
+// graphs and uncaptured, with and without PDL, over shapes where every slot is staged and where only some are,
+// column blocks of unequal width, sentinels, biases, both 16-bit types and a non-gated activation.
+TEST(CudaGraph, OneLaunchSmallTPathIsBitwiseTheTwoLaunches) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+#ifdef MOEKIT_WITH_CUDA
+  if (cuda::device_info(0).arch() != 90) GTEST_SKIP() << "the one-launch form needs sm_90";
+  const bool pdl_was = cuda::pdl_enabled();
+  const int64_t one_was = cuda::set_batched_one_launch_max_tokens(0);
+  struct Shape {
+    DType dtype;
+    int64_t T, H, I, E;
+    int K;
+    bool gated;
+  };
+  // (T = 1, H = 2056, I = 1048: 16 columns per block, 33.5 KB per slot, 6 of 8 slots staged.)
+  const Shape shapes[] = {{DType::bf16, 1, 2048, 768, 128, 8, true}, {DType::bf16, 1, 2056, 1048, 40, 8, true},
+                          {DType::f16, 2, 1032, 392, 32, 8, true},   {DType::bf16, 3, 520, 264, 16, 4, false},
+                          {DType::bf16, 1, 64, 48, 8, 2, true},      {DType::f16, 1, 4104, 136, 64, 6, true}};
+  std::mt19937_64 rng(91);
+  for (const Shape& sh : shapes) {
+    ProblemConfig cfg = biased_case(sh.dtype, sh.T, sh.K, sh.H, sh.I, sh.E);
+    cfg.has_gate = sh.gated;
+    if (!sh.gated) cfg.activation = Activation::gelu;
+    ExpertsProblem p;
+    p.config = cfg;
+    p.experts = make_experts(cfg, rng);
+    const Experts dev = p.experts.to(Device::cuda(0));
+    const ExpertsGraphShape shape{.tokens = sh.T, .top_k = sh.K, .act_dtype = sh.dtype, .index_dtype = DType::i32,
+                                  .weight_dtype = DType::bf16};
+    for (int round = 0; round < 2; ++round) {
+      p.config.sentinel_every = round == 1 ? 3 : 0;
+      make_inputs(p.config, rng, p);
+      p.reference = reference_forward(p.experts, p.hidden_states, p.top_k_index, p.top_k_weights);
+      Tensor two;
+      for (int one = 0; one < 2; ++one)
+        for (int pdl = 0; pdl < 2; ++pdl) {
+          const std::string label = std::string(one ? "one launch" : "two launches") + (pdl ? " pdl " : " ") +
+                                    dtype_name(sh.dtype) + " T=" + std::to_string(sh.T) + " H=" + std::to_string(sh.H) +
+                                    " I=" + std::to_string(sh.I) + " round " + std::to_string(round);
+          cuda::set_pdl_enabled(pdl != 0);
+          cuda::set_batched_one_launch_max_tokens(one ? sh.T : 0);
+          const int64_t calls0 = cuda::kernels::pair_fused_calls();
+          ExpertsGraph g(dev, shape, "batched_mm");
+          g.hidden_states().copy_from(p.hidden_states.view());
+          g.top_k_index().copy_from(p.top_k_index.view());
+          g.top_k_weights().copy_from(p.top_k_weights.view());
+          for (int rep = 0; rep < 3; ++rep) {
+            Tensor o = g.out();
+            poison(o);
+            g.replay();
+            const Tensor out = g.out().to(Device::cpu());
+            EXPECT_EQ(compare_with_reference(p, out), "") << label;
+            if (!two.defined())
+              two = out;
+            else
+              EXPECT_TRUE(bitwise_equal(out, two)) << label << " rep " << rep;
+          }
+          const Tensor direct = run_backend(dev, "batched_mm", p);
+          EXPECT_TRUE(bitwise_equal(direct, two)) << label << " uncaptured";
+          EXPECT_NO_THROW(g.check_errors());
+          const int64_t calls = cuda::kernels::pair_fused_calls() - calls0;
+          if (one)
+            EXPECT_GE(calls, 2) << label << ": the one-launch form did not run";
+          else
+            EXPECT_EQ(calls, 0) << label;
+        }
+    }
+  }
+  cuda::set_pdl_enabled(pdl_was);
+  cuda::set_batched_one_launch_max_tokens(one_was);
 #endif
 }
 

@@ -18,7 +18,8 @@ bool batched_uses_gemv(const CallContext& c) {
 }
 
 // Two launches: the first projection per pair (gate fused), then the second projection with the routing
-// weights and the slot sum (pair_gemv_combine). Both read the expert ids from top_k_index directly.
+// weights and the slot sum (pair_gemv_combine); or, for up to batched_one_launch_max_tokens() tokens on sm_90,
+// both in one launch (pair_fused, the same output bit for bit). All read the expert ids from top_k_index directly.
 void run_batched_mm(const CallContext& c) {
   if (c.fp8) {  // FP8 experts: quantized_fp8.cpp
     run_fp8(c);
@@ -57,8 +58,6 @@ void run_batched_mm(const CallContext& c) {
   g1.gate = c.gate;
   g1.out = act;
   g1.ldo = c.inter;
-  check_launch(k::pair_gemv(g1, c.stream), "pair_gemv (first projection)");
-
   k::PairGemvArgs g2 = g1;
   g2.a = act;
   g2.lda = c.inter;
@@ -74,6 +73,14 @@ void run_batched_mm(const CallContext& c) {
   g2.routing_weight_type = c.weight_type;
   g2.out = c.call.out.data;
   g2.ldo = c.hidden;
+  const int arch = c.device->arch();
+  if (c.tokens <= batched_one_launch_max_tokens() && k::pair_fused_ok(g1, g2, c.tokens, arch)) {
+    // Both projections in one launch; the grid barrier's words are the workspace's last two counters.
+    uint32_t* barrier = c.ws->counters() + StreamWorkspace::kCounterWords - 2;
+    check_launch(k::pair_fused(g1, g2, c.tokens, arch, barrier, c.stream), "pair_fused (both projections)");
+    return;
+  }
+  check_launch(k::pair_gemv(g1, c.stream), "pair_gemv (first projection)");
   check_launch(k::pair_gemv_combine(g2, c.tokens, c.stream), "pair_gemv_combine (second projection)");
 }
 

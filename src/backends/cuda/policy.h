@@ -15,6 +15,15 @@ int64_t set_batched_gemv_max_pairs(int64_t pairs);
 bool batched_gemv_when_shared();
 bool set_batched_gemv_when_shared(bool on);
 
+// Largest number of tokens for which batched_mm's per-pair GEMVs run both projections in one launch (kernels.h
+// pair_fused: the second projection's rows staged in shared memory while the first runs, a grid barrier between
+// them) where it serves (sm_90, 16-bit experts); above it, or where it does not serve, the two launches.
+// MOEKIT_SMALLT_ONE_LAUNCH_TOKENS in the environment at first use (0, the default: never; measured slower on the
+// H200 at T = 1: qwen3-30b-a3b 33.8 against 25.4 us). Setting it returns the previous value
+// (process-wide).
+int64_t batched_one_launch_max_tokens();
+int64_t set_batched_one_launch_max_tokens(int64_t tokens);
+
 // Whether grouped projections may use the sm_90a wgmma kernel (else mma.sync); on by default.
 bool grouped_wgmma_enabled();
 bool set_grouped_wgmma_enabled(bool enabled);

@@ -2,6 +2,8 @@
 
 #include <atomic>
 
+#include "base/env.h"
+
 namespace moekit::cuda {
 
 StreamWorkspace::StreamWorkspace(int device, cudaStream_t stream) : device_(device), stream_(stream) {
@@ -121,7 +123,14 @@ std::atomic<int64_t> g_gemv_max_pairs{64};
 std::atomic<bool> g_gemv_when_shared{false};
 std::atomic<bool> g_wgmma{true};
 std::atomic<bool> g_wgmma_wide{false};
+std::atomic<int64_t>& one_launch_tokens() {
+  static std::atomic<int64_t> v{env_int("MOEKIT_SMALLT_ONE_LAUNCH_TOKENS", 0)};
+  return v;
+}
 }  // namespace
+
+int64_t batched_one_launch_max_tokens() { return one_launch_tokens().load(); }
+int64_t set_batched_one_launch_max_tokens(int64_t tokens) { return one_launch_tokens().exchange(tokens); }
 
 bool grouped_wgmma_wide_enabled() { return g_wgmma_wide.load(); }
 bool set_grouped_wgmma_wide_enabled(bool enabled) { return g_wgmma_wide.exchange(enabled); }

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <cmath>
 #include <cstdlib>
 
 #include "backends/cuda/kernels/device_math.cuh"
@@ -45,7 +46,21 @@ __device__ __forceinline__ void to_floats(const uint4& raw, float (&v)[VEC]) {
 // wait that the activations need: load_round loads the round's weight pieces (zero past k; guarded pieces load the
 // round's first piece, in range, so that the loads stay unconditional), fma_round loads the activation pieces and
 // multiplies.
-template <class T, int VEC, int ROWS, bool GUARD>
+// A 16-byte weight piece that is not kept in L1 (NA) or through the default path.
+template <bool NA>
+__device__ __forceinline__ uint4 load_piece(const void* p) {
+  if constexpr (NA) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+  } else {
+    return *reinterpret_cast<const uint4*>(p);
+  }
+}
+
+template <class T, int VEC, int ROWS, bool GUARD, bool NA = false>
 __device__ __forceinline__ void load_round(const T* (&rows)[ROWS], int64_t base, int64_t k, uint4 (&w)[kUnroll][ROWS]) {
   constexpr int64_t kStep = 32 * VEC;
 #pragma unroll
@@ -54,7 +69,7 @@ __device__ __forceinline__ void load_round(const T* (&rows)[ROWS], int64_t base,
     const int64_t i = in ? base + u * kStep : base;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      w[u][r] = *reinterpret_cast<const uint4*>(rows[r] + i);
+      w[u][r] = load_piece<NA>(rows[r] + i);
       if (!in) w[u][r] = make_uint4(0, 0, 0, 0);
     }
   }
@@ -86,11 +101,11 @@ __device__ __forceinline__ void fma_round(const uint4 (&w)[kUnroll][ROWS], const
 }
 
 // acc[r] += dot(rows[r][0, k), a[0, k)) over this lane's pieces for one round: every load before the first multiply.
-template <class T, int VEC, int ROWS, bool GUARD>
+template <class T, int VEC, int ROWS, bool GUARD, bool NA = false>
 __device__ __forceinline__ void stream_round(const T* (&rows)[ROWS], const T* a, int64_t base, int64_t k,
                                              float (&acc)[ROWS]) {
   uint4 w[kUnroll][ROWS];
-  load_round<T, VEC, ROWS, GUARD>(rows, base, k, w);
+  load_round<T, VEC, ROWS, GUARD, NA>(rows, base, k, w);
   fma_round<T, VEC, ROWS, GUARD>(w, a, base, k, acc);
 }
 
@@ -98,14 +113,15 @@ __device__ __forceinline__ void stream_round(const T* (&rows)[ROWS], const T* a,
 // VEC > 1, single elements otherwise), kUnroll pieces of every row loaded before the first multiply (full
 // rounds unguarded, so that the compiler issues all of their loads at once; then one guarded round). The
 // warp's lanes cover interleaved pieces; the caller reduces over the lanes.
-template <class T, int VEC, int ROWS>
+template <class T, int VEC, int ROWS, bool NA = false>
 __device__ __forceinline__ void stream_rows(const T* (&rows)[ROWS], const T* a, int64_t k, int lane,
                                             float (&acc)[ROWS]) {
   constexpr int64_t kStep = 32 * VEC;
   if constexpr (VEC > 1) {
     int64_t base = int64_t(lane) * VEC;
-    for (; base + (kUnroll - 1) * kStep < k; base += kStep * kUnroll) stream_round<T, VEC, ROWS, false>(rows, a, base, k, acc);
-    if (base < k) stream_round<T, VEC, ROWS, true>(rows, a, base, k, acc);
+    for (; base + (kUnroll - 1) * kStep < k; base += kStep * kUnroll)
+      stream_round<T, VEC, ROWS, false, NA>(rows, a, base, k, acc);
+    if (base < k) stream_round<T, VEC, ROWS, true, NA>(rows, a, base, k, acc);
   } else {
     for (int64_t i = lane; i < k; i += 32) {
       const float av = to_f32(a[i]);
@@ -420,6 +436,229 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
   }
 }
 
+// ---- both projections and the combine in one launch (small T, sm_90) ----
+//
+// The two-launch path above pays two ramps and two tails of a DRAM stream and the boundary between them; at T = 1
+// on the fine-grained shapes that fixed part is as large as a third of the call. Here one wave of blocks (one per
+// multiprocessor, all resident at once) does it all:
+//   1. block (t, b) takes column groups [b G / by, (b + 1) G / by) of token t's output (G groups of kRowsPerWarp
+//      columns) and, right after the PDL wait, starts bulk copies (cp.async.bulk, one per slot) of those rows of
+//      its first `staged` slots' second-projection weights into shared memory: they stream while step 2 runs;
+//   2. the first projection over the whole grid: the (pair, kCols columns) units split evenly over every warp of
+//      the grid, each computed exactly as pair_gemv computes it, into act [P, I];
+//   3. a grid barrier (two arrival counters of the workspace, left zero);
+//   4. the second projection and the combine as pair_combine_stream_kernel computes them (same per-unit sums,
+//      same slot order), the staged slots' rows read from shared memory, the others from global memory.
+// The output is bit for bit the two-launch path's.
+template <class T, int VEC, bool CG>
+__device__ __forceinline__ void fma_round_act(const uint4 (&w)[kUnroll][kRowsPerWarp], const T* a, int64_t base,
+                                              int64_t k, bool guard, float (&acc)[kRowsPerWarp]) {
+  constexpr int64_t kStep = 32 * VEC;
+  uint4 av[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const bool in = !guard || base + u * kStep < k;
+    const int64_t i = in ? base + u * kStep : base;
+    av[u] = CG ? __ldcg(reinterpret_cast<const uint4*>(a + i)) : *reinterpret_cast<const uint4*>(a + i);
+    if (!in) av[u] = make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    float af[VEC];
+    to_floats<T, VEC>(av[u], af);
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      float wf[VEC];
+      to_floats<T, VEC>(w[u][r], wf);
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[r] = fmaf(af[v], wf[v], acc[r]);
+    }
+  }
+}
+
+struct PairFusedParams {
+  int groups;    // column groups of the output (kRowsPerWarp columns each)
+  int max_cols;  // columns of the widest block
+  int staged;    // slots whose rows are staged in shared memory
+  uint32_t* barrier;  // two words, zero between launches
+};
+
+constexpr int kFusedMaxThreads = 768, kFusedMaxPairs = 256;
+
+template <class T, class W, int EPI, bool NA>
+__global__ void __launch_bounds__(kFusedMaxThreads, 1)
+    pair_fused_kernel(const PairGemvArgs g1, const PairGemvArgs g2, const PairFusedParams fp) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int64_t kStep = 32 * VEC;
+  extern __shared__ __align__(128) unsigned char fused_smem[];
+  const int K = g2.top_k;
+  float* part = reinterpret_cast<float*>(fused_smem);                    // [K, max_cols]
+  int* pair_e = reinterpret_cast<int*>(part + K * fp.max_cols);           // [P]: every pair's expert
+  const size_t head = (size_t(K) * fp.max_cols * 4 + size_t(g1.pairs) * 4 + 8 + 127) / 128 * 128;
+  uint64_t* bar = reinterpret_cast<uint64_t*>(fused_smem + head - 8);
+  T* staged_w = reinterpret_cast<T*>(fused_smem + head);                  // [staged, max_cols, I]
+  const uint32_t bar_s = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  const int nw = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t by = int64_t(gridDim.x) / (g2.pairs / K > 1 ? g2.pairs / K : int64_t(1));  // column blocks per token
+  const int64_t t = blockIdx.x / by, b = blockIdx.x % by;
+  const int gb0 = int(int64_t(fp.groups) * b / by), gb1 = int(int64_t(fp.groups) * (b + 1) / by);
+  const int ng = gb1 - gb0;
+  const int64_t col_base = int64_t(gb0) * kRowsPerWarp;
+  const int64_t ncols = min(int64_t(ng) * kRowsPerWarp, g2.n - col_base);  // rows staged per slot
+  const int64_t I = g2.k;
+
+  // Everything below reads what the kernels before wrote (ids, activations): wait first.
+  pdl_wait();
+  pdl_trigger();
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar_s));
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  for (int p = threadIdx.x; p < g1.pairs; p += blockDim.x)
+    pair_e[p] = pair_expert_of(g1.index, g1.index_type, p, K, g1.experts, g1.error);
+  __syncthreads();
+  const int* slot_e = pair_e + t * K;
+  if (threadIdx.x == 0) {
+    uint32_t bytes = 0;
+    for (int s = 0; s < fp.staged; ++s)
+      if (slot_e[s] < g2.experts && ncols > 0) bytes += uint32_t(ncols * I * int64_t(sizeof(T)));
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar_s), "r"(bytes) : "memory");
+    for (int s = 0; s < fp.staged; ++s) {
+      const int e = slot_e[s];
+      if (e >= g2.experts || ncols <= 0) continue;
+      const T* src = static_cast<const T*>(g2.b) + int64_t(e) * g2.b_expert_stride + col_base * I;
+      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(staged_w + int64_t(s) * fp.max_cols * I));
+      const uint32_t n_bytes = uint32_t(ncols * I * int64_t(sizeof(T)));
+      asm volatile(
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+          "l"(src), "r"(n_bytes), "r"(bar_s)
+          : "memory");
+    }
+  }
+
+  // 2. The first projection: units (pair, kCols columns), pair-major, split evenly over the grid's warps.
+  {
+    constexpr int kCols = EPI == kEpiGated ? kRowsPerWarp / 2 : kRowsPerWarp;
+    const int64_t per_pair = (g1.n + kCols - 1) / kCols;
+    const int64_t units = g1.pairs * per_pair;
+    const int64_t nwarps = int64_t(gridDim.x) * nw, w = int64_t(blockIdx.x) * nw + warp;
+    const int64_t u1 = units * (w + 1) / nwarps;
+    const int64_t k = g1.k;
+#pragma unroll 1
+    for (int64_t u = units * w / nwarps; u < u1; ++u) {
+      const int64_t p = u / per_pair, col0 = (u % per_pair) * kCols;
+      const int e = pair_e[p];
+      if (e >= g1.experts) continue;  // sentinel or bad id: the row is never read
+      const T* a_row = static_cast<const T*>(g1.a) + (p / g1.a_row_div) * g1.lda;
+      const T* w_expert = static_cast<const T*>(g1.b) + int64_t(e) * g1.b_expert_stride;
+      const T* rows[kRowsPerWarp];
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        const int64_t c = min(col0 + j, g1.n - 1);
+        if constexpr (EPI == kEpiGated) {
+          rows[2 * j] = w_expert + gate_row(g1.gate, c) * k;
+          rows[2 * j + 1] = w_expert + up_row(g1.gate, c, g1.inter) * k;
+        } else {
+          rows[j] = w_expert + c * k;
+        }
+      }
+      float acc[kRowsPerWarp];
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) acc[r] = 0.0f;
+      stream_rows<T, VEC, kRowsPerWarp, NA>(rows, a_row, k, lane, acc);
+      warp_sum(acc);
+      pair_gemv_store<T, EPI, kCols>(g1, acc, p, e, col0, lane);
+    }
+  }
+
+  // 3. Grid barrier: every block's act rows written and visible before any block reads them.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(fp.barrier, 1u);
+    uint32_t seen = 0;
+    for (;;) {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(seen) : "l"(fp.barrier) : "memory");
+      if (seen >= gridDim.x) break;
+      __nanosleep(20);
+    }
+    // The last block through resets both words (no block reads the first one any more).
+    if (atomicAdd(fp.barrier + 1, 1u) == gridDim.x - 1) {
+      atomicExch(fp.barrier, 0u);
+      atomicExch(fp.barrier + 1, 0u);
+    }
+    __threadfence();
+  }
+  __syncthreads();
+
+  // 4. The second projection with the combine.
+  if (fp.staged > 0) {  // the staged rows have landed
+    uint32_t done = 0;
+    while (!done) {
+      asm volatile(
+          "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}\n"
+          : "=r"(done)
+          : "r"(bar_s)
+          : "memory");
+    }
+  }
+#pragma unroll 1
+  for (int unit = warp; unit < K * ng; unit += nw) {
+    const int s = unit / ng;
+    const int64_t c0 = col_base + int64_t(unit % ng) * kRowsPerWarp;
+    const int e = slot_e[s];
+    if (e >= g2.experts) continue;
+    const T* rows[kRowsPerWarp];
+    if (s < fp.staged) {
+      const T* base_s = staged_w + int64_t(s) * fp.max_cols * I;
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = base_s + (min(c0 + r, g2.n - 1) - col_base) * I;
+    } else {
+      const T* w_expert = static_cast<const T*>(g2.b) + int64_t(e) * g2.b_expert_stride;
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) rows[r] = w_expert + min(c0 + r, g2.n - 1) * I;
+    }
+    const T* a_row = static_cast<const T*>(g2.a) + (t * K + s) * g2.lda;
+    float acc[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) acc[r] = 0.0f;
+    int64_t base = int64_t(lane) * VEC;
+    uint4 wr[kUnroll][kRowsPerWarp];
+#pragma unroll 1
+    for (; base + (kUnroll - 1) * kStep < I; base += kStep * kUnroll) {
+      load_round<T, VEC, kRowsPerWarp, false, false>(rows, base, I, wr);
+      fma_round_act<T, VEC, true>(wr, a_row, base, I, false, acc);
+    }
+    if (base < I) {
+      load_round<T, VEC, kRowsPerWarp, true>(rows, base, I, wr);
+      fma_round_act<T, VEC, true>(wr, a_row, base, I, true, acc);
+    }
+    warp_sum(acc);
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) part[s * fp.max_cols + (c0 - col_base) + r] = acc[r];
+    }
+  }
+  __syncthreads();
+  const W* weights = static_cast<const W*>(g2.routing_weights);
+  const T* bias2 = static_cast<const T*>(g2.bias);
+  for (int64_t j = threadIdx.x; j < int64_t(ng) * kRowsPerWarp; j += blockDim.x) {
+    const int64_t c = col_base + j;
+    if (c >= g2.n) break;
+    float acc = 0.0f;
+    for (int s = 0; s < K; ++s) {  // slot order: deterministic
+      const int e = slot_e[s];
+      if (e >= g2.experts) continue;
+      const float y = part[s * fp.max_cols + j] + (bias2 ? to_f32(bias2[int64_t(e) * g2.bias_expert_stride + c]) : 0.0f);
+      acc += to_f32(weights[t * K + s]) * y;
+    }
+    static_cast<T*>(g2.out)[t * g2.ldo + c] = from_f32<T>(acc);
+  }
+#endif
+}
+
 bool aligned16(const PairGemvArgs& a) {
   const int64_t vec = 16 / elem_bytes(a.type);
   return a.k % vec == 0 && a.lda % vec == 0 && a.b_expert_stride % vec == 0 &&
@@ -507,6 +746,100 @@ cudaError_t pair_gemv_combine(const PairGemvArgs& a, int64_t tokens, cudaStream_
       return launch_pdl(pdl, pair_gemv_combine_kernel<T, W, 1, 0>, grid, kGemvThreads, smem, stream, a,
                         cols_per_block, prefetch);
     });
+  });
+}
+
+namespace {
+// The fused launch's layout for these calls, or false when it does not serve them: sm_90, 16-bit types with
+// 16-byte aligned rows, a gated or activation-only first epilogue, at most one block per multiprocessor per token,
+// and at least half of the slots' second-projection rows staged in shared memory.
+struct FusedPlan {
+  int by = 0, warps = 0, groups = 0, max_cols = 0, staged = 0;
+  size_t smem = 0;
+};
+bool fused_plan(const PairGemvArgs& g1, const PairGemvArgs& g2, int64_t tokens, int arch, FusedPlan* plan) {
+  if (arch != 90 || tokens < 1 || g1.type == Elem::f32 || g1.type != g2.type) return false;
+  if (g1.epilogue != kEpiGated && g1.epilogue != kEpiActOnly) return false;
+  if (!aligned16(g1) || !aligned16(g2) || g2.routing_weights == nullptr || !pair_gemv_combine_ok(g2.top_k)) return false;
+  if (g1.pairs != tokens * g2.top_k || g2.pairs != g1.pairs || g1.a_row_div != g2.top_k || g1.pairs > kFusedMaxPairs)
+    return false;
+  const int sms = current_multiprocessors();
+  if (sms <= 0 || tokens > sms) return false;
+  FusedPlan f;
+  f.by = int(sms / tokens);
+  const int64_t groups = (g2.n + kRowsPerWarp - 1) / kRowsPerWarp;
+  if (groups > INT_MAX / 2) return false;
+  f.groups = int(groups);
+  f.by = int(std::min<int64_t>(f.by, groups));
+  f.max_cols = int((groups + f.by - 1) / f.by * kRowsPerWarp);
+  const int K = g2.top_k;
+  const size_t head = (size_t(K) * f.max_cols * 4 + size_t(g1.pairs) * 4 + 8 + 127) / 128 * 128;
+  const size_t per_slot = size_t(f.max_cols) * size_t(g2.k) * elem_bytes(g2.type);
+  constexpr size_t kSmemMax = 227 * 1024;
+  if (head >= kSmemMax) return false;
+  // MOEKIT_FUSED_STAGE_BYTES (environment, read once): the most bytes of staged rows per block (A/B knob; the
+  // default stages as many slots as shared memory holds and needs half of them staged).
+  static const int64_t stage_cap = env_int("MOEKIT_FUSED_STAGE_BYTES", -1);
+  const size_t room = stage_cap >= 0 ? std::min<size_t>(size_t(stage_cap), kSmemMax - head) : kSmemMax - head;
+  f.staged = int(std::min<size_t>(K, room / per_slot));
+  if ((stage_cap < 0 && 2 * f.staged < K) || (size_t(f.staged) * per_slot) >= (size_t(1) << 20)) return false;
+  f.smem = head + size_t(f.staged) * per_slot;
+  // Warps per block: the first projection's units split over the grid's warps with the least imbalance (8-24; the
+  // most warps among equals, for the most loads in flight).
+  const int kcols = g1.epilogue == kEpiGated ? kRowsPerWarp / 2 : kRowsPerWarp;
+  const int64_t units = g1.pairs * ((g1.n + kcols - 1) / kcols);
+  const int64_t grid = tokens * f.by;
+  double best = -1;
+  for (int nw = kFusedMaxThreads / 32; nw >= 8; --nw) {
+    const double per = double(units) / double(grid * nw);
+    const double eff = per / std::ceil(per);
+    if (eff > best + 1e-3) best = eff, f.warps = nw;
+  }
+  *plan = f;
+  return true;
+}
+
+template <class T, class W>
+cudaError_t launch_fused(const PairGemvArgs& g1, const PairGemvArgs& g2, int64_t tokens, const FusedPlan& f,
+                         uint32_t* barrier, cudaStream_t stream) {
+  const PairFusedParams fp{f.groups, f.max_cols, f.staged, barrier};
+  // MOEKIT_FUSED_NOALLOC (environment, read once): the first projection's weight loads not kept in L1 (on by
+  // default: with the staged rows in shared memory, L1 is small).
+  static const bool na = env_int("MOEKIT_FUSED_NOALLOC", 1) != 0;
+  auto kernel = g1.epilogue == kEpiGated ? (na ? pair_fused_kernel<T, W, kEpiGated, true> : pair_fused_kernel<T, W, kEpiGated, false>)
+                                         : (na ? pair_fused_kernel<T, W, kEpiActOnly, true> : pair_fused_kernel<T, W, kEpiActOnly, false>);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(f.smem));
+  if (err != cudaSuccess) return err;
+  return launch_pdl(pdl_enabled(), kernel, dim3(unsigned(tokens * f.by)), dim3(unsigned(f.warps * 32)), f.smem, stream,
+                    g1, g2, fp);
+}
+}  // namespace
+
+bool pair_fused_ok(const PairGemvArgs& g1, const PairGemvArgs& g2, int64_t tokens, int arch) {
+  FusedPlan f;
+  return fused_plan(g1, g2, tokens, arch, &f);
+}
+
+namespace {
+std::atomic<int64_t> g_fused_calls{0};
+}
+int64_t pair_fused_calls() { return g_fused_calls.load(); }
+
+cudaError_t pair_fused(const PairGemvArgs& g1, const PairGemvArgs& g2, int64_t tokens, int arch, uint32_t* barrier,
+                       cudaStream_t stream) {
+  FusedPlan f;
+  if (!fused_plan(g1, g2, tokens, arch, &f) || barrier == nullptr) return cudaErrorInvalidValue;
+  g_fused_calls.fetch_add(1);
+  return with_elem(g1.type, [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (sizeof(T) != 2) {
+      return cudaErrorInvalidValue;
+    } else {
+      return with_elem(g2.routing_weight_type, [&](auto wtag) {
+        using W = decltype(wtag);
+        return launch_fused<T, W>(g1, g2, tokens, f, barrier, stream);
+      });
+    }
   });
 }
 

@@ -223,6 +223,15 @@ cudaError_t pair_gemv_combine(const PairGemvArgs& a, int64_t tokens, cudaStream_
 // (default) or stages it in shared memory first (MOEKIT_PAIR_GEMV_DIRECT=0 in the environment, read once);
 // pair_gemv_combine runs one wave of blocks that split the columns evenly and load their first weights before the
 // PDL wait (default; MOEKIT_COMBINE_STREAM=0: one block per group of columns). The setters return the previous value.
+// Both projections and the combine in one launch (gemv.cu): one wave of blocks, the second projection's rows
+// staged in shared memory by bulk copies while the first projection runs, a grid barrier between the two; the
+// same output as pair_gemv then pair_gemv_combine, bit for bit. sm_90 (arch 90), 16-bit types with 16-byte
+// aligned rows, T <= multiprocessors. g1 / g2 are the two launches' arguments (g2.a = g1.out); `barrier`: two
+// words of device memory, zero between launches (each launch leaves them zero).
+bool pair_fused_ok(const PairGemvArgs& g1, const PairGemvArgs& g2, int64_t tokens, int arch);
+cudaError_t pair_fused(const PairGemvArgs& g1, const PairGemvArgs& g2, int64_t tokens, int arch, uint32_t* barrier,
+                       cudaStream_t stream);
+int64_t pair_fused_calls();  // launches so far in this process (tests)
 bool pair_gemv_direct();
 bool set_pair_gemv_direct(bool on);
 bool combine_stream();
