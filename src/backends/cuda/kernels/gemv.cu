@@ -74,7 +74,8 @@ __device__ __forceinline__ void load_round(const T* (&rows)[ROWS], int64_t base,
     }
   }
 }
-template <class T, int VEC, int ROWS, bool GUARD>
+// CG: the activations are read past L1 (__ldcg), for activations other blocks of the same launch wrote.
+template <class T, int VEC, int ROWS, bool GUARD, bool CG = false>
 __device__ __forceinline__ void fma_round(const uint4 (&w)[kUnroll][ROWS], const T* a, int64_t base, int64_t k,
                                           float (&acc)[ROWS]) {
   constexpr int64_t kStep = 32 * VEC;
@@ -83,7 +84,7 @@ __device__ __forceinline__ void fma_round(const uint4 (&w)[kUnroll][ROWS], const
   for (int u = 0; u < kUnroll; ++u) {
     const bool in = !GUARD || base + u * kStep < k;
     const int64_t i = in ? base + u * kStep : base;
-    av[u] = *reinterpret_cast<const uint4*>(a + i);
+    av[u] = CG ? __ldcg(reinterpret_cast<const uint4*>(a + i)) : *reinterpret_cast<const uint4*>(a + i);
     if (!in) av[u] = make_uint4(0, 0, 0, 0);
   }
 #pragma unroll
@@ -450,32 +451,6 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
 //   4. the second projection and the combine as pair_combine_stream_kernel computes them (same per-unit sums,
 //      same slot order), the staged slots' rows read from shared memory, the others from global memory.
 // The output is bit for bit the two-launch path's.
-template <class T, int VEC, bool CG>
-__device__ __forceinline__ void fma_round_act(const uint4 (&w)[kUnroll][kRowsPerWarp], const T* a, int64_t base,
-                                              int64_t k, bool guard, float (&acc)[kRowsPerWarp]) {
-  constexpr int64_t kStep = 32 * VEC;
-  uint4 av[kUnroll];
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const bool in = !guard || base + u * kStep < k;
-    const int64_t i = in ? base + u * kStep : base;
-    av[u] = CG ? __ldcg(reinterpret_cast<const uint4*>(a + i)) : *reinterpret_cast<const uint4*>(a + i);
-    if (!in) av[u] = make_uint4(0, 0, 0, 0);
-  }
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    float af[VEC];
-    to_floats<T, VEC>(av[u], af);
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      float wf[VEC];
-      to_floats<T, VEC>(w[u][r], wf);
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) acc[r] = fmaf(af[v], wf[v], acc[r]);
-    }
-  }
-}
-
 struct PairFusedParams {
   int groups;    // column groups of the output (kRowsPerWarp columns each)
   int max_cols;  // columns of the widest block
@@ -629,11 +604,11 @@ __global__ void __launch_bounds__(kFusedMaxThreads, 1)
 #pragma unroll 1
     for (; base + (kUnroll - 1) * kStep < I; base += kStep * kUnroll) {
       load_round<T, VEC, kRowsPerWarp, false, false>(rows, base, I, wr);
-      fma_round_act<T, VEC, true>(wr, a_row, base, I, false, acc);
+      fma_round<T, VEC, kRowsPerWarp, false, true>(wr, a_row, base, I, acc);
     }
     if (base < I) {
       load_round<T, VEC, kRowsPerWarp, true>(rows, base, I, wr);
-      fma_round_act<T, VEC, true>(wr, a_row, base, I, true, acc);
+      fma_round<T, VEC, kRowsPerWarp, true, true>(wr, a_row, base, I, acc);
     }
     warp_sum(acc);
     if (lane == 0) {
