@@ -2,8 +2,9 @@
 // weights once, as one kernel, split over two kernels (plainly, or with programmatic dependent launch as
 // batched_mm's two launches are), as one kernel with a grid barrier where the split is, or as two co-resident
 // kernels whose second stages its share in shared memory by bulk copies before its PDL wait, timed the way
-// `moekit bench --graph` times a call (events around each replay on an idle stream, median of many). Standalone: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a
-//   bench/stream_probe.cu -o stream_probe && ./stream_probe [blocks_per_sm] [MB...]
+// `moekit bench --graph` times a call (events around each replay on an idle stream, median of many). Standalone:
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a bench/stream_probe.cu -o stream_probe
+//   ./stream_probe [blocks_per_sm] [MB...]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -156,7 +157,8 @@ float time_graph(const uint4* buf, unsigned* sink, const std::vector<Launch>& la
     cfg.numAttrs = l.pdl == 2 ? 1 : 0;
     if (l.pdl == 3) {  // the barrier form: offset_words is where the second stream starts
       CK(cudaLaunchKernelEx(&cfg, barrier_kernel, buf, l.offset_words, l.words, sink + 1, sink));
-    } else if (l.pdl == 4) {  // the co-resident bulk form: one block per multiprocessor, words split evenly
+    } else if (l.pdl == 4) {  // the co-resident bulk form: one block per multiprocessor, words split evenly (the
+                              // remainder, fewer words than multiprocessors, is not read)
       int sms = 0;
       CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
       const size_t per_block = l.words / size_t(sms);
@@ -222,8 +224,8 @@ int main(int argc, char** argv) {
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   std::printf("device %s, %d SMs, %d blocks x %d threads\n", prop.name, prop.multiProcessorCount, blocks, threads);
-  std::printf("%8s %10s %10s %10s %10s %10s %10s %8s %10s\n", "MB", "empty", "one", "two", "two_pdl", "barrier", "one_TB/s",
-              "pdl-one", "co_bulk");
+  std::printf("%8s %10s %10s %10s %10s %10s %10s %8s %10s\n", "MB", "empty", "one", "two", "two_pdl", "barrier",
+              "one_TB/s", "pdl-one", "co_bulk");
   // Columns: an empty graph (one launch of zero words: the fixed cost of a replay); one kernel reading it all; two
   // kernels reading 2/3 then 1/3, plainly and with PDL; one kernel with a grid barrier after the first 2/3; two
   // kernels whose second (one block per multiprocessor) stages its third in shared memory while the first runs.
