@@ -17,6 +17,7 @@
 
 #include "base/activation.h"
 #include "base/cuda_device.h"
+#include "base/env.h"
 #include "model/kernels/layer_kernels.h"
 #include "model/ops.h"
 #include "moekit/error.h"
@@ -63,6 +64,14 @@ class CudaGraph final : public StepGraph {
   int device_;
 };
 
+// MOEKIT_ATTN_SPLIT_KEYS: the fewest keys a split of the decode attention takes (default kAttnTile, one tile;
+// rounded up to whole tiles). Larger: fewer splits, no merge launch for short caches (A/B runs).
+int64_t attention_split_keys() {
+  static const int64_t keys = std::max<int64_t>(
+      kernels::kAttnTile, env_int_in("MOEKIT_ATTN_SPLIT_KEYS", 1, int64_t(1) << 30, kernels::kAttnTile));
+  return keys;
+}
+
 // The split of the keys for the decode attention (flash-decoding): few (query, head) pairs spread over more
 // blocks, then merged. It depends on S (the cache rows given), not on the position, so a recorded graph keeps
 // its shape. Chunks cover absolute key indices [0, S); with a window narrower than S, one split.
@@ -71,8 +80,8 @@ std::pair<int64_t, int64_t> attention_split(int64_t bh, int64_t S, int64_t windo
   const int64_t keys_max = window > 0 ? std::min(window, S) : S;
   const int64_t target = 2 * int64_t(cuda::device_info(dev).multiprocessors);
   int64_t splits = std::clamp<int64_t>((target + bh - 1) / bh, 1, std::max<int64_t>(1, (keys_max + kAttnTile - 1) / kAttnTile));
-  splits = std::min<int64_t>(splits, 64);
-  int64_t chunk = std::max<int64_t>(kAttnTile, (S + splits - 1) / splits);
+  splits = std::min<int64_t>(splits, kernels::kAttnMaxSplits);
+  int64_t chunk = std::max<int64_t>(attention_split_keys(), (S + splits - 1) / splits);
   if (window > 0 && keys_max < S) splits = 1, chunk = S;
   chunk = (chunk + kAttnTile - 1) / kAttnTile * kAttnTile;
   splits = (S + chunk - 1) / chunk;

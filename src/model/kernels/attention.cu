@@ -223,9 +223,11 @@ __device__ __forceinline__ void unpack8(const uint4& u, float* f) {
 
 // attention_kernel for the decode step of 16-bit caches whose heads are P pieces of 16 bytes (D = 8 P, Dk = Dv):
 // the same splits, online softmax and outputs, with 16-byte loads. P threads share a key (one piece each, the dot
-// product summed over the P lanes); each thread issues its loads of a tile's keys (and then of its values) before
-// using any, so a tile's 2 x 64 rows are in flight at once. Each thread accumulates its piece's 8 value dims over
-// the keys of its key slot; the slots' sums meet in shared memory at the end, added in slot order.
+// product summed over the P lanes); each thread issues its loads of a tile's keys and values before using any, so a
+// tile's 2 x 64 rows are in flight at once. The tile's max and sum meet by shuffles within each warp, then across
+// the warps in warp order (two barriers per tile, no pass over the scores in shared memory). Each thread
+// accumulates its piece's 8 value dims over the keys of its key slot; the slots' sums meet in shared memory at the
+// end, added in slot order.
 template <class T, int P>
 __global__ void __launch_bounds__(kAttnThreads)
     decode_attention_vec_kernel(const T* __restrict__ q, int64_t ldq, DecodeSeqs seqs, T* __restrict__ out, int Hq,
@@ -236,7 +238,6 @@ __global__ void __launch_bounds__(kAttnThreads)
   constexpr int KPP = kAttnThreads / P;     // keys per pass (key slots)
   constexpr int NP = kAttnTile / KPP;       // passes per tile
   static_assert(32 % P == 0 && kAttnTile % KPP == 0, "a key's lanes sit in one warp");
-  __shared__ float p[kAttnTile];
   __shared__ float red[KPP * D];
   cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
   cuda::pdl_trigger();
@@ -263,17 +264,27 @@ __global__ void __launch_bounds__(kAttnThreads)
 #pragma unroll
   for (int e = 0; e < E; ++e) acc[e] = 0.0f;
   const int64_t row = int64_t(Hkv) * D;  // elements from one key to the next
-  for (int64_t j0 = lo; j0 <= hi; j0 += kAttnTile) {
+  constexpr int kWarps = kAttnThreads / 32;
+  __shared__ float wmax[2][kWarps], wsum[2][kWarps];  // per warp, by tile parity (no third barrier per tile)
+  const int warp = tid / 32;
+  int parity = 0;
+  for (int64_t j0 = lo; j0 <= hi; j0 += kAttnTile, parity ^= 1) {
     const int n = int(min(int64_t(kAttnTile), hi + 1 - j0));
     const T* kt = k + j0 * row + int64_t(g) * D + pc * E;
     const T* vt = v + j0 * row + int64_t(g) * D + pc * E;
-    uint4 kr[NP];
+    uint4 kr[NP], vr[NP];  // the tile's key and value loads all go out before any is used
 #pragma unroll
     for (int i = 0; i < NP; ++i) {
       const int jj = i * KPP + slot;
       kr[i] = jj < n ? *reinterpret_cast<const uint4*>(kt + jj * row) : make_uint4(0, 0, 0, 0);
     }
+#pragma unroll
+    for (int i = 0; i < NP; ++i) {
+      const int jj = i * KPP + slot;
+      vr[i] = jj < n ? *reinterpret_cast<const uint4*>(vt + jj * row) : make_uint4(0, 0, 0, 0);
+    }
     float sc[NP];
+    float lmax = -INFINITY;
 #pragma unroll
     for (int i = 0; i < NP; ++i) {
       float f[E];
@@ -281,47 +292,44 @@ __global__ void __launch_bounds__(kAttnThreads)
       float d = 0.0f;
 #pragma unroll
       for (int e = 0; e < E; ++e) d += qv[e] * f[e];
-      sc[i] = d;
-    }
-    uint4 vr[NP];  // the values' loads go out before the softmax of the scores
 #pragma unroll
-    for (int i = 0; i < NP; ++i) {
-      const int jj = i * KPP + slot;
-      vr[i] = jj < n ? *reinterpret_cast<const uint4*>(vt + jj * row) : make_uint4(0, 0, 0, 0);
+      for (int o = P / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+      sc[i] = d * scale;
+      if (i * KPP + slot < n) lmax = fmaxf(lmax, sc[i]);
     }
+    // The tile's max and sum by shuffles across the warp's key slots, then across the warps in warp order.
 #pragma unroll
-    for (int i = 0; i < NP; ++i) {
-#pragma unroll
-      for (int o = P / 2; o > 0; o >>= 1) sc[i] += __shfl_xor_sync(0xffffffffu, sc[i], o);
-      const int jj = i * KPP + slot;
-      if (pc == 0 && jj < n) p[jj] = sc[i] * scale;
-    }
+    for (int o = P; o < 32; o <<= 1) lmax = fmaxf(lmax, __shfl_xor_sync(0xffffffffu, lmax, o));
+    if (tid % 32 == 0) wmax[parity][warp] = lmax;
     __syncthreads();
-    float tmax = -INFINITY;
-    for (int jj = 0; jj < n; ++jj) tmax = fmaxf(tmax, p[jj]);
+    float tmax = wmax[parity][0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) tmax = fmaxf(tmax, wmax[parity][w]);
     const float mnew = fmaxf(m, tmax);
     const float corr = m == -INFINITY ? 0.0f : expf(m - mnew);
-    __syncthreads();  // every thread has read the scores
-    if (tid < n) p[tid] = expf(p[tid] - mnew);
-    __syncthreads();
-    float sum = 0.0f;
-    for (int jj = 0; jj < n; ++jj) sum += p[jj];
-    l = l * corr + sum;
+    float lsum = 0.0f;
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] *= corr;
 #pragma unroll
     for (int i = 0; i < NP; ++i) {
-      const int jj = i * KPP + slot;
-      if (jj < n) {
-        const float w = p[jj];
+      if (i * KPP + slot < n) {
+        const float w = expf(sc[i] - mnew);
+        lsum += w;
         float f[E];
         unpack8<T>(vr[i], f);
 #pragma unroll
         for (int e = 0; e < E; ++e) acc[e] += w * f[e];
       }
     }
+#pragma unroll
+    for (int o = P; o < 32; o <<= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, o);
+    if (tid % 32 == 0) wsum[parity][warp] = lsum;
+    __syncthreads();
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += wsum[parity][w];
+    l = l * corr + sum;
     m = mnew;
-    __syncthreads();  // before the next tile's scores overwrite p
   }
 #pragma unroll
   for (int e = 0; e < E; ++e) red[slot * D + pc * E + e] = acc[e];
@@ -351,23 +359,37 @@ __global__ void __launch_bounds__(kAttnThreads)
 template <class T>
 __global__ void attention_combine_kernel(const float* __restrict__ part, int splits, int Hq, int Dv, const void* sinks,
                                          int sink_t, T* __restrict__ out) {
+  __shared__ float ms_s[kAttnMaxSplits], fs[kAttnMaxSplits], ls[kAttnMaxSplits];
   cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
   cuda::pdl_trigger();
   const int bh = blockIdx.x;
   const float* pp = part + int64_t(bh) * splits * (Dv + 2);
-  float M = sinks ? ld(sinks, sink_t, bh % Hq) : -INFINITY;
-  for (int s = 0; s < splits; ++s) M = fmaxf(M, pp[int64_t(s) * (Dv + 2)]);
-  float L = sinks ? expf(ld(sinks, sink_t, bh % Hq) - M) : 0.0f;
-  for (int s = 0; s < splits; ++s) {
-    const float ms = pp[int64_t(s) * (Dv + 2)];
-    if (ms != -INFINITY) L += pp[int64_t(s) * (Dv + 2) + 1] * expf(ms - M);
+  // Each split's max and sum loaded once, by one thread each (all in flight together), then the same arithmetic
+  // in split order as one thread would do it.
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+    ms_s[s] = pp[int64_t(s) * (Dv + 2)];
+    ls[s] = pp[int64_t(s) * (Dv + 2) + 1];
   }
+  __syncthreads();
+  float M = sinks ? ld(sinks, sink_t, bh % Hq) : -INFINITY;
+  for (int s = 0; s < splits; ++s) M = fmaxf(M, ms_s[s]);
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) fs[s] = ms_s[s] != -INFINITY ? expf(ms_s[s] - M) : 0.0f;
+  __syncthreads();
+  float L = sinks ? expf(ld(sinks, sink_t, bh % Hq) - M) : 0.0f;
+  for (int s = 0; s < splits; ++s)
+    if (ms_s[s] != -INFINITY) L += ls[s] * fs[s];
   const float inv = 1.0f / L;
+  constexpr int kBatch = 8;  // value loads in flight per thread
   for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
     float a = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-      const float ms = pp[int64_t(s) * (Dv + 2)];
-      if (ms != -INFINITY) a += pp[int64_t(s) * (Dv + 2) + 2 + d] * expf(ms - M);
+    for (int s0 = 0; s0 < splits; s0 += kBatch) {
+      float v[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i)
+        v[i] = s0 + i < splits && ms_s[s0 + i] != -INFINITY ? pp[int64_t(s0 + i) * (Dv + 2) + 2 + d] : 0.0f;
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i)
+        if (s0 + i < splits && ms_s[s0 + i] != -INFINITY) a += v[i] * fs[s0 + i];
     }
     out[int64_t(bh) * Dv + d] = from_f32<T>(a * inv);
   }
@@ -412,6 +434,7 @@ cudaError_t qk_norm_rope_cache(void* q, void* k, const void* v, int t, int64_t T
 }
 
 cudaError_t attention(const AttentionArgs& a, cudaStream_t s) {
+  if (a.splits < 1 || a.splits > kAttnMaxSplits) return cudaErrorInvalidValue;
   const int64_t bh = a.T * a.Hq;
   const size_t smem = size_t(a.Dk + kAttnTile) * sizeof(float);
   const dim3 grid{unsigned(bh), unsigned(a.splits)};

@@ -87,6 +87,7 @@ cudaError_t qk_norm_rope_cache_seqs(void* q, void* k, const void* v, int t, int6
                                     const DecodeSeqs& seqs, const RopeArgs& a, cudaStream_t s);
 
 constexpr int kAttnThreads = 128, kAttnTile = 64, kAttnMaxDv = 4 * kAttnThreads;
+constexpr int kAttnMaxSplits = 64;  // splits of the keys per (query, head) at most (attention_combine_kernel)
 struct AttentionArgs {
   const void* q;  // [T, Hq, Dk]
   const void* k;  // [S, Hkv, Dk] cache rows
