@@ -5,9 +5,9 @@
 // first blocks run (before their griddepcontrol.wait), so the lines of a chain overlap; bench/kernel_trace.py reads
 // the file (per graph replay: each kernel's duration and how far it moves the chain's end).
 //
-// Build (standalone, not part of the CMake build):
-//   g++ -O2 -std=c++17 -shared -fPIC bench/kernel_trace.cpp -I/usr/local/cuda/include -L/usr/local/cuda/lib64 \
-//       -lcupti -o libkernel_trace.so
+// Build (standalone, not part of the CMake build; one command):
+//   g++ -O2 -std=c++17 -shared -fPIC bench/kernel_trace.cpp -I/usr/local/cuda/include
+//       -L/usr/local/cuda/lib64 -lcupti -o libkernel_trace.so
 // Use: CUDA_INJECTION64_PATH=$PWD/libkernel_trace.so MOEKIT_TRACE_OUT=trace.csv <program> ...
 // (LD_LIBRARY_PATH must find libcupti.so). CONCURRENT_KERNEL records keep kernels concurrent; the tracer adds a
 // small cost per kernel, so compare timings only between traced runs.
