@@ -357,10 +357,11 @@ TEST_F(CudaModelOps, DecodeAttentionOverSequencesMatchesCpu) {
   RopeConfig rc;
   rc.theta = 10000.0;
   const int64_t Hq = 8, Hkv = 2;
-  // Heads of 64 and 128 dims (16-bit caches: the 16-byte-load kernel and the scalar one), caches of up to 700
-  // rows: tiles of 64 keys with a partial last one, several splits.
+  // Heads of 64, 128 and 256 dims (16-bit caches: the 16-byte-load kernel, its norms and rotary fused or not, its
+  // splits merged in a cluster or by a launch, and the scalar one), caches of up to 1200 rows: tiles of 64 keys with
+  // a partial last one, several splits.
   for (const auto& [t, D] : {std::pair{DType::f32, int64_t(64)}, {DType::bf16, int64_t(64)}, {DType::bf16, int64_t(128)},
-                             {DType::f16, int64_t(128)}}) {
+                             {DType::f16, int64_t(128)}, {DType::bf16, int64_t(256)}}) {
     for (int64_t B : {int64_t(1), int64_t(3), int64_t(37)}) {
       for (bool norm : {false, true}) {
         for (int64_t window : {int64_t(0), int64_t(5)}) {
@@ -402,15 +403,25 @@ TEST_F(CudaModelOps, DecodeAttentionOverSequencesMatchesCpu) {
           Tensor ref;
           std::vector<Tensor> rk, rv;
           run(cpu(), Device::cpu(), false, ref, rk, rv);
+          struct Mode {
+            bool vec, fuse, cluster;
+          };
           for (bool dev_pos : {false, true}) {
-            for (bool vec : {true, false}) {
+            for (const Mode md : {Mode{true, true, true}, Mode{true, false, false}, Mode{true, true, false},
+                                  Mode{true, false, true}, Mode{false, true, true}, Mode{false, false, false}}) {
               SCOPED_TRACE(::testing::Message() << (dev_pos ? "device positions" : "host positions")
-                                                << (vec ? ", 16-byte loads" : ", scalar loads"));
-              model::set_vector_decode_attention(vec);
+                                                << (md.vec ? ", 16-byte loads" : ", scalar loads")
+                                                << (md.fuse ? ", norms and rotary fused" : ", norms and rotary apart")
+                                                << (md.cluster ? ", cluster merge" : ", merge launch"));
+              model::set_vector_decode_attention(md.vec);
+              model::set_fused_qk_attention(md.fuse);
+              model::set_cluster_attention(md.cluster);
               Tensor got;
               std::vector<Tensor> gk, gv;
               run(gpu(), kDev, dev_pos, got, gk, gv);
               model::set_vector_decode_attention(true);
+              model::set_fused_qk_attention(true);
+              model::set_cluster_attention(true);
               EXPECT_LT(dist(got, ref), tol(t));
               for (int64_t i = 0; i < B; ++i) {
                 EXPECT_LT(dist(gk[size_t(i)], rk[size_t(i)]), tol(t)) << "sequence " << i;
@@ -452,18 +463,26 @@ TEST_F(CudaModelOps, RouterPicksTheCpuExpertsAndWeights) {
   };
   for (const Case& c : cases) {
     for (int64_t T : {1, 5, 33}) {
-      SCOPED_TRACE(::testing::Message() << "kind " << int(c.kind) << " E=" << c.E << " K=" << c.K << " T=" << T);
-      model::RouterSpec spec{c.kind, c.K, c.norm, 2.5f, c.n_group, c.topk_group};
-      Tensor logits = test::randn({T, c.E}, DType::f32, rng, 2.0), bias = test::randn({c.E}, DType::f32, rng, 0.3);
-      Tensor idx = Tensor::empty({T, c.K}, DType::i32), w = poisoned({T, c.K}, DType::f32, Device::cpu());
-      const bool with_bias = c.kind == RouterKind::grouped_sigmoid;
-      cpu().route(logits.view(), with_bias ? bias.view() : TensorView(), spec, idx.view(), w.view());
-      Tensor gl = on_gpu(logits), gb = on_gpu(bias);
-      Tensor gi = Tensor::empty({T, c.K}, DType::i32, kDev), gw = poisoned({T, c.K}, DType::f32, kDev);
-      gpu().route(gl.view(), with_bias ? gb.view() : TensorView(), spec, gi.view(), gw.view());
-      const Tensor hi = on_cpu(gi);
-      EXPECT_EQ(std::memcmp(hi.data(), idx.data(), idx.nbytes()), 0);
-      EXPECT_LT(dist(gw, w), 1e-6);
+      for (bool ties : {false, true}) {  // ties: logits of few values (the lower expert first), some -inf
+        SCOPED_TRACE(::testing::Message() << "kind " << int(c.kind) << " E=" << c.E << " K=" << c.K << " T=" << T
+                                          << (ties ? " ties" : ""));
+        model::RouterSpec spec{c.kind, c.K, c.norm, 2.5f, c.n_group, c.topk_group};
+        Tensor logits = test::randn({T, c.E}, DType::f32, rng, 2.0), bias = test::randn({c.E}, DType::f32, rng, 0.3);
+        if (ties) {
+          float* l = static_cast<float*>(logits.data());
+          for (int64_t i = 0; i < T * c.E; ++i) l[i] = i % 7 == 3 ? -INFINITY : std::round(l[i]);
+          if (c.kind == RouterKind::grouped_sigmoid) std::fill_n(static_cast<float*>(bias.data()), c.E, 0.25f);
+        }
+        Tensor idx = Tensor::empty({T, c.K}, DType::i32), w = poisoned({T, c.K}, DType::f32, Device::cpu());
+        const bool with_bias = c.kind == RouterKind::grouped_sigmoid;
+        cpu().route(logits.view(), with_bias ? bias.view() : TensorView(), spec, idx.view(), w.view());
+        Tensor gl = on_gpu(logits), gb = on_gpu(bias);
+        Tensor gi = Tensor::empty({T, c.K}, DType::i32, kDev), gw = poisoned({T, c.K}, DType::f32, kDev);
+        gpu().route(gl.view(), with_bias ? gb.view() : TensorView(), spec, gi.view(), gw.view());
+        const Tensor hi = on_cpu(gi);
+        EXPECT_EQ(std::memcmp(hi.data(), idx.data(), idx.nbytes()), 0);
+        EXPECT_LT(dist(gw, w), 1e-6);
+      }
     }
   }
 }

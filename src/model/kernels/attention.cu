@@ -1,7 +1,9 @@
 // Attention kernels of the model: rotary embedding in place, and causal attention as an online softmax
-// over tiles of keys, split over blocks for decode (flash-decoding) and merged by a second kernel.
+// over tiles of keys, split over blocks for decode (flash-decoding) and merged by a second kernel or, on sm_90,
+// within a cluster of the splits.
 #include <algorithm>
 #include <cstdint>
+#include <cooperative_groups.h>
 #include <type_traits>
 
 #include "base/cuda_pdl.cuh"
@@ -37,35 +39,13 @@ __global__ void rope_kernel(void* x, int t, int64_t s0, int64_t s1, int64_t NH, 
   }
 }
 
-// One block per (token, head) of q then k: the head's per-head RMS norm (w null: none) rounded to the storage
-// type as rmsnorm stores it, then the rotation as rope_kernel computes it, written back in place; a k block also
-// writes its k head and the matching v head at cache row pos + token (when below S).
-__global__ void qk_norm_rope_cache_kernel(void* q, void* k, const void* v, int t, int64_t Hq, int64_t Hkv, int64_t D,
-                                          int64_t ldq, int64_t ldk, int64_t ldv, const void* q_norm, int qwt,
-                                          const void* k_norm, int kwt, float eps, int weight_before_cast,
-                                          DecodeSeqs seqs, RopeArgs a) {
-  extern __shared__ float x[];  // [D]
-  __shared__ float red[32];
-  cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
-  cuda::pdl_trigger();
-  const int64_t NH = Hq + Hkv;
-  const int64_t row = blockIdx.x / NH, head = blockIdx.x % NH;
-  const bool is_q = head < Hq;
-  void* p = is_q ? q : k;
-  const int64_t base = is_q ? row * ldq + head * D : row * ldk + (head - Hq) * D;
-  const int64_t vbase = row * ldv + (head - Hq) * D;
-  const int sq = seqs.n == 1 ? 0 : int(row);  // this row's sequence
-  void* k_cache = seqs.k_cache[sq];
-  void* v_cache = seqs.v_cache[sq];
-  const int64_t S = seqs.rows[sq];
-  const void* w = is_q ? q_norm : k_norm;
-  const int wt = is_q ? qwt : kwt;
-  float ss = 0;
-  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
-    const float e = ld(p, t, base + i);
-    x[i] = e;
-    ss += e * e;
-  }
+// A head x [D] in shared memory (every thread's ss: the sum of squares of the elements it loaded) gets the per-head
+// RMS norm (w null: none) rounded to the storage type t as rmsnorm stores it, then the rotation of dims
+// [0, 2 * half) at position fpos as rope_kernel computes it, rounded to t; ends with a barrier. Every thread of the
+// block calls it.
+__device__ __forceinline__ void norm_rope_shared(float* x, float ss, int64_t D, const void* w, int wt, float eps,
+                                                 int weight_before_cast, int t, float fpos, const RopeArgs& a,
+                                                 float* red) {
   if (w) {  // the same for the whole block
     const float inv = rsqrtf(block_sum(ss, red) / float(D) + eps);
     for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
@@ -74,8 +54,6 @@ __global__ void qk_norm_rope_cache_kernel(void* q, void* k, const void* v, int t
     }
   }
   __syncthreads();
-  const int64_t pos = position(seqs.pos_value[sq], seqs.pos_device[sq]) + (seqs.n == 1 ? row : 0);
-  const float fpos = float(pos);
   // Each thread owns the pairs i = threadIdx.x, threadIdx.x + blockDim.x, ...: read all, sync, write all.
   constexpr int kMaxPairs = (kMaxRopeHalf + 31) / 32;
   float o1[kMaxPairs], o2[kMaxPairs];
@@ -101,6 +79,37 @@ __global__ void qk_norm_rope_cache_kernel(void* q, void* k, const void* v, int t
     }
   }
   __syncthreads();
+}
+
+// One block per (token, head) of q then k: the head's per-head RMS norm (w null: none) rounded to the storage
+// type as rmsnorm stores it, then the rotation as rope_kernel computes it, written back in place; a k block also
+// writes its k head and the matching v head at cache row pos + token (when below S).
+__global__ void qk_norm_rope_cache_kernel(void* q, void* k, const void* v, int t, int64_t Hq, int64_t Hkv, int64_t D,
+                                          int64_t ldq, int64_t ldk, int64_t ldv, const void* q_norm, int qwt,
+                                          const void* k_norm, int kwt, float eps, int weight_before_cast,
+                                          DecodeSeqs seqs, RopeArgs a) {
+  extern __shared__ float x[];  // [D]
+  __shared__ float red[32];
+  cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
+  cuda::pdl_trigger();
+  const int64_t NH = Hq + Hkv;
+  const int64_t row = blockIdx.x / NH, head = blockIdx.x % NH;
+  const bool is_q = head < Hq;
+  void* p = is_q ? q : k;
+  const int64_t base = is_q ? row * ldq + head * D : row * ldk + (head - Hq) * D;
+  const int64_t vbase = row * ldv + (head - Hq) * D;
+  const int sq = seqs.n == 1 ? 0 : int(row);  // this row's sequence
+  void* k_cache = seqs.k_cache[sq];
+  void* v_cache = seqs.v_cache[sq];
+  const int64_t S = seqs.rows[sq];
+  float ss = 0;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+    const float e = ld(p, t, base + i);
+    x[i] = e;
+    ss += e * e;
+  }
+  const int64_t pos = position(seqs.pos_value[sq], seqs.pos_device[sq]) + (seqs.n == 1 ? row : 0);
+  norm_rope_shared(x, ss, D, is_q ? q_norm : k_norm, is_q ? qwt : kwt, eps, weight_before_cast, t, float(pos), a, red);
   const bool to_cache = !is_q && pos >= 0 && pos < S;
   const int64_t cbase = (pos * Hkv + (head - Hq)) * D;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
@@ -221,6 +230,26 @@ __device__ __forceinline__ void unpack8(const uint4& u, float* f) {
   }
 }
 
+// The decode step's q/k norms, rotary embedding and cache writes done inside decode_attention_vec_kernel (on = 0:
+// done before by qk_norm_rope_cache_kernel): q is a QKV projection's row, its k and v heads k_off and v_off
+// elements after the row's q.
+struct QkFuse {
+  int on;
+  int64_t k_off, v_off;
+  const void* q_norm;
+  int qwt;
+  const void* k_norm;
+  int kwt;
+  float eps;
+  int weight_before_cast;
+  RopeArgs rope;
+};
+
+template <class T>
+constexpr int type_code() {
+  return std::is_same_v<T, bf16> ? kBF16 : kF16;
+}
+
 // attention_kernel for the decode step of 16-bit caches whose heads are P pieces of 16 bytes (D = 8 P, Dk = Dv):
 // the same splits, online softmax and outputs, with 16-byte loads. P threads share a key (one piece each, the dot
 // product summed over the P lanes); each thread issues its loads of a tile's keys and values before using any, so a
@@ -228,17 +257,28 @@ __device__ __forceinline__ void unpack8(const uint4& u, float* f) {
 // the warps in warp order (two barriers per tile, no pass over the scores in shared memory). Each thread
 // accumulates its piece's 8 value dims over the keys of its key slot; the slots' sums meet in shared memory at the
 // end, added in slot order.
+//
+// With f.on, every block first norms and rotates its query head as qk_norm_rope_cache_kernel would (the same
+// arithmetic, rounded alike); the block whose keys end at the new one (position pos) does so for its key head too
+// and reads the new key and value from there rather than from the cache, and of the query heads sharing that key
+// head the first writes both to cache row pos. Launched as clusters of the splits (splits > 1 without `part`), the
+// splits leave (m, l, values) in shared memory and the cluster's first block merges them as
+// attention_combine_kernel does, in split order.
 template <class T, int P>
 __global__ void __launch_bounds__(kAttnThreads)
     decode_attention_vec_kernel(const T* __restrict__ q, int64_t ldq, DecodeSeqs seqs, T* __restrict__ out, int Hq,
                                 int Hkv, float scale, int64_t window, const void* sinks, int sink_t, int64_t chunk,
-                                float* __restrict__ part) {
+                                float* __restrict__ part, QkFuse f) {
   constexpr int E = 8;                      // values per piece
   constexpr int D = P * E;
   constexpr int KPP = kAttnThreads / P;     // keys per pass (key slots)
   constexpr int NP = kAttnTile / KPP;       // passes per tile
   static_assert(32 % P == 0 && kAttnTile % KPP == 0, "a key's lanes sit in one warp");
   __shared__ float red[KPP * D];
+  __shared__ float xs[D];
+  __shared__ float red32[32];
+  __shared__ __align__(16) T kn[D];  // fused: the new key and value
+  __shared__ __align__(16) T vn[D];
   cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
   cuda::pdl_trigger();
   const int bh = blockIdx.x, t = bh / Hq, h = bh % Hq, g = h / (Hq / Hkv);
@@ -252,11 +292,51 @@ __global__ void __launch_bounds__(kAttnThreads)
   int64_t hi = pos;  // last key, inclusive
   lo = max(lo, split * chunk);
   hi = min(hi, (split + 1) * chunk - 1);
+  const T* qrow = q + int64_t(t) * ldq;
   float qv[E];
+  const bool fresh = f.on && lo <= pos && pos <= hi;  // this block reads the new key (block-uniform)
+  if (f.on) {
+    constexpr int tc = type_code<T>();
+    float ss = 0.0f;
+    for (int i = tid; i < D; i += kAttnThreads) {
+      const float e = to_f32(qrow[int64_t(h) * D + i]);
+      xs[i] = e;
+      ss += e * e;
+    }
+    norm_rope_shared(xs, ss, D, f.q_norm, f.qwt, f.eps, f.weight_before_cast, tc, float(pos), f.rope, red32);
 #pragma unroll
-  for (int e = 0; e < E; ++e) qv[e] = to_f32(q[int64_t(t) * ldq + int64_t(h) * D + pc * E + e]);
+    for (int e = 0; e < E; ++e) qv[e] = xs[pc * E + e];
+    if (fresh) {
+      __syncthreads();  // every thread has its query values
+      const T* kh = qrow + f.k_off + int64_t(g) * D;
+      const T* vh = qrow + f.v_off + int64_t(g) * D;
+      ss = 0.0f;
+      for (int i = tid; i < D; i += kAttnThreads) {
+        const float e = to_f32(kh[i]);
+        xs[i] = e;
+        ss += e * e;
+        vn[i] = vh[i];
+      }
+      norm_rope_shared(xs, ss, D, f.k_norm, f.kwt, f.eps, f.weight_before_cast, tc, float(pos), f.rope, red32);
+      const bool writer = h % (Hq / Hkv) == 0 && pos < seqs.rows[sq];
+      T* kc = static_cast<T*>(seqs.k_cache[sq]) + (pos * Hkv + g) * int64_t(D);
+      T* vc = static_cast<T*>(seqs.v_cache[sq]) + (pos * Hkv + g) * int64_t(D);
+      for (int i = tid; i < D; i += kAttnThreads) {
+        kn[i] = from_f32<T>(xs[i]);
+        if (writer) {
+          kc[i] = kn[i];
+          vc[i] = vn[i];
+        }
+      }
+      __syncthreads();
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e) qv[e] = to_f32(qrow[int64_t(h) * D + pc * E + e]);
+  }
   float m = -INFINITY, l = 0.0f;
-  if (sinks && !part) {  // the sink's logit: probability mass, no value
+  const bool merged_here = !part && splits == 1;  // the block writes the output itself
+  if (sinks && merged_here) {  // the sink's logit: probability mass, no value
     m = ld(sinks, sink_t, h);
     l = 1.0f;
   }
@@ -276,22 +356,32 @@ __global__ void __launch_bounds__(kAttnThreads)
 #pragma unroll
     for (int i = 0; i < NP; ++i) {
       const int jj = i * KPP + slot;
-      kr[i] = jj < n ? *reinterpret_cast<const uint4*>(kt + jj * row) : make_uint4(0, 0, 0, 0);
+      const bool from_cache = jj < n && !(fresh && j0 + jj == pos);
+      kr[i] = from_cache ? *reinterpret_cast<const uint4*>(kt + jj * row) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int i = 0; i < NP; ++i) {
       const int jj = i * KPP + slot;
-      vr[i] = jj < n ? *reinterpret_cast<const uint4*>(vt + jj * row) : make_uint4(0, 0, 0, 0);
+      const bool from_cache = jj < n && !(fresh && j0 + jj == pos);
+      vr[i] = from_cache ? *reinterpret_cast<const uint4*>(vt + jj * row) : make_uint4(0, 0, 0, 0);
+    }
+    if (fresh && pos - j0 < kAttnTile) {  // the new key: from shared memory
+#pragma unroll
+      for (int i = 0; i < NP; ++i)
+        if (j0 + i * KPP + slot == pos) {
+          kr[i] = *reinterpret_cast<const uint4*>(kn + pc * E);
+          vr[i] = *reinterpret_cast<const uint4*>(vn + pc * E);
+        }
     }
     float sc[NP];
     float lmax = -INFINITY;
 #pragma unroll
     for (int i = 0; i < NP; ++i) {
-      float f[E];
-      unpack8<T>(kr[i], f);
+      float fv[E];
+      unpack8<T>(kr[i], fv);
       float d = 0.0f;
 #pragma unroll
-      for (int e = 0; e < E; ++e) d += qv[e] * f[e];
+      for (int e = 0; e < E; ++e) d += qv[e] * fv[e];
 #pragma unroll
       for (int o = P / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
       sc[i] = d * scale;
@@ -315,10 +405,10 @@ __global__ void __launch_bounds__(kAttnThreads)
       if (i * KPP + slot < n) {
         const float w = expf(sc[i] - mnew);
         lsum += w;
-        float f[E];
-        unpack8<T>(vr[i], f);
+        float fv[E];
+        unpack8<T>(vr[i], fv);
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[e] += w * f[e];
+        for (int e = 0; e < E; ++e) acc[e] += w * fv[e];
       }
     }
 #pragma unroll
@@ -347,12 +437,61 @@ __global__ void __launch_bounds__(kAttnThreads)
     }
     return;
   }
-  const float inv = 1.0f / l;
+  if (merged_here) {
+    const float inv = 1.0f / l;
+    for (int d = tid; d < D; d += kAttnThreads) {
+      float a = 0.0f;
+      for (int s2 = 0; s2 < KPP; ++s2) a += red[s2 * D + d];
+      out[(int64_t(t) * Hq + h) * D + d] = from_f32<T>(a * inv);
+    }
+    return;
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // A cluster of the splits: each leaves its partial result in shared memory; the first block (split 0) merges.
+  __shared__ float mine[D + 2];  // this split's m, l and values
+  if (tid == 0) {
+    mine[0] = m;
+    mine[1] = l;
+  }
   for (int d = tid; d < D; d += kAttnThreads) {
     float a = 0.0f;
     for (int s2 = 0; s2 < KPP; ++s2) a += red[s2 * D + d];
-    out[(int64_t(t) * Hq + h) * D + d] = from_f32<T>(a * inv);
+    mine[2 + d] = a;
   }
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every split's result is in place
+  if (cluster.block_rank() == 0) {
+    float ms[kAttnMaxClusterSplits], fs[kAttnMaxClusterSplits];
+    const float* parts[kAttnMaxClusterSplits];
+    float M = sinks ? ld(sinks, sink_t, h) : -INFINITY;
+#pragma unroll
+    for (int s = 0; s < kAttnMaxClusterSplits; ++s) {
+      if (s < splits) {
+        parts[s] = cluster.map_shared_rank(mine, s);
+        ms[s] = parts[s][0];
+        M = fmaxf(M, ms[s]);
+      }
+    }
+    float L = sinks ? expf(ld(sinks, sink_t, h) - M) : 0.0f;
+#pragma unroll
+    for (int s = 0; s < kAttnMaxClusterSplits; ++s) {
+      if (s < splits) {
+        fs[s] = ms[s] != -INFINITY ? expf(ms[s] - M) : 0.0f;
+        if (ms[s] != -INFINITY) L += parts[s][1] * fs[s];
+      }
+    }
+    const float inv = 1.0f / L;
+    for (int d = tid; d < D; d += kAttnThreads) {
+      float a = 0.0f;
+#pragma unroll
+      for (int s = 0; s < kAttnMaxClusterSplits; ++s)
+        if (s < splits && ms[s] != -INFINITY) a += parts[s][2 + d] * fs[s];
+      out[(int64_t(t) * Hq + h) * D + d] = from_f32<T>(a * inv);
+    }
+  }
+  cluster.sync();  // the other splits' shared memory stays until the merge has read it
+#endif
 }
 
 // Merges the splits of attention_kernel: one block per (query, head).
@@ -442,6 +581,7 @@ cudaError_t attention(const AttentionArgs& a, cudaStream_t s) {
   if (a.seqs) {
     if (a.seqs->n != a.T || a.T > kMaxDecodeSeqs) return cudaErrorInvalidValue;
   } else {
+    if (a.fuse_qk || a.cluster) return cudaErrorInvalidValue;
     one.n = 1;
     one.k_cache[0] = const_cast<void*>(a.k);
     one.v_cache[0] = const_cast<void*>(a.v);
@@ -449,6 +589,7 @@ cudaError_t attention(const AttentionArgs& a, cudaStream_t s) {
     one.pos_value[0] = a.pos_value;
     one.pos_device[0] = a.pos_device;
   }
+  if (a.fuse_qk && (!a.rope || a.Dk != a.Dv)) return cudaErrorInvalidValue;
   const DecodeSeqs& seqs = a.seqs ? *a.seqs : one;
   const int64_t ldq = a.seqs ? a.ldq : int64_t(a.Hq) * a.Dk;
   // The decode step's 16-bit caches with heads of 64, 128 or 256 dims and 16-byte aligned buffers: 16-byte loads.
@@ -456,6 +597,20 @@ cudaError_t attention(const AttentionArgs& a, cudaStream_t s) {
   for (int i = 0; vec && i < seqs.n; ++i)
     vec = reinterpret_cast<uintptr_t>(seqs.k_cache[i]) % 16 == 0 && reinterpret_cast<uintptr_t>(seqs.v_cache[i]) % 16 == 0;
   const bool pdl = cuda::pdl_enabled();
+  QkFuse f{};
+  if (a.fuse_qk) {
+    if (vec) {
+      f = QkFuse{1, a.k_off, a.v_off, a.q_norm, a.qwt, a.k_norm, a.kwt, a.eps, a.weight_before_cast ? 1 : 0, *a.rope};
+    } else {  // the norms, rotary and cache writes by their own kernel first
+      const size_t es = a.t == kF32 ? 4 : 2;
+      char* q = static_cast<char*>(const_cast<void*>(a.q));
+      const cudaError_t err = qk_norm_rope_cache_seqs(
+          q, q + size_t(a.k_off) * es, q + size_t(a.v_off) * es, a.t, a.T, a.Hq, a.Hkv, a.Dk, ldq, ldq, ldq,
+          a.q_norm, a.qwt, a.k_norm, a.kwt, a.eps, a.weight_before_cast, seqs, *a.rope, s);
+      if (err != cudaSuccess) return err;
+    }
+  }
+  const bool cluster = a.cluster && vec && a.splits > 1 && a.splits <= kAttnMaxClusterSplits;
   auto run = [&](auto tag) {
     using E = decltype(tag);
     cudaError_t err = cudaSuccess;
@@ -465,15 +620,17 @@ cudaError_t attention(const AttentionArgs& a, cudaStream_t s) {
         E* oe = static_cast<E*>(a.out);
         auto kernel = a.Dk == 64 ? decode_attention_vec_kernel<E, 8>
                                  : a.Dk == 128 ? decode_attention_vec_kernel<E, 16> : decode_attention_vec_kernel<E, 32>;
-        err = cuda::launch_pdl(pdl, kernel, grid, dim3(kAttnThreads), 0, s, qe, ldq, seqs, oe, a.Hq, a.Hkv, a.scale,
-                               a.window, a.sinks, a.sink_t, a.chunk, a.part);
+        float* part = cluster ? nullptr : a.part;
+        err = cuda::launch_pdl_cluster(pdl, dim3(1, cluster ? unsigned(a.splits) : 1u, 1), kernel, grid,
+                                       dim3(kAttnThreads), 0, s, qe, ldq, seqs, oe, a.Hq, a.Hkv, a.scale, a.window,
+                                       a.sinks, a.sink_t, a.chunk, part, f);
       }
     }
     if (!vec)
-      err = cuda::launch_pdl(pdl, attention_kernel<E>, grid, dim3(kAttnThreads), smem, s, static_cast<const E*>(a.q),
-                             ldq, seqs, static_cast<E*>(a.out), a.Hq, a.Hkv, a.Dk, a.Dv, a.scale, a.window, a.sinks,
-                             a.sink_t, a.chunk, a.part);
-    if (err != cudaSuccess || !a.part) return err;
+      err = cuda::launch_pdl(pdl, attention_kernel<E>, grid, dim3(kAttnThreads), smem, s,
+                             static_cast<const E*>(a.q), ldq, seqs, static_cast<E*>(a.out), a.Hq, a.Hkv, a.Dk, a.Dv,
+                             a.scale, a.window, a.sinks, a.sink_t, a.chunk, a.part);
+    if (err != cudaSuccess || !a.part || cluster) return err;
     return cuda::launch_pdl(pdl, attention_combine_kernel<E>, dim3(unsigned(bh)), dim3(128), 0, s,
                             static_cast<const float*>(a.part), int(a.splits), a.Hq, a.Dv, a.sinks, a.sink_t,
                             static_cast<E*>(a.out));

@@ -111,7 +111,25 @@ struct AttentionArgs {
   // With seqs: 16-byte loads (16-bit caches, Dk == Dv of 64, 128 or 256, 16-byte aligned caches), else the
   // scalar kernel.
   bool vec = false;
+  // With seqs and vec: the splits of a (query, head) run as one thread-block cluster (sm_90, at most
+  // kAttnMaxClusterSplits splits) whose first block merges them from the others' shared memory (`part` unused,
+  // no merge launch).
+  bool cluster = false;
+  // With seqs: q, k and v are the rows of one QKV projection (k and v heads k_off and v_off elements after a
+  // row's q); the per-head norms (q_norm / k_norm of types qwt / kwt, or null), the rotary embedding and the cache
+  // writes of qk_norm_rope_cache_seqs happen here first: inside the attention kernel where vec applies (the new
+  // key and value read from the row, not the cache), else by that kernel's own launch before.
+  bool fuse_qk = false;
+  int64_t k_off = 0, v_off = 0;
+  const void* q_norm = nullptr;
+  int qwt = 0;
+  const void* k_norm = nullptr;
+  int kwt = 0;
+  float eps = 0.0f;
+  bool weight_before_cast = false;
+  const RopeArgs* rope = nullptr;
 };
+constexpr int kAttnMaxClusterSplits = 8;  // portable cluster size
 // Causal attention of the T queries at positions pos .. pos + T - 1 (flash-decoding when splits > 1).
 cudaError_t attention(const AttentionArgs& a, cudaStream_t s);
 

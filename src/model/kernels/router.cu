@@ -13,27 +13,36 @@ struct Best {
   float v;
   int i;
 };
-// Larger value first, then lower index (ops_cpu.cpp's top_k_desc).
-__device__ __forceinline__ Best better(Best a, Best b) { return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a; }
-__device__ __forceinline__ Best warp_best(Best b) {
-  for (int o = 16; o > 0; o >>= 1) {
-    Best x{__shfl_xor_sync(0xffffffffu, b.v, o), __shfl_xor_sync(0xffffffffu, b.i, o)};
-    b = better(b, x);
-  }
-  return b;
+// An order-preserving key of a score: larger scores, larger keys (-0 counted as +0); NaN the lowest key, 0, below
+// -inf's, so that it is never chosen.
+__device__ __forceinline__ uint32_t order_key(float v) {
+  if (v != v) return 0u;
+  const uint32_t u = __float_as_uint(v + 0.0f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
-// The best of this lane's values whose expert passes `keep` (experts e = lane + 32 * s, s < PER: unrolled, so
-// that the values stay in registers).
+__device__ __forceinline__ float key_value(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+// The warp's best of its values whose expert passes `keep` (experts e = lane + 32 * s, s < PER: unrolled, so that
+// the values stay in registers): the largest value, the lowest index among equal ones ({-inf, INT_MAX} when none
+// is a number), as ops_cpu.cpp's top_k_desc orders them. Two warp reductions (redux.sync), no shuffle tree.
 template <int PER, class Keep>
-__device__ __forceinline__ Best lane_best(const float (&vals)[PER], int E, Keep keep) {
+__device__ __forceinline__ Best warp_best_of(const float (&vals)[PER], int E, Keep keep) {
   const int lane = threadIdx.x % 32;
-  Best b{-INFINITY, INT_MAX};
+  uint32_t lk = 0u;
+  int li = INT_MAX;
 #pragma unroll
-  for (int s = 0; s < PER; ++s) {
+  for (int s = 0; s < PER; ++s) {  // ascending experts: the first of equal keys stays
     const int e = lane + 32 * s;
-    if (e < E && keep(e)) b = better(b, Best{vals[s], e});
+    if (e < E && keep(e)) {
+      const uint32_t k = order_key(vals[s]);
+      if (k > lk) lk = k, li = e;
+    }
   }
-  return b;
+  const uint32_t mx = __reduce_max_sync(0xffffffffu, lk);
+  if (mx == 0u) return Best{-INFINITY, INT_MAX};
+  const int i = int(__reduce_min_sync(0xffffffffu, lk == mx ? uint32_t(li) : uint32_t(INT_MAX)));
+  return Best{key_value(mx), i};
 }
 
 // One warp per token; PER >= E / 32 values per lane. Lane j ends with slot j's expert and weight (K <= 32).
@@ -80,14 +89,16 @@ __global__ void route_kernel(const float* logits, const float* bias, int64_t T, 
     const int per = E / G;
     float gscore = -INFINITY;
     for (int g = 0; g < G; ++g) {
-      const Best b1 = warp_best(lane_best<PER>(sel, E, [&](int e) { return e / per == g; }));
+      const Best b1 = warp_best_of<PER>(sel, E, [&](int e) { return e / per == g; });
       float s = b1.v;
-      if (per >= 2) s += warp_best(lane_best<PER>(sel, E, [&](int e) { return e / per == g && e != b1.i; })).v;
+      if (per >= 2) s += warp_best_of<PER>(sel, E, [&](int e) { return e / per == g && e != b1.i; }).v;
       if (lane == g) gscore = s;
     }
     unsigned keep = 0;
     for (int r = 0; r < topk_group; ++r) {
-      const Best b = warp_best(lane < G ? Best{gscore, lane} : Best{-INFINITY, INT_MAX});
+      const float gs[1] = {gscore};
+      const Best b = warp_best_of<1>(gs, G, [](int) { return true; });
+      if (b.i >= G) break;  // no group score is a number
       keep |= 1u << b.i;
       if (lane == b.i) gscore = -INFINITY;
     }
@@ -99,8 +110,9 @@ __global__ void route_kernel(const float* logits, const float* bias, int64_t T, 
   }
   int my_e = 0;
   float my_w = 0.0f;
+  uint32_t taken = 0;  // bit s: this lane's expert lane + 32 * s is chosen already (never chosen twice)
   for (int j = 0; j < K; ++j) {
-    const Best b = warp_best(lane_best<PER>(sel, E, [](int) { return true; }));
+    const Best b = warp_best_of<PER>(sel, E, [&](int e) { return !((taken >> (e / 32)) & 1u); });
     const int e = b.i < E ? b.i : E - 1;  // NaN scores select nothing; stay in bounds
     // prob of the chosen expert, from its owner lane (every lane picks the same slot).
     float pe = 0.0f;
@@ -109,9 +121,7 @@ __global__ void route_kernel(const float* logits, const float* bias, int64_t T, 
       if (s == e / 32) pe = prob[s];
     const float wj = __shfl_sync(0xffffffffu, pe, e % 32);
     if (lane == j) my_e = e, my_w = wj;
-#pragma unroll
-    for (int s = 0; s < PER; ++s)
-      if (lane == e % 32 && s == e / 32) sel[s] = -INFINITY;
+    if (lane == e % 32) taken |= 1u << (e / 32);
   }
   // The slot sums in slot order (as one thread adding them one by one).
   if (kind == kRouteTopkSoftmax) {
