@@ -415,13 +415,13 @@ TEST_F(CudaModelOps, DecodeAttentionOverSequencesMatchesCpu) {
                                                 << (md.cluster ? ", cluster merge" : ", merge launch"));
               model::set_vector_decode_attention(md.vec);
               model::set_fused_qk_attention(md.fuse);
-              model::set_cluster_attention(md.cluster);
+              const bool cluster_was = model::set_cluster_attention(md.cluster);
               Tensor got;
               std::vector<Tensor> gk, gv;
               run(gpu(), kDev, dev_pos, got, gk, gv);
               model::set_vector_decode_attention(true);
               model::set_fused_qk_attention(true);
-              model::set_cluster_attention(true);
+              model::set_cluster_attention(cluster_was);
               EXPECT_LT(dist(got, ref), tol(t));
               for (int64_t i = 0; i < B; ++i) {
                 EXPECT_LT(dist(gk[size_t(i)], rk[size_t(i)]), tol(t)) << "sequence " << i;
