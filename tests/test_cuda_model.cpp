@@ -357,9 +357,8 @@ TEST_F(CudaModelOps, DecodeAttentionOverSequencesMatchesCpu) {
   RopeConfig rc;
   rc.theta = 10000.0;
   const int64_t Hq = 8, Hkv = 2;
-  // Heads of 64, 128 and 256 dims (16-bit caches: the 16-byte-load kernel, its norms and rotary fused or not, its
-  // splits merged in a cluster or by a launch, and the scalar one), caches of up to 1200 rows: tiles of 64 keys with
-  // a partial last one, several splits.
+  // Heads of 64, 128 and 256 dims (16-bit caches: the 16-byte-load kernel with its norms and rotary fused or not,
+  // and the scalar one), caches of up to 1200 rows: tiles of 64 keys with a partial last one, several splits.
   for (const auto& [t, D] : {std::pair{DType::f32, int64_t(64)}, {DType::bf16, int64_t(64)}, {DType::bf16, int64_t(128)},
                              {DType::f16, int64_t(128)}, {DType::bf16, int64_t(256)}}) {
     for (int64_t B : {int64_t(1), int64_t(3), int64_t(37)}) {
@@ -404,24 +403,20 @@ TEST_F(CudaModelOps, DecodeAttentionOverSequencesMatchesCpu) {
           std::vector<Tensor> rk, rv;
           run(cpu(), Device::cpu(), false, ref, rk, rv);
           struct Mode {
-            bool vec, fuse, cluster;
+            bool vec, fuse;
           };
           for (bool dev_pos : {false, true}) {
-            for (const Mode md : {Mode{true, true, true}, Mode{true, false, false}, Mode{true, true, false},
-                                  Mode{true, false, true}, Mode{false, true, true}, Mode{false, false, false}}) {
+            for (const Mode md : {Mode{true, true}, Mode{true, false}, Mode{false, true}, Mode{false, false}}) {
               SCOPED_TRACE(::testing::Message() << (dev_pos ? "device positions" : "host positions")
                                                 << (md.vec ? ", 16-byte loads" : ", scalar loads")
-                                                << (md.fuse ? ", norms and rotary fused" : ", norms and rotary apart")
-                                                << (md.cluster ? ", cluster merge" : ", merge launch"));
+                                                << (md.fuse ? ", norms and rotary fused" : ", norms and rotary apart"));
               model::set_vector_decode_attention(md.vec);
               model::set_fused_qk_attention(md.fuse);
-              const bool cluster_was = model::set_cluster_attention(md.cluster);
               Tensor got;
               std::vector<Tensor> gk, gv;
               run(gpu(), kDev, dev_pos, got, gk, gv);
               model::set_vector_decode_attention(true);
               model::set_fused_qk_attention(true);
-              model::set_cluster_attention(cluster_was);
               EXPECT_LT(dist(got, ref), tol(t));
               for (int64_t i = 0; i < B; ++i) {
                 EXPECT_LT(dist(gk[size_t(i)], rk[size_t(i)]), tol(t)) << "sequence " << i;

@@ -51,39 +51,23 @@ inline int64_t set_pdl_prefetch_bytes(int64_t bytes) {
 // Whether a launch that reads `bytes` of weights prefetches them before its pdl_wait().
 inline bool pdl_prefetch(int64_t bytes) { return pdl_enabled() && bytes <= pdl_prefetch_bytes(); }
 
-// kernel<<<grid, block, smem, stream>>>(args...) in thread-block clusters of `cluster` blocks (1 x 1 x 1: none;
-// sm_90), with the programmatic-serialization attribute when pdl. Returns the launch status.
-template <class... Params, class... Args>
-cudaError_t launch_pdl_cluster(bool pdl, dim3 cluster, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                               cudaStream_t stream, Args&&... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2]{};
-  unsigned n = 0;
-  if (pdl) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster.x * cluster.y * cluster.z > 1) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = cluster.x;
-    attr[n].val.clusterDim.y = cluster.y;
-    attr[n++].val.clusterDim.z = cluster.z;
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = n;
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-  return err != cudaSuccess ? err : cudaGetLastError();
-}
 // kernel<<<grid, block, smem, stream>>>(args...), with the programmatic-serialization attribute when pdl.
 // Returns the launch status.
 template <class... Params, class... Args>
 cudaError_t launch_pdl(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                        Args&&... args) {
-  return launch_pdl_cluster(pdl, dim3(1, 1, 1), kernel, grid, block, smem, stream, std::forward<Args>(args)...);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1]{};
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 #ifdef __CUDACC__

@@ -184,9 +184,6 @@ namespace {
 EnvSwitch g_fused_decode{"MOEKIT_FUSED_DECODE", true};
 EnvSwitch g_vector_decode_attention{"MOEKIT_VEC_DECODE_ATTENTION", true};
 EnvSwitch g_fused_qk_attention{"MOEKIT_ATTN_FUSE_QK", true};
-// Off: on an H100 the decode step of the 4-layer Qwen3-30B-A3B-shaped model took 362 us with it against 355.5
-// without (and 348.6 against 343.4 with the fused norms and rotary): the merge launch costs less than the cluster.
-EnvSwitch g_cluster_attention{"MOEKIT_ATTN_CLUSTER", false};
 // On: the H200's decode step of the 4-layer Qwen3-30B-A3B-shaped model, 340 -> 331 us, the same tokens.
 EnvSwitch g_decode_ahead{"MOEKIT_DECODE_AHEAD", true};
 }  // namespace
@@ -196,8 +193,6 @@ bool vector_decode_attention() { return g_vector_decode_attention.on(); }
 void set_vector_decode_attention(bool on) { g_vector_decode_attention.set(on); }
 bool fused_qk_attention() { return g_fused_qk_attention.on(); }
 void set_fused_qk_attention(bool on) { g_fused_qk_attention.set(on); }
-bool cluster_attention() { return g_cluster_attention.on(); }
-bool set_cluster_attention(bool on) { return g_cluster_attention.set(on); }
 bool decode_ahead() { return g_decode_ahead.on(); }
 void set_decode_ahead(bool on) { g_decode_ahead.set(on); }
 

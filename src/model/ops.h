@@ -215,15 +215,10 @@ void set_fused_decode(bool on);
 bool vector_decode_attention();
 void set_vector_decode_attention(bool on);
 // Whether the CUDA decode_attention of that 16-byte-load kernel also norms and rotates q and k and writes the new
-// key and value to the caches (no launch before it; MOEKIT_ATTN_FUSE_QK), and on sm_90 merges the splits of the
-// keys within a thread-block cluster (no merge launch; MOEKIT_ATTN_CLUSTER). The first on unless the environment
-// says 0, the second off unless it says 1 (read once), or the setters say otherwise (tests; a recorded decode graph
-// keeps its kernels).
+// key and value to the caches (no launch before it): on unless MOEKIT_ATTN_FUSE_QK=0 (read once) or
+// set_fused_qk_attention says otherwise (tests; a recorded decode graph keeps its kernels).
 bool fused_qk_attention();
 void set_fused_qk_attention(bool on);
-bool cluster_attention();
-// Returns the previous setting.
-bool set_cluster_attention(bool on);
 // The most rows a CUDA linear of 16-bit weights runs as the decode step's GEMV (fused decode); more go to cuBLAS,
 // which streams the weights faster from about 4 rows on. 3 unless MOEKIT_GEMV_MAX_ROWS (0 to 8, read once) or
 // set_gemv_max_rows says otherwise. Linears of f32 weights (the router) keep the GEMV up to 8 rows.

@@ -75,14 +75,12 @@ int64_t attention_split_keys() {
 // The split of the keys for the decode attention (flash-decoding): few (query, head) pairs spread over more
 // blocks, then merged. It depends on S (the cache rows given), not on the position, so a recorded graph keeps
 // its shape. Chunks cover absolute key indices [0, S); with a window narrower than S, one split.
-// At most max_splits.
-std::pair<int64_t, int64_t> attention_split(int64_t bh, int64_t S, int64_t window, int dev,
-                                            int64_t max_splits = kernels::kAttnMaxSplits) {
+std::pair<int64_t, int64_t> attention_split(int64_t bh, int64_t S, int64_t window, int dev) {
   using kernels::kAttnTile;
   const int64_t keys_max = window > 0 ? std::min(window, S) : S;
   const int64_t target = 2 * int64_t(cuda::device_info(dev).multiprocessors);
   int64_t splits = std::clamp<int64_t>((target + bh - 1) / bh, 1, std::max<int64_t>(1, (keys_max + kAttnTile - 1) / kAttnTile));
-  splits = std::min<int64_t>(splits, std::min<int64_t>(max_splits, kernels::kAttnMaxSplits));
+  splits = std::min<int64_t>(splits, kernels::kAttnMaxSplits);
   int64_t chunk = std::max<int64_t>(attention_split_keys(), (S + splits - 1) / splits);
   if (window > 0 && keys_max < S) splits = 1, chunk = S;
   chunk = (chunk + kAttnTile - 1) / kAttnTile * kAttnTile;
@@ -346,16 +344,8 @@ class CudaOps final : public DeviceOps {
         S = std::max(S, sq.kv_rows);
       }
       char* row = static_cast<char*>(qkv.data) + size_t(b0 * ld) * es;
-      const bool fuse = fused_qk_attention();
-      if (!fuse)
-        MOEKIT_CUDA_CALL(kernels::qk_norm_rope_cache_seqs(row, row + size_t(Nq) * es, row + size_t(Nq + Nk) * es, t,
-                                                          n, Hq, Hkv, D, ld, ld, ld, q_norm.data, qwt, k_norm.data,
-                                                          kwt, eps, weight_before_cast, tab, ra, s));
       const int64_t bh = n * Hq;
-      // The splits merged within a cluster where the device has them (sm_90): no more than a cluster holds.
-      const bool cluster = cluster_attention() && cuda::device_info(dev).arch() >= 90;
-      const auto [splits, chunk] =
-          attention_split(bh, S, window, dev, cluster ? kernels::kAttnMaxClusterSplits : kernels::kAttnMaxSplits);
+      const auto [splits, chunk] = attention_split(bh, S, window, dev);
       float* part = nullptr;
       if (splits > 1)
         part = static_cast<float*>(scratch().get(dev, s, size_t(bh * splits * (D + 2)) * sizeof(float)));
@@ -381,8 +371,8 @@ class CudaOps final : public DeviceOps {
                                   .seqs = &tab,
                                   .ldq = ld,
                                   .vec = vector_decode_attention(),
-                                  .cluster = cluster,
-                                  .fuse_qk = fuse,
+                                  .qk = true,
+                                  .qk_inside = fused_qk_attention(),
                                   .k_off = Nq,
                                   .v_off = Nq + Nk,
                                   .q_norm = q_norm.data,

@@ -1,9 +1,7 @@
 // Attention kernels of the model: rotary embedding in place, and causal attention as an online softmax
-// over tiles of keys, split over blocks for decode (flash-decoding) and merged by a second kernel or, on sm_90,
-// within a cluster of the splits.
+// over tiles of keys, split over blocks for decode (flash-decoding) and merged by a second kernel.
 #include <algorithm>
 #include <cstdint>
-#include <cooperative_groups.h>
 #include <type_traits>
 
 #include "base/cuda_pdl.cuh"
@@ -261,9 +259,7 @@ constexpr int type_code() {
 // With f.on, every block first norms and rotates its query head as qk_norm_rope_cache_kernel would (the same
 // arithmetic, rounded alike); the block whose keys end at the new one (position pos) does so for its key head too
 // and reads the new key and value from there rather than from the cache, and of the query heads sharing that key
-// head the first writes both to cache row pos. Launched as clusters of the splits (splits > 1 without `part`), the
-// splits leave (m, l, values) in shared memory and the cluster's first block merges them as
-// attention_combine_kernel does, in split order.
+// head the first writes both to cache row pos.
 template <class T, int P>
 __global__ void __launch_bounds__(kAttnThreads)
     decode_attention_vec_kernel(const T* __restrict__ q, int64_t ldq, DecodeSeqs seqs, T* __restrict__ out, int Hq,
@@ -335,8 +331,7 @@ __global__ void __launch_bounds__(kAttnThreads)
     for (int e = 0; e < E; ++e) qv[e] = to_f32(qrow[int64_t(h) * D + pc * E + e]);
   }
   float m = -INFINITY, l = 0.0f;
-  const bool merged_here = !part && splits == 1;  // the block writes the output itself
-  if (sinks && merged_here) {  // the sink's logit: probability mass, no value
+  if (sinks && !part) {  // one split, written here: the sink's logit, probability mass without a value
     m = ld(sinks, sink_t, h);
     l = 1.0f;
   }
@@ -437,61 +432,13 @@ __global__ void __launch_bounds__(kAttnThreads)
     }
     return;
   }
-  if (merged_here) {
-    const float inv = 1.0f / l;
-    for (int d = tid; d < D; d += kAttnThreads) {
-      float a = 0.0f;
-      for (int s2 = 0; s2 < KPP; ++s2) a += red[s2 * D + d];
-      out[(int64_t(t) * Hq + h) * D + d] = from_f32<T>(a * inv);
-    }
-    return;
-  }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // A cluster of the splits: each leaves its partial result in shared memory; the first block (split 0) merges.
-  __shared__ float mine[D + 2];  // this split's m, l and values
-  if (tid == 0) {
-    mine[0] = m;
-    mine[1] = l;
-  }
+  // One split: the block writes the output itself.
+  const float inv = 1.0f / l;
   for (int d = tid; d < D; d += kAttnThreads) {
     float a = 0.0f;
     for (int s2 = 0; s2 < KPP; ++s2) a += red[s2 * D + d];
-    mine[2 + d] = a;
+    out[(int64_t(t) * Hq + h) * D + d] = from_f32<T>(a * inv);
   }
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();  // every split's result is in place
-  if (cluster.block_rank() == 0) {
-    float ms[kAttnMaxClusterSplits], fs[kAttnMaxClusterSplits];
-    const float* parts[kAttnMaxClusterSplits];
-    float M = sinks ? ld(sinks, sink_t, h) : -INFINITY;
-#pragma unroll
-    for (int s = 0; s < kAttnMaxClusterSplits; ++s) {
-      if (s < splits) {
-        parts[s] = cluster.map_shared_rank(mine, s);
-        ms[s] = parts[s][0];
-        M = fmaxf(M, ms[s]);
-      }
-    }
-    float L = sinks ? expf(ld(sinks, sink_t, h) - M) : 0.0f;
-#pragma unroll
-    for (int s = 0; s < kAttnMaxClusterSplits; ++s) {
-      if (s < splits) {
-        fs[s] = ms[s] != -INFINITY ? expf(ms[s] - M) : 0.0f;
-        if (ms[s] != -INFINITY) L += parts[s][1] * fs[s];
-      }
-    }
-    const float inv = 1.0f / L;
-    for (int d = tid; d < D; d += kAttnThreads) {
-      float a = 0.0f;
-#pragma unroll
-      for (int s = 0; s < kAttnMaxClusterSplits; ++s)
-        if (s < splits && ms[s] != -INFINITY) a += parts[s][2 + d] * fs[s];
-      out[(int64_t(t) * Hq + h) * D + d] = from_f32<T>(a * inv);
-    }
-  }
-  cluster.sync();  // the other splits' shared memory stays until the merge has read it
-#endif
 }
 
 // Merges the splits of attention_kernel: one block per (query, head).
@@ -534,16 +481,8 @@ __global__ void attention_combine_kernel(const float* __restrict__ part, int spl
   }
 }
 
-}  // namespace
-
-cudaError_t rope(void* x, int t, int64_t s0, int64_t s1, int64_t T, int64_t NH, int64_t offset, int64_t pos_value,
-                 const int64_t* pos_device, const RopeArgs& a, cudaStream_t s) {
-  const int threads = a.half >= 64 ? 64 : 32;
-  rope_kernel<<<unsigned(T * NH), threads, size_t(2 * a.half) * sizeof(float), s>>>(x, t, s0, s1, NH, offset,
-                                                                                    pos_value, pos_device, a);
-  return cudaGetLastError();
-}
-
+// qk_norm_rope_cache for T rows of q, k, v with row strides ldq, ldk, ldv (elements; rows of one QKV projection),
+// row t's caches and position from seqs (n == T, or n == 1: one sequence).
 cudaError_t qk_norm_rope_cache_seqs(void* q, void* k, const void* v, int t, int64_t T, int64_t Hq, int64_t Hkv,
                                     int64_t D, int64_t ldq, int64_t ldk, int64_t ldv, const void* q_norm, int qwt,
                                     const void* k_norm, int kwt, float eps, bool weight_before_cast,
@@ -555,6 +494,16 @@ cudaError_t qk_norm_rope_cache_seqs(void* q, void* k, const void* v, int t, int6
   return cuda::launch_pdl(cuda::pdl_enabled(), qk_norm_rope_cache_kernel, dim3(unsigned(T * (Hq + Hkv))),
                           dim3(threads), size_t(D) * sizeof(float), s, q, k, v, t, Hq, Hkv, D, ldq, ldk, ldv, q_norm,
                           qwt, k_norm, kwt, eps, weight_before_cast ? 1 : 0, seqs, a);
+}
+
+}  // namespace
+
+cudaError_t rope(void* x, int t, int64_t s0, int64_t s1, int64_t T, int64_t NH, int64_t offset, int64_t pos_value,
+                 const int64_t* pos_device, const RopeArgs& a, cudaStream_t s) {
+  const int threads = a.half >= 64 ? 64 : 32;
+  rope_kernel<<<unsigned(T * NH), threads, size_t(2 * a.half) * sizeof(float), s>>>(x, t, s0, s1, NH, offset,
+                                                                                    pos_value, pos_device, a);
+  return cudaGetLastError();
 }
 
 cudaError_t qk_norm_rope_cache(void* q, void* k, const void* v, int t, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
@@ -581,7 +530,7 @@ cudaError_t attention(const AttentionArgs& a, cudaStream_t s) {
   if (a.seqs) {
     if (a.seqs->n != a.T || a.T > kMaxDecodeSeqs) return cudaErrorInvalidValue;
   } else {
-    if (a.fuse_qk || a.cluster) return cudaErrorInvalidValue;
+    if (a.qk) return cudaErrorInvalidValue;
     one.n = 1;
     one.k_cache[0] = const_cast<void*>(a.k);
     one.v_cache[0] = const_cast<void*>(a.v);
@@ -589,7 +538,7 @@ cudaError_t attention(const AttentionArgs& a, cudaStream_t s) {
     one.pos_value[0] = a.pos_value;
     one.pos_device[0] = a.pos_device;
   }
-  if (a.fuse_qk && (!a.rope || a.Dk != a.Dv)) return cudaErrorInvalidValue;
+  if ((a.splits > 1 && !a.part) || (a.qk && (!a.rope || a.Dk != a.Dv))) return cudaErrorInvalidValue;
   const DecodeSeqs& seqs = a.seqs ? *a.seqs : one;
   const int64_t ldq = a.seqs ? a.ldq : int64_t(a.Hq) * a.Dk;
   // The decode step's 16-bit caches with heads of 64, 128 or 256 dims and 16-byte aligned buffers: 16-byte loads.
@@ -598,8 +547,8 @@ cudaError_t attention(const AttentionArgs& a, cudaStream_t s) {
     vec = reinterpret_cast<uintptr_t>(seqs.k_cache[i]) % 16 == 0 && reinterpret_cast<uintptr_t>(seqs.v_cache[i]) % 16 == 0;
   const bool pdl = cuda::pdl_enabled();
   QkFuse f{};
-  if (a.fuse_qk) {
-    if (vec) {
+  if (a.qk) {
+    if (vec && a.qk_inside) {
       f = QkFuse{1, a.k_off, a.v_off, a.q_norm, a.qwt, a.k_norm, a.kwt, a.eps, a.weight_before_cast ? 1 : 0, *a.rope};
     } else {  // the norms, rotary and cache writes by their own kernel first
       const size_t es = a.t == kF32 ? 4 : 2;
@@ -610,7 +559,6 @@ cudaError_t attention(const AttentionArgs& a, cudaStream_t s) {
       if (err != cudaSuccess) return err;
     }
   }
-  const bool cluster = a.cluster && vec && a.splits > 1 && a.splits <= kAttnMaxClusterSplits;
   auto run = [&](auto tag) {
     using E = decltype(tag);
     cudaError_t err = cudaSuccess;
@@ -620,17 +568,15 @@ cudaError_t attention(const AttentionArgs& a, cudaStream_t s) {
         E* oe = static_cast<E*>(a.out);
         auto kernel = a.Dk == 64 ? decode_attention_vec_kernel<E, 8>
                                  : a.Dk == 128 ? decode_attention_vec_kernel<E, 16> : decode_attention_vec_kernel<E, 32>;
-        float* part = cluster ? nullptr : a.part;
-        err = cuda::launch_pdl_cluster(pdl, dim3(1, cluster ? unsigned(a.splits) : 1u, 1), kernel, grid,
-                                       dim3(kAttnThreads), 0, s, qe, ldq, seqs, oe, a.Hq, a.Hkv, a.scale, a.window,
-                                       a.sinks, a.sink_t, a.chunk, part, f);
+        err = cuda::launch_pdl(pdl, kernel, grid, dim3(kAttnThreads), 0, s, qe, ldq, seqs, oe, a.Hq, a.Hkv, a.scale,
+                               a.window, a.sinks, a.sink_t, a.chunk, a.part, f);
       }
     }
     if (!vec)
       err = cuda::launch_pdl(pdl, attention_kernel<E>, grid, dim3(kAttnThreads), smem, s,
                              static_cast<const E*>(a.q), ldq, seqs, static_cast<E*>(a.out), a.Hq, a.Hkv, a.Dk, a.Dv,
                              a.scale, a.window, a.sinks, a.sink_t, a.chunk, a.part);
-    if (err != cudaSuccess || !a.part || cluster) return err;
+    if (err != cudaSuccess || !a.part) return err;
     return cuda::launch_pdl(pdl, attention_combine_kernel<E>, dim3(unsigned(bh)), dim3(128), 0, s,
                             static_cast<const float*>(a.part), int(a.splits), a.Hq, a.Dv, a.sinks, a.sink_t,
                             static_cast<E*>(a.out));

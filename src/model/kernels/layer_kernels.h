@@ -79,12 +79,6 @@ struct DecodeSeqs {
   int64_t pos_value[kMaxDecodeSeqs];
   const int64_t* pos_device[kMaxDecodeSeqs];
 };
-// qk_norm_rope_cache for T rows of q, k, v with row strides ldq, ldk, ldv (elements; rows of one QKV projection),
-// row t's caches and position from seqs (n == T, or n == 1: one sequence).
-cudaError_t qk_norm_rope_cache_seqs(void* q, void* k, const void* v, int t, int64_t T, int64_t Hq, int64_t Hkv,
-                                    int64_t D, int64_t ldq, int64_t ldk, int64_t ldv, const void* q_norm, int qwt,
-                                    const void* k_norm, int kwt, float eps, bool weight_before_cast,
-                                    const DecodeSeqs& seqs, const RopeArgs& a, cudaStream_t s);
 
 constexpr int kAttnThreads = 128, kAttnTile = 64, kAttnMaxDv = 4 * kAttnThreads;
 constexpr int kAttnMaxSplits = 64;  // splits of the keys per (query, head) at most (attention_combine_kernel)
@@ -111,15 +105,13 @@ struct AttentionArgs {
   // With seqs: 16-byte loads (16-bit caches, Dk == Dv of 64, 128 or 256, 16-byte aligned caches), else the
   // scalar kernel.
   bool vec = false;
-  // With seqs and vec: the splits of a (query, head) run as one thread-block cluster (sm_90, at most
-  // kAttnMaxClusterSplits splits) whose first block merges them from the others' shared memory (`part` unused,
-  // no merge launch).
-  bool cluster = false;
   // With seqs: q, k and v are the rows of one QKV projection (k and v heads k_off and v_off elements after a
   // row's q); the per-head norms (q_norm / k_norm of types qwt / kwt, or null), the rotary embedding and the cache
-  // writes of qk_norm_rope_cache_seqs happen here first: inside the attention kernel where vec applies (the new
-  // key and value read from the row, not the cache), else by that kernel's own launch before.
-  bool fuse_qk = false;
+  // writes of qk_norm_rope_cache_seqs happen here first: inside the 16-byte-load kernel where vec applies and
+  // qk_inside asks for it (the new key and value read from the row, not the cache), else by that kernel's own
+  // launch before.
+  bool qk = false;
+  bool qk_inside = true;
   int64_t k_off = 0, v_off = 0;
   const void* q_norm = nullptr;
   int qwt = 0;
@@ -129,7 +121,6 @@ struct AttentionArgs {
   bool weight_before_cast = false;
   const RopeArgs* rope = nullptr;
 };
-constexpr int kAttnMaxClusterSplits = 8;  // portable cluster size
 // Causal attention of the T queries at positions pos .. pos + T - 1 (flash-decoding when splits > 1).
 cudaError_t attention(const AttentionArgs& a, cudaStream_t s);
 
