@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <fstream>
 #include <random>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -211,6 +212,40 @@ TEST(BenchRun, WrongBackendsAreNotTimed) {
   for (const char* n : {"bench_test_exact", "bench_test_scaled", "bench_test_last_row_unwritten"}) reg.unregister_backend(n);
 }
 
+// --calls-per-sample R: each sample times R consecutive calls and records their time over R.
+TEST(BenchRun, CallsPerSampleTimesThatManyCallsPerReading) {
+  auto& reg = ExpertsInterface::global();
+  int calls = 0;
+  reg.register_backend("bench_test_slow_exact", [&calls](const Experts& e, const ExpertsCall& c) {
+    ++calls;
+    std::this_thread::sleep_for(std::chrono::milliseconds(3));
+    const std::vector<double> ref = reference_forward(e, c.hidden_states, c.top_k_index, c.top_k_weights);
+    for (size_t i = 0; i < ref.size(); ++i) c.out.ptr<float>()[i] = float(ref[i]);
+  }, {DeviceType::cpu}, "test", true);
+  BenchOptions o;
+  o.shapes = {parse_dims("48,40,6,2")};
+  o.tokens = {3};
+  o.backends = {"bench_test_slow_exact"};
+  o.dtype = DType::f32;
+  o.warmup = 0;
+  o.iters = 3;
+  o.min_iters = 3;
+  o.min_time_s = 0;
+  o.calls_per_sample = 4;
+  const BenchReport r = run_bench(o, given_ceilings(Device::cpu(), 0.01, 5.0));
+  reg.unregister_backend("bench_test_slow_exact");
+  ASSERT_EQ(r.records.size(), 1u);
+  const BenchRecord& rec = r.records[0];
+  EXPECT_EQ(rec.calls_per_sample, 4);
+  EXPECT_EQ(rec.iters, 3);
+  EXPECT_EQ(calls, 1 + 3 * 4);  // the checked call, then three samples of four
+  // Per call, not per sample: about 3 ms each (a sample of four takes 12 ms or more).
+  EXPECT_GE(rec.min_us, 2900.0);
+  EXPECT_LT(rec.median_us, 9000.0);
+  o.calls_per_sample = 0;
+  EXPECT_THROW(run_bench(o, given_ceilings(Device::cpu(), 0.01, 5.0)), Error);
+}
+
 TEST(BenchCli, TinyCpuRunWritesJsonAndPlot) {
   const std::string json_path = temp_path("tiny.json"), png_path = temp_path("tiny.png");
   std::remove(json_path.c_str());
@@ -283,6 +318,7 @@ TEST(BenchCli, BadArgumentsAreRejectedClearly) {
       {"--dims 64,32,8,2 --graph", "--graph needs --device cuda"},
       {"--dims 64,32,8,2 --queue-ahead-us 50", "--queue-ahead-us needs --device cuda"},
       {"--dims 64,32,8,2 --device cuda --queue-ahead-us -3", "--queue-ahead-us"},
+      {"--dims 64,32,8,2 --calls-per-sample 0", "--calls-per-sample"},
       {"--dims 64,32,8,2 --dtype f8", "--dtype"},
       {"--dims 64,32,8,2 --peak-tflops 1", "--bandwidth-gbps"},
       {"--dims 64,32,8,2 --routing zipf", "--routing"},

@@ -24,7 +24,7 @@ struct BenchArgs {
   bool graph = false, quiet = false;
   int64_t graph_max_tokens = -1;
   int64_t ep = 1;
-  int warmup = 3, iters = 50, min_iters = 5;
+  int warmup = 3, iters = 50, min_iters = 5, calls_per_sample = 1;
   double min_time = 0.2, max_seconds = 30, tolerance = -1, peak_tflops = 0, bandwidth_gbps = 0, queue_ahead_us = 0;
   int64_t check_macs = 300'000'000;
   uint64_t seed = 1;
@@ -71,6 +71,7 @@ bench::BenchOptions to_options(const BenchArgs& a) {
   o.min_time_s = a.min_time;
   o.max_seconds = a.max_seconds;
   o.queue_ahead_us = a.queue_ahead_us;
+  o.calls_per_sample = a.calls_per_sample;
   o.tolerance = a.tolerance;
   o.check_macs = a.check_macs;
   o.seed = a.seed;
@@ -97,6 +98,7 @@ std::string command_line(const BenchArgs& a, const bench::BenchOptions& o) {
   if (a.peak_tflops > 0) s += fmt::format(" --peak-tflops {} --bandwidth-gbps {}", a.peak_tflops, a.bandwidth_gbps);
   if (a.tolerance >= 0) s += fmt::format(" --tolerance {}", a.tolerance);
   if (a.queue_ahead_us > 0) s += fmt::format(" --queue-ahead-us {}", a.queue_ahead_us);
+  if (a.calls_per_sample != 1) s += fmt::format(" --calls-per-sample {}", a.calls_per_sample);
   if (a.check_macs != bench::BenchOptions{}.check_macs) s += fmt::format(" --check-macs {}", a.check_macs);
   if (a.seed != 1) s += fmt::format(" --seed {}", a.seed);
   return s;
@@ -264,6 +266,10 @@ void add_bench_command(CLI::App& app) {
                   "CUDA: hold the stream this long on the device before each timed call, so that its clock starts with "
                   "the call already enqueued (device time without the host's launch latency); 0: idle stream")
       ->check(CLI::Range(0.0, 1e6))->capture_default_str();
+  cmd->add_option("--calls-per-sample", a->calls_per_sample,
+                  "time this many consecutive calls (the input sets in turn) per clock reading and record their time "
+                  "over that many: a call's cost in a stream of calls, as a model's layers make them; 1: each call alone")
+      ->check(CLI::Range(1, 1024))->capture_default_str();
   cmd->add_option("--peak-tflops", a->peak_tflops, "use this matrix rate instead of measuring it")->check(CLI::PositiveNumber);
   cmd->add_option("--bandwidth-gbps", a->bandwidth_gbps, "use this copy bandwidth instead of measuring it")->check(CLI::PositiveNumber);
   cmd->add_option("--seed", a->seed, "random seed")->capture_default_str();

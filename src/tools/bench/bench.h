@@ -87,6 +87,10 @@ struct BenchOptions {
   // the call is already enqueued when its clock starts: device time alone, as a decode loop that runs ahead of the
   // GPU sees it. 0: the stream is idle at the start event, and the host's launch of the call is timed with it.
   double queue_ahead_us = 0;
+  // Calls per clock reading: R consecutive calls (the input sets in turn) timed together, their time over R recorded
+  // as one sample: the cost of a call in a stream of calls, as a model's layers make them (each launch overlapping
+  // the call before). 1: each call timed alone.
+  int calls_per_sample = 1;
   double tolerance = -1;       // relative L2 vs the f64 reference; <= 0: 1e-5 for f32, 1e-2 otherwise
   int64_t check_macs = 300'000'000;  // reference work per check (rows are subsampled to fit; 0: no reference rows)
   uint64_t seed = 1;
@@ -106,6 +110,7 @@ struct BenchRecord {
   int64_t check_rows = 0;  // rows compared with the reference
   int iters = 0;
   int buffer_sets = 0;
+  int calls_per_sample = 1;
 };
 
 // A case that did not run, and why (NOT AVAILABLE, NOT SUPPORTED, FAILED CHECK, too slow, ...).

@@ -47,7 +47,8 @@ nlohmann::json record_to_json(const BenchRecord& r) {
           {"bytes", r.bytes},         {"moved_bytes", r.moved_bytes},
           {"experts_touched", r.experts_touched},
           {"rel_err", r.rel_err},     {"check_rows", r.check_rows},
-          {"iters", r.iters},         {"buffer_sets", r.buffer_sets}};
+          {"iters", r.iters},         {"buffer_sets", r.buffer_sets},
+          {"calls_per_sample", r.calls_per_sample}};
 }
 
 nlohmann::json report_to_json(const BenchReport& report, const BenchOptions& options, const std::string& command) {

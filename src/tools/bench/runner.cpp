@@ -54,10 +54,11 @@ std::string BenchOptions::to_string() const {
   return fmt::format(
       "BenchOptions{{.shapes={}, .tokens={}, .backends={}, .device={}, .dtype={}, .index_dtype={}, .graph={}, "
       ".graph_max_tokens={}, .routing={}, .warmup={}, .iters={}, .min_iters={}, .min_time_s={}, .max_seconds={}, "
-      ".tolerance={}, .check_macs={}, .seed={}, .quant={}, .queue_ahead_us={}}}",
+      ".tolerance={}, .check_macs={}, .seed={}, .quant={}, .queue_ahead_us={}, .calls_per_sample={}}}",
       shape_names, token_list, backend_names.empty() ? "all" : backend_names, device.to_string(), dtype_name(dtype),
       dtype_name(index_dtype), graph, graph_max_tokens, routing_name(routing), warmup, iters, min_iters, min_time_s,
-      max_seconds, tolerance, check_macs, seed, quant.empty() ? "none" : quant, queue_ahead_us);
+      max_seconds, tolerance, check_macs, seed, quant.empty() ? "none" : quant, queue_ahead_us,
+      calls_per_sample);
 }
 
 // ---- roofline ----
@@ -395,7 +396,9 @@ class ShapeRunner {
 #else
     MOEKIT_CHECK_CODE(!c.graph, not_supported, "CUDA graphs need a CUDA build");
 #endif
-    if (per_call * double(1 + opt_.min_iters) > opt_.max_seconds) {
+    const int R = opt_.calls_per_sample;
+    const double planned_calls = 1.0 + double(opt_.min_iters) * R;
+    if (per_call * planned_calls > opt_.max_seconds) {
       // The first call also ran the backend's one-time work (prepare: weight repacks, workspaces): time a
       // second one before calling the case too slow.
       const auto t1 = Clock::now();
@@ -403,7 +406,7 @@ class ShapeRunner {
       timer_.synchronize();
       per_call = seconds_since(t1);
     }
-    MOEKIT_CHECK_CODE(per_call * double(1 + opt_.min_iters) <= opt_.max_seconds, not_supported,
+    MOEKIT_CHECK_CODE(per_call * planned_calls <= opt_.max_seconds, not_supported,
                       fmt::format("too slow: one call took {:.2f} s (--max-seconds {})", per_call, opt_.max_seconds));
 
     // Warm-up, rotating through the sets; stops early once it has taken min_time.
@@ -418,8 +421,13 @@ class ShapeRunner {
     std::vector<double> us;
     const auto m0 = Clock::now();
     while (int(us.size()) < opt_.iters) {
-      us.push_back(timer_.time_us([&] { call(next); }));
-      next = (next + 1) % n_sets;
+      us.push_back(timer_.time_us([&] {
+                     for (int i = 0; i < R; ++i) {
+                       call(next);
+                       next = (next + 1) % n_sets;
+                     }
+                   }) /
+                   R);
       const double spent = seconds_since(m0);
       if (int(us.size()) >= opt_.min_iters && (spent >= opt_.min_time_s || spent >= opt_.max_seconds)) break;
     }
@@ -435,6 +443,7 @@ class ShapeRunner {
     r.median_us = median(us);
     r.min_us = *std::min_element(us.begin(), us.end());
     r.iters = int(us.size());
+    r.calls_per_sample = R;
     r.rel_err = err;
     return r;
   }
@@ -460,6 +469,8 @@ BenchReport run_bench(const BenchOptions& opt, const Ceilings& ceilings, const P
   MOEKIT_CHECK(opt.iters >= 1 && opt.min_iters >= 1 && opt.warmup >= 0, "bench: need iters >= 1, min_iters >= 1, warmup >= 0; got ",
                opt.iters, ", ", opt.min_iters, ", ", opt.warmup);
   MOEKIT_CHECK(opt.max_seconds > 0, "bench: max_seconds must be > 0, got ", opt.max_seconds);
+  MOEKIT_CHECK(opt.calls_per_sample >= 1 && opt.calls_per_sample <= 1024,
+               "bench: calls_per_sample must be in [1, 1024], got ", opt.calls_per_sample);
   MOEKIT_CHECK(opt.queue_ahead_us >= 0 && opt.queue_ahead_us <= 1e6, "bench: queue_ahead_us must be in [0, 1e6], got ",
                opt.queue_ahead_us);
   MOEKIT_CHECK(!opt.graph || opt.device.is_cuda(), "bench: CUDA graphs (--graph) need --device cuda");
