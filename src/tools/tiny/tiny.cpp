@@ -312,7 +312,9 @@ std::vector<std::pair<std::string, Shape>> tiny_tensor_shapes(const nlohmann::js
 }
 
 void write_tiny_checkpoint(const std::string& arch, const std::string& dir, uint64_t seed) {
-  write_tiny_checkpoint(arch, dir, TinyOptions{.seed = seed});
+  TinyOptions o;
+  o.seed = seed;
+  write_tiny_checkpoint(arch, dir, o);
 }
 
 bool fp8_quantized_tensor(const std::string& name, const Shape& shape) {
