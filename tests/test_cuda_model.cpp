@@ -187,6 +187,39 @@ TEST_F(CudaModelOps, ArgmaxRowsIsTheGreedySamplersChoice) {
   }
 }
 
+// The ahead decode's pick and hand-over in one: the same id and finite flag as argmax_rows, io becomes {id, pos + 1},
+// the host buffer {id, finite, seq}; rows of a vocabulary split over many blocks (ties across their chunks).
+TEST_F(CudaModelOps, GreedyPickFeedIsArgmaxThenFeed) {
+  model::HostStaging staging;
+  auto* host = static_cast<int64_t*>(staging.get(3 * sizeof(int64_t), kDev));
+  int64_t seq = 0;
+  for (int64_t V : {int64_t(5), int64_t(2049), int64_t(32000), int64_t(151936)}) {
+    const test::ArgmaxCase c = test::argmax_case(6, V, rng);  // rows 2 and 3 are not finite, row 5 all -inf
+    for (int64_t r = 0; r < 6; ++r) {
+      SCOPED_TRACE(::testing::Message() << "V=" << V << " row " << r);
+      const Tensor row = Tensor::copy_of(model::rows(c.logits.view(), r, 1), kDev);
+      Tensor pick_host = Tensor::empty({2}, DType::i64);
+      pick_host.ptr<int64_t>()[0] = pick_host.ptr<int64_t>()[1] = -77;
+      Tensor pick = on_gpu(pick_host);
+      Tensor io_host = Tensor::empty({2}, DType::i64);
+      io_host.ptr<int64_t>()[0] = -5;
+      io_host.ptr<int64_t>()[1] = 40 + r;
+      Tensor io = on_gpu(io_host);
+      host[0] = host[1] = host[2] = -9;
+      gpu().greedy_pick_feed(row.view(), c.suppress, pick.view(), io.view(), host, ++seq);
+      stream_synchronize(nullptr, kDev);
+      const Tensor p = on_cpu(pick), i = on_cpu(io);
+      EXPECT_EQ(p.ptr<int64_t>()[1], c.expect[size_t(2 * r + 1)]);
+      if (c.expect[size_t(2 * r + 1)] == 1) EXPECT_EQ(p.ptr<int64_t>()[0], c.expect[size_t(2 * r)]);
+      EXPECT_EQ(i.ptr<int64_t>()[0], p.ptr<int64_t>()[0]);
+      EXPECT_EQ(i.ptr<int64_t>()[1], 41 + r);
+      EXPECT_EQ(host[0], p.ptr<int64_t>()[0]);
+      EXPECT_EQ(host[1], p.ptr<int64_t>()[1]);
+      EXPECT_EQ(host[2], seq);
+    }
+  }
+}
+
 TEST_F(CudaModelOps, RmsnormMatchesCpuInPlaceAndStrided) {
   // D up to 8 per thread keeps the row in registers (the decode step's norms); 9000 takes the two-pass kernels.
   for (DType t : {DType::f32, DType::bf16}) {

@@ -386,9 +386,9 @@ int64_t Model::Impl::enqueue_ahead(int64_t token, KvCache& cache, int64_t positi
   g.graph->replay();
   ++graph_replays;
   const TensorView pick(step_pick.data(), DType::i64, {2}, dev);
-  ops().argmax_rows(g.logits.view(), suppress, pick);
   const int64_t ticket = ++ahead_seq;
-  ops().greedy_feed(pick, TensorView(step_io.data(), DType::i64, {2}, dev), host + 3 * (ticket % 2), ticket);
+  ops().greedy_pick_feed(g.logits.view(), suppress, pick, TensorView(step_io.data(), DType::i64, {2}, dev),
+                         host + 3 * (ticket % 2), ticket);
   return ticket;
 }
 

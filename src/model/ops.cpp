@@ -196,6 +196,12 @@ void set_fused_qk_attention(bool on) { g_fused_qk_attention.set(on); }
 bool decode_ahead() { return g_decode_ahead.on(); }
 void set_decode_ahead(bool on) { g_decode_ahead.set(on); }
 
+void DeviceOps::greedy_pick_feed(const TensorView& logits, const std::vector<int64_t>& suppress,
+                                 const TensorView& pick, const TensorView& io, int64_t* host, int64_t seq) const {
+  argmax_rows(logits, suppress, pick);
+  greedy_feed(pick, io, host, seq);
+}
+
 void DeviceOps::greedy_feed(const TensorView&, const TensorView& io, int64_t*, int64_t) const {
   MOEKIT_FAIL(not_supported, "greedy_feed: decode steps run ahead only on CUDA devices, got ", io.device.to_string());
 }

@@ -146,6 +146,10 @@ class DeviceOps {
   // host[0], host[1] (page-locked host memory) get pick[0], pick[1], then host[2] gets seq, written last, so
   // that the host may poll host[2] for seq and then read the pick. The default: Error(not_supported).
   virtual void greedy_feed(const TensorView& pick, const TensorView& io, int64_t* host, int64_t seq) const;
+  // argmax_rows of one row of logits into pick ([2] i64), then greedy_feed(pick, io, host, seq). The default calls
+  // the two; CUDA hands the pick over in the choice's own last launch.
+  virtual void greedy_pick_feed(const TensorView& logits, const std::vector<int64_t>& suppress, const TensorView& pick,
+                                const TensorView& io, int64_t* host, int64_t seq) const;
   // Records what `body` enqueues on the current stream into a graph (nothing runs). Throws
   // Error(not_supported) on devices without graphs.
   virtual std::unique_ptr<StepGraph> capture(const std::function<void()>& body) const = 0;

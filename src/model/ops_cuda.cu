@@ -506,8 +506,30 @@ class CudaOps final : public DeviceOps {
     sup.n = int(suppress.size());
     for (size_t i = 0; i < suppress.size(); ++i) sup.ids[i] = suppress[i];
     if (R == 0) return;
-    DeviceGuard g(logits.device.index);
-    MOEKIT_CUDA_CALL(kernels::argmax_rows(logits.ptr<float>(), R, V, sup, out.ptr<int64_t>(), stream()));
+    MOEKIT_CHECK(R <= 65535, "argmax_rows: ", R, " rows; the CUDA ops take up to 65535 at once");
+    const int dev = logits.device.index;
+    DeviceGuard g(dev);
+    const cudaStream_t s = stream();
+    void* work = pick_scratch().get(dev, s, kernels::argmax_work_bytes(R, V));
+    MOEKIT_CUDA_CALL(kernels::argmax_rows(logits.ptr<float>(), R, V, sup, out.ptr<int64_t>(), work, s));
+  }
+
+  void greedy_pick_feed(const TensorView& logits, const std::vector<int64_t>& suppress, const TensorView& pick,
+                        const TensorView& io, int64_t* host, int64_t seq) const override {
+    const auto [R, V] = check_argmax_rows(logits, suppress, pick);
+    MOEKIT_CHECK(R == 1 && logits.device.is_cuda() && io.dtype == DType::i64 && io.numel() == 2 &&
+                     io.is_contiguous() && io.device == pick.device && host != nullptr,
+                 "greedy_pick_feed: logits ", logits.to_string(), " (one row on a CUDA device), pick ",
+                 pick.to_string(), " and io ", io.to_string(), " ([2] i64 on its device), with a host buffer");
+    kernels::Suppress sup{};
+    sup.n = int(suppress.size());
+    for (size_t i = 0; i < suppress.size(); ++i) sup.ids[i] = suppress[i];
+    const int dev = logits.device.index;
+    DeviceGuard g(dev);
+    const cudaStream_t s = stream();
+    void* work = pick_scratch().get(dev, s, kernels::argmax_work_bytes(1, V));
+    MOEKIT_CUDA_CALL(kernels::argmax_feed(logits.ptr<float>(), V, sup, pick.ptr<int64_t>(), work, io.ptr<int64_t>(),
+                                          host, seq, s));
   }
 
   void greedy_feed(const TensorView& pick, const TensorView& io, int64_t* host, int64_t seq) const override {
@@ -548,6 +570,12 @@ class CudaOps final : public DeviceOps {
   static constexpr size_t kCublasWorkspace = size_t(32) << 20;
   static cuda::StreamScratch& scratch() {
     static cuda::StreamScratch w("the layer ops", size_t(1) << 20);
+    return w;
+  }
+  // The greedy pick's per-block candidates: apart from the layer ops' scratch, which a recorded decode graph points
+  // into, so that a pick after a replay never grows (moves) a buffer the graph reads.
+  static cuda::StreamScratch& pick_scratch() {
+    static cuda::StreamScratch w("the greedy pick", size_t(64) << 10);
     return w;
   }
   static cuda::StreamScratch& cublas_workspace() {

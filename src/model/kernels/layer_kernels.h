@@ -159,8 +159,13 @@ struct Suppress {
   int n = 0;
   int64_t ids[kArgmaxMaxSuppress];
 };
-cudaError_t argmax_rows(const float* logits, int64_t R, int64_t V, const Suppress& suppress, int64_t* out,
+// work: argmax_work_bytes(R, V) bytes of device memory (the per-block candidates; R <= 65535).
+size_t argmax_work_bytes(int64_t R, int64_t V);
+cudaError_t argmax_rows(const float* logits, int64_t R, int64_t V, const Suppress& suppress, int64_t* out, void* work,
                         cudaStream_t s);
+// argmax_rows of one row into pick [2], then greedy_feed's hand-over of pick to io and host, in the same launches.
+cudaError_t argmax_feed(const float* logits, int64_t V, const Suppress& suppress, int64_t* pick, void* work,
+                        int64_t* io, int64_t* host, int64_t seq, cudaStream_t s);
 // DeviceOps::greedy_feed: io[0] = pick[0], io[1] += 1; host[0], host[1] = pick[0], pick[1], then (after a system
 // fence) host[2] = seq. host: page-locked memory mapped for the device.
 cudaError_t greedy_feed(const int64_t* pick, int64_t* io, int64_t* host, int64_t seq, cudaStream_t s);
