@@ -158,6 +158,10 @@ int grouped_tma_tile_m(int64_t pairs, int experts, bool gathered_a);
 // The staging schedule of its f32 and weighted epilogues: one 8 KB box per round alternating between two
 // halves of the staging buffer (on), or two boxes per round (off). Returns the previous setting.
 bool set_grouped_gemm_tma_split_out(bool on);
+// Its gated 16-bit epilogue for silu with biases or gpt-oss's clamped SwiGLU: unrolled, biases loaded first, exp and
+// division in hardware approximations (on), or the generic per-value loop with expf (off). Returns the previous
+// setting.
+bool set_grouped_gemm_tma_fast_gate(bool on);
 bool set_grouped_gemm_tma_pingpong(bool on);  // returns the previous setting
 // The three cp.async kernels, for tests and measurements.
 cudaError_t grouped_gemm_wgmma(const GroupedGemmArgs& a, int tile_m, bool wide, cudaStream_t stream);
