@@ -100,6 +100,18 @@ __global__ void __launch_bounds__(kArgmaxThreads)
   }
 }
 
+// The hand-over of a greedy pick (DeviceOps::greedy_feed): the next step's input and the host's copy, the
+// sequence number written last.
+__device__ __forceinline__ void feed_pick(int64_t tok, int64_t finite, int64_t* io, volatile int64_t* host,
+                                          int64_t seq) {
+  io[0] = tok;
+  io[1] += 1;
+  host[0] = tok;
+  host[1] = finite;
+  __threadfence_system();  // the pick reaches the host before the sequence number
+  host[2] = seq;
+}
+
 // Phase 2: one warp per row picks the best of its splits' candidates: out[2r] = the id (0 when no value beats
 // -inf), out[2r + 1] = 1 when the row is all finite. With FEED (one row): the pick also goes to the next step and
 // the host as greedy_feed_kernel does it.
@@ -125,35 +137,19 @@ __global__ void argmax_final_kernel(const float* part_v, const int64_t* part_i, 
   const int64_t tok = bi < V ? bi : 0;
   out[2 * r] = tok;
   out[2 * r + 1] = fin;
-  if constexpr (FEED) {
-    io[0] = tok;
-    io[1] += 1;
-    host[0] = tok;
-    host[1] = fin;
-    __threadfence_system();  // the pick reaches the host before the sequence number
-    host[2] = seq;
-  }
+  if constexpr (FEED) feed_pick(tok, fin, io, host, seq);
 }
 
 __global__ void greedy_feed_kernel(const int64_t* pick, int64_t* io, volatile int64_t* host, int64_t seq) {
   cuda::pdl_wait();  // PDL: the pick is written by the kernel before
   cuda::pdl_trigger();
-  const int64_t tok = pick[0], finite = pick[1];
-  io[0] = tok;
-  io[1] += 1;
-  host[0] = tok;
-  host[1] = finite;
-  __threadfence_system();  // the pick reaches the host before the sequence number
-  host[2] = seq;
+  feed_pick(pick[0], pick[1], io, host, seq);
 }
 
-}  // namespace
-
-cudaError_t greedy_feed(const int64_t* pick, int64_t* io, int64_t* host, int64_t seq, cudaStream_t s) {
-  int64_t* dev_host = nullptr;
-  const cudaError_t err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_host), host, 0);
-  if (err != cudaSuccess) return err;
-  return cuda::launch_pdl(cuda::pdl_enabled(), greedy_feed_kernel, dim3(1), dim3(1), 0, s, pick, io, dev_host, seq);
+// The device's address of page-locked, mapped host memory.
+cudaError_t device_view(int64_t* host, int64_t*& dev_host) {
+  dev_host = nullptr;
+  return cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_host), host, 0);
 }
 
 int64_t argmax_chunk(int64_t V) {
@@ -161,13 +157,6 @@ int64_t argmax_chunk(int64_t V) {
   return (c + 3) / 4 * 4;
 }
 
-size_t argmax_work_bytes(int64_t R, int64_t V) {
-  if (R <= 0 || V <= 0) return 0;
-  const int64_t splits = (V + argmax_chunk(V) - 1) / argmax_chunk(V);
-  return size_t(R * splits) * (sizeof(float) + sizeof(int64_t) + sizeof(int)) + 64;
-}
-
-namespace {
 cudaError_t argmax_two_phase(const float* logits, int64_t R, int64_t V, const Suppress& suppress, int64_t* out,
                              void* work, bool feed, int64_t* io, int64_t* host, int64_t seq, cudaStream_t s) {
   if (R <= 0) return cudaSuccess;
@@ -186,13 +175,27 @@ cudaError_t argmax_two_phase(const float* logits, int64_t R, int64_t V, const Su
                             static_cast<const int*>(part_f), int(splits), V, out, static_cast<int64_t*>(nullptr),
                             static_cast<volatile int64_t*>(nullptr), seq);
   int64_t* dev_host = nullptr;
-  err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_host), host, 0);
+  err = device_view(host, dev_host);
   if (err != cudaSuccess) return err;
   return cuda::launch_pdl(pdl, argmax_final_kernel<true>, dim3(1), dim3(32), 0, s, static_cast<const float*>(part_v),
                           static_cast<const int64_t*>(part_i), static_cast<const int*>(part_f), int(splits), V, out, io,
                           static_cast<volatile int64_t*>(dev_host), seq);
 }
+
 }  // namespace
+
+cudaError_t greedy_feed(const int64_t* pick, int64_t* io, int64_t* host, int64_t seq, cudaStream_t s) {
+  int64_t* dev_host = nullptr;
+  const cudaError_t err = device_view(host, dev_host);
+  if (err != cudaSuccess) return err;
+  return cuda::launch_pdl(cuda::pdl_enabled(), greedy_feed_kernel, dim3(1), dim3(1), 0, s, pick, io, dev_host, seq);
+}
+
+size_t argmax_work_bytes(int64_t R, int64_t V) {
+  if (R <= 0 || V <= 0) return 0;
+  const int64_t splits = (V + argmax_chunk(V) - 1) / argmax_chunk(V);
+  return size_t(R * splits) * (sizeof(float) + sizeof(int64_t) + sizeof(int)) + 64;
+}
 
 cudaError_t argmax_rows(const float* logits, int64_t R, int64_t V, const Suppress& suppress, int64_t* out, void* work,
                         cudaStream_t s) {
