@@ -501,43 +501,32 @@ class CudaOps final : public DeviceOps {
                    const TensorView& out) const override {
     const auto [R, V] = check_argmax_rows(logits, suppress, out);
     MOEKIT_CHECK(logits.device.is_cuda(), "argmax_rows: logits must be on a CUDA device, got ", logits.to_string());
-    static_assert(DeviceOps::kMaxSuppress <= size_t(kernels::kArgmaxMaxSuppress));
-    kernels::Suppress sup{};
-    sup.n = int(suppress.size());
-    for (size_t i = 0; i < suppress.size(); ++i) sup.ids[i] = suppress[i];
     if (R == 0) return;
     MOEKIT_CHECK(R <= 65535, "argmax_rows: ", R, " rows; the CUDA ops take up to 65535 at once");
     const int dev = logits.device.index;
     DeviceGuard g(dev);
     const cudaStream_t s = stream();
     void* work = pick_scratch().get(dev, s, kernels::argmax_work_bytes(R, V));
-    MOEKIT_CUDA_CALL(kernels::argmax_rows(logits.ptr<float>(), R, V, sup, out.ptr<int64_t>(), work, s));
+    MOEKIT_CUDA_CALL(
+        kernels::argmax_rows(logits.ptr<float>(), R, V, to_suppress(suppress), out.ptr<int64_t>(), work, s));
   }
 
   void greedy_pick_feed(const TensorView& logits, const std::vector<int64_t>& suppress, const TensorView& pick,
                         const TensorView& io, int64_t* host, int64_t seq) const override {
     const auto [R, V] = check_argmax_rows(logits, suppress, pick);
-    MOEKIT_CHECK(R == 1 && logits.device.is_cuda() && io.dtype == DType::i64 && io.numel() == 2 &&
-                     io.is_contiguous() && io.device == pick.device && host != nullptr,
-                 "greedy_pick_feed: logits ", logits.to_string(), " (one row on a CUDA device), pick ",
-                 pick.to_string(), " and io ", io.to_string(), " ([2] i64 on its device), with a host buffer");
-    kernels::Suppress sup{};
-    sup.n = int(suppress.size());
-    for (size_t i = 0; i < suppress.size(); ++i) sup.ids[i] = suppress[i];
+    MOEKIT_CHECK(R == 1 && logits.device.is_cuda(), "greedy_pick_feed: logits ", logits.to_string(),
+                 " must be one row on a CUDA device");
+    check_feed("greedy_pick_feed", pick, io, host);
     const int dev = logits.device.index;
     DeviceGuard g(dev);
     const cudaStream_t s = stream();
     void* work = pick_scratch().get(dev, s, kernels::argmax_work_bytes(1, V));
-    MOEKIT_CUDA_CALL(kernels::argmax_feed(logits.ptr<float>(), V, sup, pick.ptr<int64_t>(), work, io.ptr<int64_t>(),
-                                          host, seq, s));
+    MOEKIT_CUDA_CALL(kernels::argmax_feed(logits.ptr<float>(), V, to_suppress(suppress), pick.ptr<int64_t>(), work,
+                                          io.ptr<int64_t>(), host, seq, s));
   }
 
   void greedy_feed(const TensorView& pick, const TensorView& io, int64_t* host, int64_t seq) const override {
-    MOEKIT_CHECK(pick.dtype == DType::i64 && pick.numel() >= 2 && pick.is_contiguous() && pick.device.is_cuda() &&
-                     io.dtype == DType::i64 && io.numel() == 2 && io.is_contiguous() && io.device == pick.device &&
-                     host != nullptr,
-                 "greedy_feed: pick ", pick.to_string(), " and io ", io.to_string(),
-                 " must be contiguous i64 on one CUDA device ([>= 2] and [2]), with a host buffer");
+    check_feed("greedy_feed", pick, io, host);
     DeviceGuard g(io.device.index);
     MOEKIT_CUDA_CALL(kernels::greedy_feed(pick.ptr<int64_t>(), io.ptr<int64_t>(), host, seq, stream()));
   }
@@ -571,6 +560,21 @@ class CudaOps final : public DeviceOps {
   static cuda::StreamScratch& scratch() {
     static cuda::StreamScratch w("the layer ops", size_t(1) << 20);
     return w;
+  }
+  static kernels::Suppress to_suppress(const std::vector<int64_t>& suppress) {
+    static_assert(DeviceOps::kMaxSuppress <= size_t(kernels::kArgmaxMaxSuppress));
+    kernels::Suppress sup{};
+    sup.n = int(suppress.size());
+    for (size_t i = 0; i < suppress.size(); ++i) sup.ids[i] = suppress[i];
+    return sup;
+  }
+  // greedy_feed's operands: pick [>= 2] and io [2] contiguous i64 on one CUDA device, a host buffer.
+  static void check_feed(const char* op, const TensorView& pick, const TensorView& io, const int64_t* host) {
+    MOEKIT_CHECK(pick.dtype == DType::i64 && pick.numel() >= 2 && pick.is_contiguous() && pick.device.is_cuda() &&
+                     io.dtype == DType::i64 && io.numel() == 2 && io.is_contiguous() && io.device == pick.device &&
+                     host != nullptr,
+                 op, ": pick ", pick.to_string(), " and io ", io.to_string(),
+                 " must be contiguous i64 on one CUDA device ([>= 2] and [2]), with a host buffer");
   }
   // The greedy pick's per-block candidates: apart from the layer ops' scratch, which a recorded decode graph points
   // into, so that a pick after a replay never grows (moves) a buffer the graph reads.

@@ -21,6 +21,13 @@ static_assert(kActSilu == act::kSilu && kActGelu == act::kGelu && kActGeluTanh =
 
 __device__ __forceinline__ float activate(int a, float x) { return act::apply(a, x); }
 
+// SiLU with the hardware's exp2 and reciprocal approximations (a few ulp of f32) for 16-bit outputs, whose value is
+// rounded to bf16 / f16 next: it differs from the correctly rounded x / (1 + exp(-x)) by one 16-bit ulp only where
+// that value lies within a few f32 ulp of a rounding boundary. The exact form (an IEEE division and expf) was about a
+// third of the FP8 Hopper kernel's gated epilogue, which both consumer warpgroups run while the tensor cores wait;
+// the bf16 TMA engine's gated epilogues use it too. 0 once exp(-x) > 2^126.
+__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
+
 // gate and up already include their biases.
 __device__ __forceinline__ float gate_value(const GateParams& g, float gate, float up) {
   if (g.kind == kGateClampedSwiglu) return act::clamped_swiglu(gate, up, g.limit, g.alpha);

@@ -41,12 +41,6 @@ __device__ __forceinline__ void with_gate_code(const GateParams& gp, Fn&& fn) {
   }
 }
 
-// SiLU with the hardware's exp2 and reciprocal approximations (a few ulp of f32) for the 16-bit outputs, whose
-// value is rounded to bf16 / f16 next: it differs from the correctly rounded x / (1 + exp(-x)) by one 16-bit ulp
-// only where that value lies within a few f32 ulp of a rounding boundary. The exact form (an IEEE division and expf)
-// was about a third of the FP8 Hopper kernel's gated epilogue, which both consumer warpgroups run while the tensor
-// cores wait.
-__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
 
 // Gated column: gate and up accumulators, their biases (has_bias), the gated value (before the final rounding).
 // CODE: the gate code as a constant (see kActClampedGate) or kActRuntime.

@@ -428,7 +428,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
               const float g = acc[4 * j + 2 * half + q], u = acc[4 * (j + kBN / 16) + 2 * half + q];
-              y[q] = __fdividef(g, 1.0f + __expf(-g)) * u;  // 0 once exp(-g) > 2^126
+              y[q] = silu_fast(g) * u;
             }
             T2 v;
             v.x = from_f32<T>(y[0]);
@@ -518,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 const int o = o0 + g8 + e;
                 const float g = *reinterpret_cast<const float*>(stage + slot(r_out, concat ? o : 2 * o));
                 const float u = *reinterpret_cast<const float*>(stage + slot(r_out, concat ? 32 + o : 2 * o + 1));
-                y[e] = from_f32<T>(__fdividef(g, 1.0f + __expf(-g)) * u);  // 0 once exp(-g) > 2^126
+                y[e] = from_f32<T>(silu_fast(g) * u);
               }
               const int64_t col = col0 + o0 + g8;
               if (vec && col + 8 <= args.n) {
@@ -531,8 +531,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           } else if (fast_gated && row_g < t.m_end) {
             // silu(gate) * up or gpt-oss's clamped SwiGLU, with biases, in the hardware approximations of the
-            // fast silu path above (__expf, __fdividef), unrolled over 8 outputs with the 16 biases loaded first,
-            // 16 bytes at a time where aligned.
+            // fast silu path above (silu_fast; __expf and __fdividef for the clamped gate's sigmoid), unrolled over
+            // 8 outputs with the 16 biases loaded first, 16 bytes at a time where aligned.
             const bool clamped = args.gate.kind == kGateClampedSwiglu;
             const float limit = args.gate.limit, alpha = args.gate.alpha;
 #pragma unroll 1
@@ -579,7 +579,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                   u = u < -limit ? -limit : (u > limit ? limit : u);
                   v = (u + 1.0f) * g * __fdividef(1.0f, 1.0f + __expf(-alpha * g));
                 } else {
-                  v = __fdividef(g, 1.0f + __expf(-g)) * u;
+                  v = silu_fast(g) * u;
                 }
                 y[e] = from_f32<T>(v);
               }
