@@ -142,6 +142,90 @@ TEST(CudaGroupedGemm, TmaFastGatedEpilogueMatchesTheGenericLoop) {
 #endif
 }
 
+// The cooperative form's idle second warpgroup (an expert's last tile of at most 64 rows) released without MMAs,
+// against the same tiles with it multiplying rows it does not store: bit for bit the same output, and each against
+// the reference; grouped_mm (contiguous rows), deepgemm and sonicmoe (gathered rows), gated and act-only.
+TEST(CudaGroupedGemm, TmaSkippedIdleWarpgroupIsBitIdentical) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+#ifdef MOEKIT_WITH_CUDA
+  const bool pp = cuda::kernels::set_grouped_gemm_tma_pingpong(false);  // cooperative tiles throughout
+  int n = 0;
+  for (bool gated : {true, false})
+    for (int64_t T : {int64_t(700), int64_t(2100)}) {  // ~175 and ~525 rows per expert: last tiles of any size
+      ProblemConfig c = cuda_case();
+      c.act = c.wdt = n % 2 ? DType::f16 : DType::bf16;
+      c.E = 8;
+      c.H = 264;
+      c.I = 200;
+      c.T = T;
+      c.K = 2;
+      c.has_gate = gated;
+      c.activation = gated ? Activation::silu : Activation::relu2;
+      c.has_bias = !gated;
+      c.sentinel_every = 7;
+      const ExpertsProblem p = make_problem(c, 3000 + n++);
+      const Experts on_gpu = p.experts.to(Device::cuda(0));
+      for (const char* name : {"grouped_mm", "deepgemm", "sonicmoe"}) {
+        if (!ExpertsInterface::global().get(name)->supports(on_gpu, c.act)) continue;
+        SCOPED_TRACE(::testing::Message() << name << " gated " << gated << " T " << T << " " << dtype_name(c.act));
+        const bool was = cuda::kernels::set_grouped_gemm_tma_skip_idle(true);
+        const Tensor skip = run_backend(on_gpu, name, p);
+        cuda::kernels::set_grouped_gemm_tma_skip_idle(false);
+        const Tensor full = run_backend(on_gpu, name, p);
+        cuda::kernels::set_grouped_gemm_tma_skip_idle(was);
+        EXPECT_EQ(compare_with_reference(p, skip), "");
+        EXPECT_TRUE(bitwise_equal(skip, full));
+      }
+    }
+  cuda::kernels::set_grouped_gemm_tma_pingpong(pp);
+#endif
+}
+
+// The ping-pong form over clusters of two CTAs (route tiles of 128 rows, the weight boxes multicast) against the
+// ping-pong form over route tiles of 64: bit for bit the same output, and each against the reference; grouped_mm,
+// deepgemm and sonicmoe, gated with biases and act-only, odd expert counts (CTAs past an expert's end), one row per
+// expert at the smallest.
+TEST(CudaGroupedGemm, TmaClusterPairsAreBitIdentical) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+#ifdef MOEKIT_WITH_CUDA
+  struct Case {
+    int64_t E, T, K;
+    bool gated;
+  };
+  // ~75, ~175 and ~6 rows per expert (the last in the gathered form's regime too: sonicmoe's limit is 128)
+  const Case cases[] = {{8, 300, 2, true}, {8, 700, 2, false}, {13, 351, 2, true}, {40, 120, 2, true}};
+  int n = 0;
+  for (const Case& k : cases) {
+    ProblemConfig c = cuda_case();
+    c.act = c.wdt = n % 2 ? DType::f16 : DType::bf16;
+    c.E = k.E;
+    c.H = 264;
+    c.I = 200;
+    c.T = k.T;
+    c.K = k.K;
+    c.has_gate = k.gated;
+    c.activation = k.gated ? Activation::silu : Activation::relu2;
+    c.has_bias = n % 2 == 0;
+    c.sentinel_every = 7;
+    c.used = n == 2 ? k.E - 3 : k.E;
+    const ExpertsProblem p = make_problem(c, 4000 + n++);
+    const Experts on_gpu = p.experts.to(Device::cuda(0));
+    for (const char* name : {"grouped_mm", "deepgemm", "sonicmoe"}) {
+      if (!ExpertsInterface::global().get(name)->supports(on_gpu, c.act)) continue;
+      SCOPED_TRACE(::testing::Message() << name << " E " << k.E << " T " << k.T << " " << dtype_name(c.act));
+      const bool was = cuda::kernels::set_grouped_gemm_tma_pair(true);
+      const Tensor pairs = run_backend(on_gpu, name, p);
+      cuda::kernels::set_grouped_gemm_tma_pair(false);
+      const Tensor single = run_backend(on_gpu, name, p);
+      cuda::kernels::set_grouped_gemm_tma_pair(was);
+      EXPECT_EQ(compare_with_reference(p, pairs), "");
+      EXPECT_EQ(compare_with_reference(p, single), "");
+      EXPECT_TRUE(bitwise_equal(pairs, single));
+    }
+  }
+#endif
+}
+
 // No gate (act-only first projection) and a single busy expert.
 TEST(CudaGroupedGemm, TmaKernelActOnlyAndOneExpert) {
   MOEKIT_SKIP_WITHOUT_CUDA();

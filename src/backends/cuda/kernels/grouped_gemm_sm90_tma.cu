@@ -73,6 +73,20 @@ static_assert(kGatherThreads == 128 && kBM == 128 && kBK == 64, "gathered A: 16 
 [[maybe_unused]] __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// Arrival on the barrier at the same shared-memory offset in cluster CTA `cta` (this CTA included).
+[[maybe_unused]] __device__ __forceinline__ void mbar_arrive_in(uint32_t bar, uint32_t cta) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(bar),
+      "r"(cta)
+      : "memory");
+}
+[[maybe_unused]] __device__ __forceinline__ void cluster_sync_all() {  // every thread of both CTAs, any order
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
 [[maybe_unused]] __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
       "{\n"
@@ -98,6 +112,17 @@ static_assert(kGatherThreads == 128 && kBM == 128 && kBK == 64, "gathered A: 16 
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::
           "r"(dst),
       "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// The same box into this CTA and its cluster peer (CTA mask 0b11), at the same shared-memory offset, each
+// CTA's barrier at `bar`'s offset receiving the bytes.
+[[maybe_unused]] __device__ __forceinline__ void tma_load_3d_pair(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                                                  int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, "
+      "%4, %5}], [%2], %6;\n" ::"r"(dst),
+      "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "h"(uint16_t(3))
       : "memory");
 }
 
@@ -140,7 +165,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                             const __grid_constant__ CUtensorMap map_out, const bool use_tma_store,
                             const bool pingpong, const bool split_out, const bool fast_gate,
-                            const GroupedGemmArgs args) {
+                            const bool skip_idle, const bool pair, const GroupedGemmArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char tma_smem[];
   const uint32_t base = (smem_u32(tma_smem) + 1023) & ~1023u;          // swizzled tiles: 1024-byte aligned
@@ -150,17 +175,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto turn = [&](int c) { return bars + 8 * (2 * kStages + c); };  // ping-pong: consumer c may start its main loop
   const int tid = threadIdx.x, wg = tid / 128;
   const bool gather = args.a_rows != nullptr;
+  uint32_t rank = 0;  // pair: this CTA's rank in its cluster of two (blocks 2 i and 2 i + 1)
+  if (pair) asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full(s), gather ? 1 + kGatherThreads : 1);
-      mbar_init(empty(s), pingpong ? 4 : 8);  // one arrival per warp of the consumer(s) reading the stage
+      mbar_init(empty(s), pingpong && !pair ? 4 : 8);  // one arrival per warp of the consumer(s) reading the stage
     }
     mbar_init(turn(0), 1);
     mbar_init(turn(1), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();
+  if (pair) cluster_sync_all();  // the peer's barriers initialised before any arrival or multicast reaches them
+  else __syncthreads();
 
   const int n_tiles = n_tiles_of<EPI>(args);
   const int rows = pingpong ? 64 : kBM, sub = args.tile_m / rows;  // rows per work item, items per route tile
@@ -183,7 +211,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int w = blockIdx.x; w < total; w += gridDim.x) {
         Work t;
         work_item(args, w, n_tiles, rows, sub, t);
-        if (t.m0 >= t.m_end) continue;
+        if (t.m0 >= t.m_end && !pair) continue;
         const int row0 = concat_gate ? t.n_tile * (kBN / 2) : t.n_tile * kBN;
         const int row1 = concat_gate ? int(args.inter) + row0 : row0 + 128;
         int src_row[kBM / 16];  // A row of each of this thread's eight tile rows; -1 past the expert's end
@@ -197,8 +225,13 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t st = base + s * kStageBytes;
           if (tid == 0) {
             mbar_expect_tx(full(s), 2 * kBBoxBytes);
-            tma_load_3d(st + kABytes, &map_b, full(s), kt * kBK, row0, t.expert);
-            tma_load_3d(st + kABytes + kBBoxBytes, &map_b, full(s), kt * kBK, row1, t.expert);
+            if (pair) {
+              tma_load_3d_pair(st + kABytes + rank * kBBoxBytes, &map_b, full(s), kt * kBK, rank ? row1 : row0,
+                               t.expert);
+            } else {
+              tma_load_3d(st + kABytes, &map_b, full(s), kt * kBK, row0, t.expert);
+              tma_load_3d(st + kABytes + kBBoxBytes, &map_b, full(s), kt * kBK, row1, t.expert);
+            }
           }
           const int64_t col = int64_t(kt) * kBK + chunk * 8;
 #pragma unroll
@@ -216,9 +249,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       asm volatile("cp.async.wait_all;\n" ::: "memory");
+      if (pair) cluster_sync_all();
       return;
     }
-    if (tid != 0) return;
+    if (tid != 0) {
+      if (pair) cluster_sync_all();
+      return;
+    }
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_a) : "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_b) : "memory");
     int s = 0;
@@ -226,22 +263,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int w = blockIdx.x; w < total; w += gridDim.x) {
       Work t;
       work_item(args, w, n_tiles, rows, sub, t);
-      if (t.m0 >= t.m_end) continue;
+      const bool load_a = t.m0 < t.m_end;
+      if (!load_a && !pair) continue;
       const int row0 = concat_gate ? t.n_tile * (kBN / 2) : t.n_tile * kBN;
       const int row1 = concat_gate ? int(args.inter) + row0 : row0 + 128;
       for (int kt = 0; kt < ktiles; ++kt) {
         mbar_wait(empty(s), phase ^ 1);
         const uint32_t st = base + s * kStageBytes;
-        mbar_expect_tx(full(s), a_bytes + 2 * kBBoxBytes);
-        tma_load_2d(st, &map_a, full(s), kt * kBK, int(t.m0));
-        tma_load_3d(st + kABytes, &map_b, full(s), kt * kBK, row0, t.expert);
-        tma_load_3d(st + kABytes + kBBoxBytes, &map_b, full(s), kt * kBK, row1, t.expert);
+        mbar_expect_tx(full(s), (load_a ? a_bytes : 0) + 2 * kBBoxBytes);
+        if (load_a) tma_load_2d(st, &map_a, full(s), kt * kBK, int(t.m0));
+        if (pair) {  // this CTA's box of the weights into both CTAs; the peer's box arrives likewise
+          tma_load_3d_pair(st + kABytes + rank * kBBoxBytes, &map_b, full(s), kt * kBK, rank ? row1 : row0, t.expert);
+        } else {
+          tma_load_3d(st + kABytes, &map_b, full(s), kt * kBK, row0, t.expert);
+          tma_load_3d(st + kABytes + kBBoxBytes, &map_b, full(s), kt * kBK, row1, t.expert);
+        }
         if (++s == kStages) {
           s = 0;
           phase ^= 1;
         }
       }
     }
+    if (pair) cluster_sync_all();
     return;
   }
 
@@ -251,7 +294,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int c = wg - 1, lane = tid % 32, warp = (tid % 128) / 32;
   float acc[kBN / 2];
-  int seq = -1;  // this block's non-empty items so far (the producer's order)
+  int seq = -1;  // this block's non-empty items so far (the producer's order; pair: all its items)
+  // A stage read: released in this CTA, and with pair also in the peer (whose producer multicast half of it).
+  auto release = [&](int st) {
+    if (pair) {
+      mbar_arrive_in(empty(st), 0);
+      mbar_arrive_in(empty(st), 1);
+    } else {
+      mbar_arrive(empty(st));
+    }
+  };
   uint32_t turns = 0;  // ping-pong: waits on turn(c) so far
   // Ping-pong order: warpgroup c starts the main loop of item seq only once the other warpgroup has
   // finished waiting for the stages of item seq - 1 (it arrives on turn(c) after its main loop). Then
@@ -260,7 +312,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     Work t;
     work_item(args, w, n_tiles, rows, sub, t);
-    if (t.m0 >= t.m_end) continue;
+    if (t.m0 >= t.m_end && !pair) continue;
     ++seq;
     if (pingpong && (seq & 1) != c) continue;
     const int64_t r0 = pingpong ? t.m0 : t.m0 + c * 64;  // first row of this warpgroup's 64
@@ -272,6 +324,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (pingpong && seq > 0) {
       mbar_wait(turn(c), turns & 1);
       ++turns;
+    }
+    if ((skip_idle || pair) && !has_rows) {  // no row of this warpgroup in the item: release the stages only
+      for (int kt = 0; kt < ktiles; ++kt) {
+        mbar_wait(full(s), phase);
+        if (lane == 0) release(s);
+        if (++s == kStages) {
+          s = 0;
+          phase ^= 1;
+        }
+      }
+      if (pingpong && tid % 128 == 0) mbar_arrive(turn(1 - c));
+      continue;
     }
     // kEpiWeighted: routing weights of this thread's two rows, loaded under the MMAs (1 without row_weights:
     // plain 16-bit rows, grouped_mm's and deepgemm's second projection)
@@ -289,8 +353,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int kt = 0; kt < ktiles; ++kt) {
       mbar_wait(full(s), phase);
       if (gather) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async rows -> wgmma
-      // Unconditional (a warpgroup past the expert's rows multiplies rows it will not store): wgmma
-      // under a branch is serialised by the compiler.
+      // Unconditional within the loop (wgmma under a branch is serialised by the compiler); a warpgroup with
+      // no row of the tile took the loop without MMAs above, unless skip_idle is off.
       const uint32_t st = base + s * kStageBytes;
       const uint64_t desc_a = smem_desc(st + (pingpong ? 0 : c * 64 * kBK * 2));
       const uint64_t desc_b = smem_desc(st + kABytes);
@@ -301,7 +365,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // the previous stage's MMAs retired
       fence_operands(acc);
-      if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
+      if (prev >= 0 && lane == 0) release(prev);
       prev = s;
       if (++s == kStages) {
         s = 0;
@@ -311,7 +375,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (pingpong && tid % 128 == 0) mbar_arrive(turn(1 - c));  // the other warpgroup's item may start
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     fence_operands(acc);
-    if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
+    if (prev >= 0 && lane == 0) release(prev);
     if (!has_rows) continue;
 
     // Accumulator 4j + q: row 16 warp + lane / 4 (+8 for q >= 2), virtual column 8j + 2 (lane % 4) (+1 for odd q).
@@ -629,6 +693,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   if (tid % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // bulk stores read out
+  if (pair) cluster_sync_all();  // no arrival from the peer still on its way to this CTA's barriers
 #endif
 }
 
@@ -686,12 +751,70 @@ bool split_out_on() { return g_split_out.on(); }
 // hardware approximations (default), or the generic per-value loop (MOEKIT_TMA_FAST_GATE=0 in the environment, read
 // once, or set_grouped_gemm_tma_fast_gate(false)).
 EnvSwitch g_fast_gate{"MOEKIT_TMA_FAST_GATE", true};
+// A cooperative tile whose rows all fall in its first warpgroup's 64 (an expert's last tile): the second warpgroup
+// waits for each stage and releases it without multiplying (MOEKIT_TMA_SKIP_IDLE=1, or
+// set_grouped_gemm_tma_skip_idle(true); the first runs its MMAs alone), or multiplies rows it will not store
+// (default until measured). Same bits either way.
+EnvSwitch g_skip_idle{"MOEKIT_TMA_SKIP_IDLE", false};
+// Ping-pong over pairs of CTAs (MOEKIT_TMA_PAIR=1, or set_grouped_gemm_tma_pair(true)): where ping-pong is picked, the
+// route tiles are of 128 rows and a cluster of two CTAs takes each, one 64-row item per CTA; each CTA's producer
+// loads its own A rows and one of the two weight boxes, multicast into both CTAs, so each weight byte leaves L2
+// once per 128 rows instead of once per 64. A CTA whose 64 rows lie past the expert's end still loads its box and
+// releases the stages without MMAs (the padding of the cooperative form's tiles; the peer needs the box).
+EnvSwitch g_pair{"MOEKIT_TMA_PAIR", false};
+
+// The engine's form for these sizes: 0 cooperative, 1 ping-pong (route tiles of 64), 2 ping-pong over CTA pairs
+// (route tiles of 128).
+int tma_form(int64_t pairs, int experts, bool gathered_a) {
+  const int v = pingpong_setting();
+  if (v == 0) return 0;
+  const int64_t limit = v == 1 ? (gathered_a ? 128 : 384) : v;
+  const int64_t busy = std::min<int64_t>(pairs, experts);
+  const int64_t avg = busy > 0 ? (pairs + busy - 1) / busy : 1;
+  if (avg > limit) return 0;
+  return g_pair.on() ? 2 : 1;
+}
+
+// A launch of `grid` CTAs of the kernel in clusters of two (`attr`: the storage of its one attribute).
+cudaLaunchConfig_t pair_launch(unsigned grid, cudaStream_t stream, cudaLaunchAttribute& attr) {
+  attr = cudaLaunchAttribute{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 2;
+  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// Clusters of two of this kernel that fit on the device at once (cached per device; 0 if the query fails).
+int pair_clusters(const void* kernel) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
+  static std::atomic<int> known[64];  // 0 unknown, else clusters + 1
+  int v = known[device].load();
+  if (v == 0) {
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = pair_launch(unsigned(2 * sm90::sm_count()), nullptr, attr);
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) clusters = 0;
+    (void)cudaGetLastError();
+    v = clusters + 1;
+    known[device].store(v);
+  }
+  return v - 1;
+}
 
 template <class T, int EPI>
 cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
   const auto encode = sm90::encode_fn();
   if (!encode) return cudaErrorNotSupported;
-  const bool pp = a.tile_m == 64;
+  const bool pair = a.tile_m == 128 && tma_form(a.max_rows, a.experts, a.a_rows != nullptr) == 2;
+  const bool pp = a.tile_m == 64 || pair;
   const int rows = pp ? 64 : kBM;
   const CUtensorMapDataType dt =
       std::is_same_v<T, bf16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
@@ -736,10 +859,19 @@ cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes));
   if (err != cudaSuccess) return err;
   const int64_t cols = EPI == kEpiGated ? kBN / 2 : kBN;
+  if (pair) {  // clusters of two CTAs, one per route tile of 128 rows at a time
+    const int fit = pair_clusters(reinterpret_cast<const void*>(kernel));
+    if (fit <= 0) return cudaErrorNotSupported;
+    const int64_t work = grouped_max_tiles(a.max_rows, a.experts, a.tile_m) * ((a.n + cols - 1) / cols);
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = pair_launch(unsigned(2 * std::min<int64_t>(work, fit)), stream, attr);
+    return cudaLaunchKernelEx(&cfg, kernel, map_a, map_b, map_out, tma_store, pp, split_out_on(), g_fast_gate.on(),
+                              g_skip_idle.on(), true, a);
+  }
   const int64_t work = grouped_max_tiles(a.max_rows, a.experts, rows) * ((a.n + cols - 1) / cols);
   const int grid = int(std::min<int64_t>(work, sm90::sm_count()));
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(map_a, map_b, map_out, tma_store, pp, split_out_on(), g_fast_gate.on(),
-                                                 a);
+                                                 g_skip_idle.on(), false, a);
   return cudaGetLastError();
 }
 
@@ -776,12 +908,10 @@ bool grouped_gemm_tma_built_for(int arch) { return tma_compiled_for(arch); }
 bool grouped_gemm_tma_pingpong() { return pingpong_on(); }
 bool set_grouped_gemm_tma_split_out(bool on) { return g_split_out.set(on); }
 bool set_grouped_gemm_tma_fast_gate(bool on) { return g_fast_gate.set(on); }
+bool set_grouped_gemm_tma_skip_idle(bool on) { return g_skip_idle.set(on); }
+bool set_grouped_gemm_tma_pair(bool on) { return g_pair.set(on); }
 int grouped_tma_tile_m(int64_t pairs, int experts, bool gathered_a) {
-  const int v = pingpong_setting();
-  const int64_t limit = v == 1 ? (gathered_a ? 128 : 384) : v;
-  const int64_t busy = std::min<int64_t>(pairs, experts);
-  const int64_t avg = busy > 0 ? (pairs + busy - 1) / busy : 1;
-  return avg <= limit ? 64 : 128;
+  return tma_form(pairs, experts, gathered_a) == 1 ? 64 : 128;
 }
 bool set_grouped_gemm_tma_pingpong(bool on) {
   const int v = pingpong_setting();

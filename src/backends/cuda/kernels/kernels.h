@@ -162,6 +162,14 @@ bool set_grouped_gemm_tma_split_out(bool on);
 // division in hardware approximations (on), or the generic per-value loop with expf (off). Returns the previous
 // setting.
 bool set_grouped_gemm_tma_fast_gate(bool on);
+// Its cooperative tiles with no row for the second warpgroup (an expert's last tile of at most 64 rows): that
+// warpgroup releases the stages without multiplying (on), or multiplies rows it does not store (off). Same bits.
+// Returns the previous setting.
+bool set_grouped_gemm_tma_skip_idle(bool on);
+// Its ping-pong form over clusters of two CTAs (route tiles of 128 rows, one 64-row item per CTA, the weight boxes
+// multicast to both) where ping-pong is picked (on), or ping-pong over route tiles of 64 (off). Same bits. Returns
+// the previous setting; grouped_tma_tile_m follows it (128 for the pairs).
+bool set_grouped_gemm_tma_pair(bool on);
 bool set_grouped_gemm_tma_pingpong(bool on);  // returns the previous setting
 // The three cp.async kernels, for tests and measurements.
 cudaError_t grouped_gemm_wgmma(const GroupedGemmArgs& a, int tile_m, bool wide, cudaStream_t stream);
