@@ -64,6 +64,45 @@ void check_problem(const ExpertsProblem& p) {
   EXPECT_EQ(outcome.fail, 0);
 }
 
+#ifdef MOEKIT_WITH_CUDA
+// A small case for comparing two forms of the TMA engine: hidden 264, intermediate 200 (neither a multiple of the
+// tiles), sentinels every 7 rows, gated silu or act-only relu2.
+ProblemConfig tma_form_case(int64_t E, int64_t T, int64_t K, bool gated, bool f16, bool bias) {
+  ProblemConfig c = cuda_case();
+  c.act = c.wdt = f16 ? DType::f16 : DType::bf16;
+  c.E = E;
+  c.H = 264;
+  c.I = 200;
+  c.T = T;
+  c.K = K;
+  c.has_gate = gated;
+  c.activation = gated ? Activation::silu : Activation::relu2;
+  c.has_bias = bias;
+  c.sentinel_every = 7;
+  return c;
+}
+
+// grouped_mm, deepgemm and sonicmoe on one problem with an engine switch (`set`, returning the previous setting) on
+// and off: each output against the reference, and the two bit for bit the same.
+void expect_same_bits_either_way(const ProblemConfig& c, uint64_t seed, bool (*set)(bool)) {
+  const ExpertsProblem p = make_problem(c, seed);
+  const Experts on_gpu = p.experts.to(Device::cuda(0));
+  for (const char* name : {"grouped_mm", "deepgemm", "sonicmoe"}) {
+    if (!ExpertsInterface::global().get(name)->supports(on_gpu, c.act)) continue;
+    SCOPED_TRACE(::testing::Message() << name << " E " << c.E << " T " << c.T << " gated " << c.has_gate << " "
+                                      << dtype_name(c.act));
+    const bool was = set(true);
+    const Tensor on = run_backend(on_gpu, name, p);
+    set(false);
+    const Tensor off = run_backend(on_gpu, name, p);
+    set(was);
+    EXPECT_EQ(compare_with_reference(p, on), "");
+    EXPECT_EQ(compare_with_reference(p, off), "");
+    EXPECT_TRUE(bitwise_equal(on, off));
+  }
+}
+#endif
+
 }  // namespace
 
 TEST(CudaGroupedGemm, TmaKernelAgainstReference) {
@@ -152,30 +191,9 @@ TEST(CudaGroupedGemm, TmaSkippedIdleWarpgroupIsBitIdentical) {
   int n = 0;
   for (bool gated : {true, false})
     for (int64_t T : {int64_t(700), int64_t(2100)}) {  // ~175 and ~525 rows per expert: last tiles of any size
-      ProblemConfig c = cuda_case();
-      c.act = c.wdt = n % 2 ? DType::f16 : DType::bf16;
-      c.E = 8;
-      c.H = 264;
-      c.I = 200;
-      c.T = T;
-      c.K = 2;
-      c.has_gate = gated;
-      c.activation = gated ? Activation::silu : Activation::relu2;
-      c.has_bias = !gated;
-      c.sentinel_every = 7;
-      const ExpertsProblem p = make_problem(c, 3000 + n++);
-      const Experts on_gpu = p.experts.to(Device::cuda(0));
-      for (const char* name : {"grouped_mm", "deepgemm", "sonicmoe"}) {
-        if (!ExpertsInterface::global().get(name)->supports(on_gpu, c.act)) continue;
-        SCOPED_TRACE(::testing::Message() << name << " gated " << gated << " T " << T << " " << dtype_name(c.act));
-        const bool was = cuda::kernels::set_grouped_gemm_tma_skip_idle(true);
-        const Tensor skip = run_backend(on_gpu, name, p);
-        cuda::kernels::set_grouped_gemm_tma_skip_idle(false);
-        const Tensor full = run_backend(on_gpu, name, p);
-        cuda::kernels::set_grouped_gemm_tma_skip_idle(was);
-        EXPECT_EQ(compare_with_reference(p, skip), "");
-        EXPECT_TRUE(bitwise_equal(skip, full));
-      }
+      expect_same_bits_either_way(tma_form_case(8, T, 2, gated, n % 2, !gated), 3000 + n,
+                                  cuda::kernels::set_grouped_gemm_tma_skip_idle);
+      ++n;
     }
   cuda::kernels::set_grouped_gemm_tma_pingpong(pp);
 #endif
@@ -196,32 +214,9 @@ TEST(CudaGroupedGemm, TmaClusterPairsAreBitIdentical) {
   const Case cases[] = {{8, 300, 2, true}, {8, 700, 2, false}, {13, 351, 2, true}, {40, 120, 2, true}};
   int n = 0;
   for (const Case& k : cases) {
-    ProblemConfig c = cuda_case();
-    c.act = c.wdt = n % 2 ? DType::f16 : DType::bf16;
-    c.E = k.E;
-    c.H = 264;
-    c.I = 200;
-    c.T = k.T;
-    c.K = k.K;
-    c.has_gate = k.gated;
-    c.activation = k.gated ? Activation::silu : Activation::relu2;
-    c.has_bias = n % 2 == 0;
-    c.sentinel_every = 7;
+    ProblemConfig c = tma_form_case(k.E, k.T, k.K, k.gated, n % 2, n % 2 == 0);
     c.used = n == 2 ? k.E - 3 : k.E;
-    const ExpertsProblem p = make_problem(c, 4000 + n++);
-    const Experts on_gpu = p.experts.to(Device::cuda(0));
-    for (const char* name : {"grouped_mm", "deepgemm", "sonicmoe"}) {
-      if (!ExpertsInterface::global().get(name)->supports(on_gpu, c.act)) continue;
-      SCOPED_TRACE(::testing::Message() << name << " E " << k.E << " T " << k.T << " " << dtype_name(c.act));
-      const bool was = cuda::kernels::set_grouped_gemm_tma_pair(true);
-      const Tensor pairs = run_backend(on_gpu, name, p);
-      cuda::kernels::set_grouped_gemm_tma_pair(false);
-      const Tensor single = run_backend(on_gpu, name, p);
-      cuda::kernels::set_grouped_gemm_tma_pair(was);
-      EXPECT_EQ(compare_with_reference(p, pairs), "");
-      EXPECT_EQ(compare_with_reference(p, single), "");
-      EXPECT_TRUE(bitwise_equal(pairs, single));
-    }
+    expect_same_bits_either_way(c, 4000 + n++, cuda::kernels::set_grouped_gemm_tma_pair);
   }
 #endif
 }
