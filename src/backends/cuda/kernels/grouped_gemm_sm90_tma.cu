@@ -791,7 +791,8 @@ cudaLaunchConfig_t pair_launch(unsigned grid, cudaStream_t stream, cudaLaunchAtt
   return cfg;
 }
 
-// Clusters of two of this kernel that fit on the device at once (cached per device; 0 if the query fails).
+// Clusters of two of this kernel that fit on the device at once (cached per device; 0 if the query fails). One cache
+// for every instantiation: they share the block size, the shared memory and one CTA per multiprocessor.
 int pair_clusters(const void* kernel) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
