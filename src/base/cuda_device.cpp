@@ -1,7 +1,6 @@
 #include "base/cuda_device.h"
 
 #include <algorithm>
-#include <atomic>
 #include <map>
 #include <vector>
 
@@ -26,22 +25,17 @@ std::string DeviceInfo::to_string() const {
 }
 
 int current_multiprocessors() {
-  static std::atomic<int> known[64];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  if (device < 0 || device >= 64) return 0;
-  int v = known[device].load(std::memory_order_relaxed);
-  if (v == 0) {
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || v <= 0) {
-      (void)cudaGetLastError();
-      return 0;
-    }
-    known[device].store(v, std::memory_order_relaxed);
-  }
-  return v;
+  static PerDeviceValue known;
+  return known.get(
+      [](int device) {
+        int v = 0;
+        if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || v <= 0) {
+          (void)cudaGetLastError();
+          return -1;
+        }
+        return v;
+      },
+      0);
 }
 
 const DeviceInfo& device_info(int device) {

@@ -5,6 +5,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstddef>
 #include <functional>
 #include <map>
@@ -27,6 +28,35 @@ struct DeviceInfo {
 };
 // Cached properties of a present device; throws when there is no such device.
 const DeviceInfo& device_info(int device);
+// A number read once per device (a device attribute, a kernel's attributes, an occupancy query), then without a
+// lock: get() runs `query(device)` for the current device until it gives a value >= 0 and keeps that. A query that
+// fails gives a negative number, which is not kept: get() returns `fallback` then, and where there is no current
+// device or its index is past the first 64.
+class PerDeviceValue {
+ public:
+  template <class Query>
+  int get(Query&& query, int fallback) {
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return fallback;
+    }
+    if (device < 0 || device >= kDevices) return fallback;
+    int v = known_[device].load(std::memory_order_relaxed);  // 0 unknown, else the value + 1
+    if (v == 0) {
+      const int q = query(device);
+      if (q < 0) return fallback;
+      v = q + 1;
+      known_[device].store(v, std::memory_order_relaxed);
+    }
+    return v - 1;
+  }
+
+ private:
+  static constexpr int kDevices = 64;
+  std::atomic<int> known_[kDevices] = {};
+};
+
 // The current device's multiprocessors, for kernel launchers that size a grid on every call: cached per device
 // without a lock after the first query; 0 where there is no current device (never throws).
 int current_multiprocessors();

@@ -6,7 +6,6 @@
 // carries sm_90a code for it. The wide tile (128 x 256, one block per multiprocessor, four stages)
 // moves a quarter fewer bytes from L2 per FLOP than 128 x 128 but measured slower on the gated
 // projection (see policy.h); it is kept behind a switch for tuning.
-#include <atomic>
 
 #include "backends/cuda/kernels/grouped_gemm_sm90.cuh"
 
@@ -125,21 +124,17 @@ cudaError_t launch_wgmma_tile(const GroupedGemmArgs& a, int tile_m, bool wide, c
 // target compiled at load time): read once per device from the kernel's attributes.
 bool wgmma_compiled_for(int arch) {
   if (arch != 90) return false;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  static std::atomic<int> known[64];  // 0 unknown, 1 yes, 2 no
-  if (device < 0 || device >= 64) return false;
-  int v = known[device].load();
-  if (v == 0) {
-    cudaFuncAttributes attr{};
-    const bool ok =
-        cudaFuncGetAttributes(&attr, grouped_gemm_wgmma_kernel<bf16, 128, 128, 3, kEpiF32>) == cudaSuccess &&
-        attr.binaryVersion == 90 && attr.ptxVersion >= 90;
-    (void)cudaGetLastError();
-    v = ok ? 1 : 2;
-    known[device].store(v);
-  }
-  return v == 1;
+  static PerDeviceValue known;  // 1 yes, 0 no
+  return known.get(
+             [](int) {
+               cudaFuncAttributes attr{};
+               const bool ok =
+                   cudaFuncGetAttributes(&attr, grouped_gemm_wgmma_kernel<bf16, 128, 128, 3, kEpiF32>) == cudaSuccess &&
+                   attr.binaryVersion == 90 && attr.ptxVersion >= 90;
+               (void)cudaGetLastError();
+               return ok ? 1 : 0;
+             },
+             0) == 1;
 }
 
 }  // namespace

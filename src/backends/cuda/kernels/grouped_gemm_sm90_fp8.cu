@@ -41,7 +41,6 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <atomic>
 #include <utility>
 #include <type_traits>
 
@@ -586,19 +585,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 bool compiled_for(int arch) {
   if (arch != 90) return false;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
-  static std::atomic<int> known[64];  // 0 unknown, 1 yes, 2 no
-  int v = known[device].load();
-  if (v == 0) {
-    cudaFuncAttributes attr{};
-    const bool ok = cudaFuncGetAttributes(&attr, grouped_gemm_sm90_fp8_kernel<kEpiF32, false, false>) == cudaSuccess &&
-                    attr.binaryVersion == 90 && sm90::encode_fn() != nullptr;
-    (void)cudaGetLastError();
-    v = ok ? 1 : 2;
-    known[device].store(v);
-  }
-  return v == 1;
+  static PerDeviceValue known;  // 1 yes, 0 no
+  return known.get(
+             [](int) {
+               cudaFuncAttributes attr{};
+               const bool ok = cudaFuncGetAttributes(&attr, grouped_gemm_sm90_fp8_kernel<kEpiF32, false, false>) ==
+                                   cudaSuccess &&
+                               attr.binaryVersion == 90 && sm90::encode_fn() != nullptr;
+               (void)cudaGetLastError();
+               return ok ? 1 : 0;
+             },
+             0) == 1;
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }

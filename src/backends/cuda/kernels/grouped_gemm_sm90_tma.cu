@@ -699,19 +699,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 bool tma_compiled_for(int arch) {
   if (arch != 90) return false;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
-  static std::atomic<int> known[64];  // 0 unknown, 1 yes, 2 no
-  int v = known[device].load();
-  if (v == 0) {
-    cudaFuncAttributes attr{};
-    const bool ok = cudaFuncGetAttributes(&attr, grouped_gemm_tma_kernel<bf16, kEpiF32>) == cudaSuccess &&
-                    attr.binaryVersion == 90 && attr.ptxVersion >= 90 && sm90::encode_fn() != nullptr;
-    (void)cudaGetLastError();
-    v = ok ? 1 : 2;
-    known[device].store(v);
-  }
-  return v == 1;
+  static PerDeviceValue known;  // 1 yes, 0 no
+  return known.get(
+             [](int) {
+               cudaFuncAttributes attr{};
+               const bool ok = cudaFuncGetAttributes(&attr, grouped_gemm_tma_kernel<bf16, kEpiF32>) == cudaSuccess &&
+                               attr.binaryVersion == 90 && attr.ptxVersion >= 90 && sm90::encode_fn() != nullptr;
+               (void)cudaGetLastError();
+               return ok ? 1 : 0;
+             },
+             0) == 1;
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
@@ -794,20 +791,17 @@ cudaLaunchConfig_t pair_launch(unsigned grid, cudaStream_t stream, cudaLaunchAtt
 // Clusters of two of this kernel that fit on the device at once (cached per device; 0 if the query fails). One cache
 // for every instantiation: they share the block size, the shared memory and one CTA per multiprocessor.
 int pair_clusters(const void* kernel) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
-  static std::atomic<int> known[64];  // 0 unknown, else clusters + 1
-  int v = known[device].load();
-  if (v == 0) {
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = pair_launch(unsigned(2 * sm90::sm_count()), nullptr, attr);
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) clusters = 0;
-    (void)cudaGetLastError();
-    v = clusters + 1;
-    known[device].store(v);
-  }
-  return v - 1;
+  static PerDeviceValue known;
+  return known.get(
+      [kernel](int) {
+        cudaLaunchAttribute attr;
+        const cudaLaunchConfig_t cfg = pair_launch(unsigned(2 * sm90::sm_count()), nullptr, attr);
+        int clusters = 0;
+        if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) clusters = 0;
+        (void)cudaGetLastError();
+        return clusters;  // a failed query is kept as none: the pair form is then never taken
+      },
+      0);
 }
 
 template <class T, int EPI>
