@@ -751,13 +751,16 @@ EnvSwitch g_fast_gate{"MOEKIT_TMA_FAST_GATE", true};
 // A cooperative tile whose rows all fall in its first warpgroup's 64 (an expert's last tile): the second warpgroup
 // waits for each stage and releases it without multiplying (MOEKIT_TMA_SKIP_IDLE=1, or
 // set_grouped_gemm_tma_skip_idle(true); the first runs its MMAs alone), or multiplies rows it will not store
-// (default until measured). Same bits either way.
+// (default: skipping measured no faster, sonicmoe 3-5% slower on the fine-grained shapes at T = 4096). Same bits
+// either way.
 EnvSwitch g_skip_idle{"MOEKIT_TMA_SKIP_IDLE", false};
 // Ping-pong over pairs of CTAs (MOEKIT_TMA_PAIR=1, or set_grouped_gemm_tma_pair(true)): where ping-pong is picked, the
 // route tiles are of 128 rows and a cluster of two CTAs takes each, one 64-row item per CTA; each CTA's producer
 // loads its own A rows and one of the two weight boxes, multicast into both CTAs, so each weight byte leaves L2
 // once per 128 rows instead of once per 64. A CTA whose 64 rows lie past the expert's end still loads its box and
 // releases the stages without MMAs (the padding of the cooperative form's tiles; the peer needs the box).
+// Off: measured 2.6-2.9x slower (qwen3-30b-a3b T = 4096, H200 and H100), its warps stalled on the cluster-scope
+// release of each remote arrival and on barriers (docs/design.md).
 EnvSwitch g_pair{"MOEKIT_TMA_PAIR", false};
 
 // The engine's form for these sizes: 0 cooperative, 1 ping-pong (route tiles of 64), 2 ping-pong over CTA pairs
@@ -855,7 +858,9 @@ cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const int64_t cols = EPI == kEpiGated ? kBN / 2 : kBN;
   if (pair) {  // clusters of two CTAs, one per route tile of 128 rows at a time
-    const int fit = pair_clusters(reinterpret_cast<const void*>(kernel));
+    // MOEKIT_TMA_PAIR_CLUSTERS=N: N clusters at most instead of the occupancy query's (a measurement knob)
+    static const int forced = int(env_int_in("MOEKIT_TMA_PAIR_CLUSTERS", 0, 1 << 16, 0));
+    const int fit = forced > 0 ? forced : pair_clusters(reinterpret_cast<const void*>(kernel));
     if (fit <= 0) return cudaErrorNotSupported;
     const int64_t work = grouped_max_tiles(a.max_rows, a.experts, a.tile_m) * ((a.n + cols - 1) / cols);
     cudaLaunchAttribute attr;
