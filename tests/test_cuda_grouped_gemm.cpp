@@ -221,6 +221,21 @@ TEST(CudaGroupedGemm, TmaClusterPairsAreBitIdentical) {
 #endif
 }
 
+// The pair form's stage releases at CTA scope against those at cluster scope: the same bits, each against the
+// reference (two of the cases above: gated with biases over 8 experts, act-only f16 over 13 with 3 unused).
+TEST(CudaGroupedGemm, TmaClusterPairsReleasedAtCtaScopeAreBitIdentical) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+#ifdef MOEKIT_WITH_CUDA
+  const bool was = cuda::kernels::set_grouped_gemm_tma_pair(true);
+  ProblemConfig c = tma_form_case(8, 300, 2, true, false, true);
+  expect_same_bits_either_way(c, 4100, cuda::kernels::set_grouped_gemm_tma_pair_cta_release);
+  c = tma_form_case(13, 351, 2, false, true, false);
+  c.used = 10;
+  expect_same_bits_either_way(c, 4101, cuda::kernels::set_grouped_gemm_tma_pair_cta_release);
+  cuda::kernels::set_grouped_gemm_tma_pair(was);
+#endif
+}
+
 // No gate (act-only first projection) and a single busy expert.
 TEST(CudaGroupedGemm, TmaKernelActOnlyAndOneExpert) {
   MOEKIT_SKIP_WITHOUT_CUDA();

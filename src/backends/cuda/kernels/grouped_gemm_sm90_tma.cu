@@ -73,13 +73,27 @@ static_assert(kGatherThreads == 128 && kBM == 128 && kBK == 64, "gathered A: 16 
 [[maybe_unused]] __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// Arrival on the barrier at the same shared-memory offset in cluster CTA `cta` (this CTA included).
+// Arrival on the barrier at the same shared-memory offset in cluster CTA `cta` (this CTA included), a release at
+// cluster scope (the pair form's default arrival, the one measured: its warps stall on membar, docs/perf.md).
 [[maybe_unused]] __device__ __forceinline__ void mbar_arrive_in(uint32_t bar, uint32_t cta) {
   asm volatile(
       "{\n"
       ".reg .b32 remote;\n"
       "mapa.shared::cluster.u32 remote, %0, %1;\n"
       "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(bar),
+      "r"(cta)
+      : "memory");
+}
+// The same arrival released at CTA scope (mbarrier.arrive's default semantics): what a consumer's release of a stage
+// needs once wgmma.wait_group has seen the MMAs' reads of it complete; the peer's producer orders its multicast
+// after the barrier's phase completes.
+[[maybe_unused]] __device__ __forceinline__ void mbar_arrive_in_cta_scope(uint32_t bar, uint32_t cta) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
       "}\n" ::"r"(bar),
       "r"(cta)
       : "memory");
@@ -165,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                             const __grid_constant__ CUtensorMap map_out, const bool use_tma_store,
                             const bool pingpong, const bool split_out, const bool fast_gate,
-                            const bool skip_idle, const bool pair, const GroupedGemmArgs args) {
+                            const bool skip_idle, const int pair, const GroupedGemmArgs args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char tma_smem[];
   const uint32_t base = (smem_u32(tma_smem) + 1023) & ~1023u;          // swizzled tiles: 1024-byte aligned
@@ -297,7 +311,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   int seq = -1;  // this block's non-empty items so far (the producer's order; pair: all its items)
   // A stage read: released in this CTA, and with pair also in the peer (whose producer multicast half of it).
   auto release = [&](int st) {
-    if (pair) {
+    if (pair == 2) {
+      mbar_arrive_in_cta_scope(empty(st), 0);
+      mbar_arrive_in_cta_scope(empty(st), 1);
+    } else if (pair) {
       mbar_arrive_in(empty(st), 0);
       mbar_arrive_in(empty(st), 1);
     } else {
@@ -762,6 +779,10 @@ EnvSwitch g_skip_idle{"MOEKIT_TMA_SKIP_IDLE", false};
 // Off: measured 2.6-2.9x slower (qwen3-30b-a3b T = 4096, H200 and H100), its warps stalled on the cluster-scope
 // release of each remote arrival and on barriers (docs/design.md).
 EnvSwitch g_pair{"MOEKIT_TMA_PAIR", false};
+// The pair form's consumers release each stage in both CTAs with arrivals released at CTA scope
+// (MOEKIT_TMA_PAIR_CTA_RELEASE=1, or set_grouped_gemm_tma_pair_cta_release(true)) or at cluster scope (default: the
+// form measured). Same bits.
+EnvSwitch g_pair_cta_release{"MOEKIT_TMA_PAIR_CTA_RELEASE", false};
 
 // The engine's form for these sizes: 0 cooperative, 1 ping-pong (route tiles of 64), 2 ping-pong over CTA pairs
 // (route tiles of 128).
@@ -866,12 +887,12 @@ cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = pair_launch(unsigned(2 * std::min<int64_t>(work, fit)), stream, attr);
     return cudaLaunchKernelEx(&cfg, kernel, map_a, map_b, map_out, tma_store, pp, split_out_on(), g_fast_gate.on(),
-                              g_skip_idle.on(), true, a);
+                              g_skip_idle.on(), g_pair_cta_release.on() ? 2 : 1, a);
   }
   const int64_t work = grouped_max_tiles(a.max_rows, a.experts, rows) * ((a.n + cols - 1) / cols);
   const int grid = int(std::min<int64_t>(work, sm90::sm_count()));
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(map_a, map_b, map_out, tma_store, pp, split_out_on(), g_fast_gate.on(),
-                                                 g_skip_idle.on(), false, a);
+                                                 g_skip_idle.on(), 0, a);
   return cudaGetLastError();
 }
 
@@ -910,6 +931,7 @@ bool set_grouped_gemm_tma_split_out(bool on) { return g_split_out.set(on); }
 bool set_grouped_gemm_tma_fast_gate(bool on) { return g_fast_gate.set(on); }
 bool set_grouped_gemm_tma_skip_idle(bool on) { return g_skip_idle.set(on); }
 bool set_grouped_gemm_tma_pair(bool on) { return g_pair.set(on); }
+bool set_grouped_gemm_tma_pair_cta_release(bool on) { return g_pair_cta_release.set(on); }
 int grouped_tma_tile_m(int64_t pairs, int experts, bool gathered_a) {
   return tma_form(pairs, experts, gathered_a) == 1 ? 64 : 128;
 }

@@ -170,6 +170,9 @@ bool set_grouped_gemm_tma_skip_idle(bool on);
 // multicast to both) where ping-pong is picked (on), or ping-pong over route tiles of 64 (off). Same bits. Returns
 // the previous setting; grouped_tma_tile_m follows it (128 for the pairs).
 bool set_grouped_gemm_tma_pair(bool on);
+// The pair form's stage releases: arrivals released at CTA scope (on) or at cluster scope (off). Same bits. Returns
+// the previous setting.
+bool set_grouped_gemm_tma_pair_cta_release(bool on);
 bool set_grouped_gemm_tma_pingpong(bool on);  // returns the previous setting
 // The three cp.async kernels, for tests and measurements.
 cudaError_t grouped_gemm_wgmma(const GroupedGemmArgs& a, int tile_m, bool wide, cudaStream_t stream);
