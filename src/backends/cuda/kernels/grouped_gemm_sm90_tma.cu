@@ -73,30 +73,19 @@ static_assert(kGatherThreads == 128 && kBM == 128 && kBK == 64, "gathered A: 16 
 [[maybe_unused]] __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// Arrival on the barrier at the same shared-memory offset in cluster CTA `cta` (this CTA included), a release at
-// cluster scope (the pair form's default arrival, the one measured: its warps stall on membar, docs/perf.md).
+// Arrival on the barrier at the same shared-memory offset in cluster CTA `cta` (this CTA included). kClusterScope:
+// released at cluster scope (the pair form's default arrival, the one measured: its warps stall on membar,
+// docs/perf.md); else at CTA scope (mbarrier.arrive's default semantics), what a consumer's release of a stage needs
+// once wgmma.wait_group has seen the MMAs' reads of it complete; the peer's producer orders its multicast after the
+// barrier's phase completes.
+template <bool kClusterScope>
 [[maybe_unused]] __device__ __forceinline__ void mbar_arrive_in(uint32_t bar, uint32_t cta) {
-  asm volatile(
-      "{\n"
-      ".reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
-      "}\n" ::"r"(bar),
-      "r"(cta)
-      : "memory");
-}
-// The same arrival released at CTA scope (mbarrier.arrive's default semantics): what a consumer's release of a stage
-// needs once wgmma.wait_group has seen the MMAs' reads of it complete; the peer's producer orders its multicast
-// after the barrier's phase completes.
-[[maybe_unused]] __device__ __forceinline__ void mbar_arrive_in_cta_scope(uint32_t bar, uint32_t cta) {
-  asm volatile(
-      "{\n"
-      ".reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
-      "}\n" ::"r"(bar),
-      "r"(cta)
-      : "memory");
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(cta));
+  if constexpr (kClusterScope)
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+  else
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
 }
 [[maybe_unused]] __device__ __forceinline__ void cluster_sync_all() {  // every thread of both CTAs, any order
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
@@ -312,11 +301,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // A stage read: released in this CTA, and with pair also in the peer (whose producer multicast half of it).
   auto release = [&](int st) {
     if (pair == 2) {
-      mbar_arrive_in_cta_scope(empty(st), 0);
-      mbar_arrive_in_cta_scope(empty(st), 1);
+      mbar_arrive_in<false>(empty(st), 0);
+      mbar_arrive_in<false>(empty(st), 1);
     } else if (pair) {
-      mbar_arrive_in(empty(st), 0);
-      mbar_arrive_in(empty(st), 1);
+      mbar_arrive_in<true>(empty(st), 0);
+      mbar_arrive_in<true>(empty(st), 1);
     } else {
       mbar_arrive(empty(st));
     }
