@@ -765,13 +765,15 @@ EnvSwitch g_skip_idle{"MOEKIT_TMA_SKIP_IDLE", false};
 // loads its own A rows and one of the two weight boxes, multicast into both CTAs, so each weight byte leaves L2
 // once per 128 rows instead of once per 64. A CTA whose 64 rows lie past the expert's end still loads its box and
 // releases the stages without MMAs (the padding of the cooperative form's tiles; the peer needs the box).
-// Off: measured 2.6-2.9x slower (qwen3-30b-a3b T = 4096, H200 and H100), its warps stalled on the cluster-scope
-// release of each remote arrival and on barriers (docs/design.md).
+// Off: measured 2.6-2.9x slower with cluster-scope releases (qwen3-30b-a3b T = 4096, H200 and H100), its warps
+// stalled on the release of each remote arrival and on barriers, and still 1.10-1.17x slower than ping-pong with
+// CTA-scope releases (H100; docs/perf.md, 2026-12-07).
 EnvSwitch g_pair{"MOEKIT_TMA_PAIR", false};
-// The pair form's consumers release each stage in both CTAs with arrivals released at CTA scope
-// (MOEKIT_TMA_PAIR_CTA_RELEASE=1, or set_grouped_gemm_tma_pair_cta_release(true)) or at cluster scope (default: the
-// form measured). Same bits.
-EnvSwitch g_pair_cta_release{"MOEKIT_TMA_PAIR_CTA_RELEASE", false};
+// The pair form's consumers release each stage in both CTAs with arrivals released at CTA scope (default, as
+// CUTLASS's cluster barrier arrives: the first projection 1203 -> 463 us, membar stalls 9.5 -> 0.05 cycles per
+// instruction) or at cluster scope (MOEKIT_TMA_PAIR_CTA_RELEASE=0, or set_grouped_gemm_tma_pair_cta_release(false)).
+// Same bits.
+EnvSwitch g_pair_cta_release{"MOEKIT_TMA_PAIR_CTA_RELEASE", true};
 
 // The engine's form for these sizes: 0 cooperative, 1 ping-pong (route tiles of 64), 2 ping-pong over CTA pairs
 // (route tiles of 128).
