@@ -766,7 +766,7 @@ EnvSwitch g_skip_idle{"MOEKIT_TMA_SKIP_IDLE", false};
 // once per 128 rows instead of once per 64. A CTA whose 64 rows lie past the expert's end still loads its box and
 // releases the stages without MMAs (the padding of the cooperative form's tiles; the peer needs the box).
 // Off: measured 2.6-2.9x slower with cluster-scope releases (qwen3-30b-a3b T = 4096, H200 and H100), its warps
-// stalled on the release of each remote arrival and on barriers, and still 1.10-1.17x slower than ping-pong with
+// stalled on the release of each remote arrival and on barriers, and still 1.08-1.17x slower than the forms it would replace with
 // CTA-scope releases (H100; docs/perf.md, 2026-12-07).
 EnvSwitch g_pair{"MOEKIT_TMA_PAIR", false};
 // The pair form's consumers release each stage in both CTAs with arrivals released at CTA scope (default, as
