@@ -448,13 +448,13 @@ TEST_F(CudaModelOps, DecodeAttentionOverSequencesMatchesCpu) {
                                                 << (md.last ? ", splits merged by the last" : ", merge launch"));
               model::set_vector_decode_attention(md.vec);
               model::set_fused_qk_attention(md.fuse);
-              model::set_last_split_merge(md.last);
+              const bool last_was = model::set_last_split_merge(md.last);
               Tensor got;
               std::vector<Tensor> gk, gv;
               run(gpu(), kDev, dev_pos, got, gk, gv);
               model::set_vector_decode_attention(true);
               model::set_fused_qk_attention(true);
-              model::set_last_split_merge(true);
+              model::set_last_split_merge(last_was);
               if (md.vec && md.fuse) merged[md.last ? 1 : 0] = on_cpu(got);
               EXPECT_LT(dist(got, ref), tol(t));
               for (int64_t i = 0; i < B; ++i) {
@@ -550,13 +550,13 @@ TEST_F(CudaModelOps, FusedRouterIsTheGemvThenTheRoute) {
         const bool with_cb = c.kind == RouterKind::grouped_sigmoid;
         Tensor out[3][3];  // unfused, fused, fused again: logits, index, weights
         for (int r = 0; r < 3; ++r) {
-          model::set_fused_router(r > 0);
+          const bool was = model::set_fused_router(r > 0);
           out[r][0] = poisoned({T, c.E}, DType::f32, kDev);
           out[r][1] = Tensor::empty({T, c.K}, DType::i32, kDev);
           out[r][2] = poisoned({T, c.K}, DType::f32, kDev);
           gpu().router(x.view(), w.view(), c.linear_bias ? lb.view() : TensorView(), with_cb ? cb.view() : TensorView(),
                        spec, out[r][0].view(), out[r][1].view(), out[r][2].view());
-          model::set_fused_router(true);
+          model::set_fused_router(was);
         }
         for (int r = 1; r < 3; ++r)
           for (int j = 0; j < 3; ++j)

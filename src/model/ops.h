@@ -229,15 +229,17 @@ void set_vector_decode_attention(bool on);
 bool fused_qk_attention();
 void set_fused_qk_attention(bool on);
 // Whether that 16-byte-load kernel merges its key splits itself (the last split of each query head to finish merges
-// them, in split order: the merge kernel's arithmetic, one launch less): on unless MOEKIT_ATTN_LAST_MERGE=0 (read
-// once) or set_last_split_merge says otherwise (tests; a recorded decode graph keeps its kernels).
+// them, in split order: the merge kernel's arithmetic, one launch less): off unless MOEKIT_ATTN_LAST_MERGE=1 (read
+// once) or set_last_split_merge says otherwise (tests; a recorded decode graph keeps its kernels). The setter
+// returns the previous setting.
 bool last_split_merge();
-void set_last_split_merge(bool on);
+bool set_last_split_merge(bool on);
 // Whether the CUDA router of the decode step's few rows (the GEMV's rows, f32 weights, up to 256 experts) routes in
-// the GEMV's launch (its last block; the route kernel's arithmetic, one launch less): on unless MOEKIT_FUSED_ROUTER=0
-// (read once) or set_fused_router says otherwise (tests; a recorded decode graph keeps its kernels).
+// the GEMV's launch (its last block; the route kernel's arithmetic, one launch less): off unless MOEKIT_FUSED_ROUTER=1
+// (read once) or set_fused_router says otherwise (tests; a recorded decode graph keeps its kernels). The setter
+// returns the previous setting.
 bool fused_router();
-void set_fused_router(bool on);
+bool set_fused_router(bool on);
 // The most rows a CUDA linear of 16-bit weights runs as the decode step's GEMV (fused decode); more go to cuBLAS,
 // which streams the weights faster from about 4 rows on. 3 unless MOEKIT_GEMV_MAX_ROWS (0 to 8, read once) or
 // set_gemv_max_rows says otherwise. Linears of f32 weights (the router) keep the GEMV up to 8 rows.
