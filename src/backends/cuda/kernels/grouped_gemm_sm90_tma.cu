@@ -87,6 +87,9 @@ template <bool kClusterScope>
   else
     asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
 }
+// The kernel's `pair` argument: no CTA pairs, or pairs whose consumers release each stage in both CTAs at cluster
+// scope or at CTA scope (mbar_arrive_in).
+constexpr int kPairOff = 0, kPairClusterRelease = 1, kPairCtaRelease = 2;
 [[maybe_unused]] __device__ __forceinline__ void cluster_sync_all() {  // every thread of both CTAs, any order
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 }
@@ -300,10 +303,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   int seq = -1;  // this block's non-empty items so far (the producer's order; pair: all its items)
   // A stage read: released in this CTA, and with pair also in the peer (whose producer multicast half of it).
   auto release = [&](int st) {
-    if (pair == 2) {
+    if (pair == kPairCtaRelease) {
       mbar_arrive_in<false>(empty(st), 0);
       mbar_arrive_in<false>(empty(st), 1);
-    } else if (pair) {
+    } else if (pair) {  // kPairClusterRelease
       mbar_arrive_in<true>(empty(st), 0);
       mbar_arrive_in<true>(empty(st), 1);
     } else {
@@ -878,12 +881,12 @@ cudaError_t launch_tma(const GroupedGemmArgs& a, cudaStream_t stream) {
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = pair_launch(unsigned(2 * std::min<int64_t>(work, fit)), stream, attr);
     return cudaLaunchKernelEx(&cfg, kernel, map_a, map_b, map_out, tma_store, pp, split_out_on(), g_fast_gate.on(),
-                              g_skip_idle.on(), g_pair_cta_release.on() ? 2 : 1, a);
+                              g_skip_idle.on(), g_pair_cta_release.on() ? kPairCtaRelease : kPairClusterRelease, a);
   }
   const int64_t work = grouped_max_tiles(a.max_rows, a.experts, rows) * ((a.n + cols - 1) / cols);
   const int grid = int(std::min<int64_t>(work, sm90::sm_count()));
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(map_a, map_b, map_out, tma_store, pp, split_out_on(), g_fast_gate.on(),
-                                                 g_skip_idle.on(), 0, a);
+                                                 g_skip_idle.on(), kPairOff, a);
   return cudaGetLastError();
 }
 
