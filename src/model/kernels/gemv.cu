@@ -179,10 +179,21 @@ __device__ __forceinline__ StreamSpan stream_span(int steps, int warp) {
   return {int(int64_t(steps) * warp / kWarps), int(int64_t(steps) * (warp + 1) / kWarps)};
 }
 
+// The route tail of gemv_stream_kernel<..., ROUTE = true>: rows [M, E] of logits routed by the block's warps (a warp
+// per row), the ticket put back to 0. Out of line, so that the route's registers do not weigh on the GEMV's loop
+// (inlined, ptxas kept the loop at 64 registers with stack spills in it).
+__device__ __noinline__ void route_rows(const float* logits, int M, int E, GemvRoute rt) {
+  for (int m = threadIdx.x / 32; m < M; m += kWarps)
+    route_detail::route_token_upto256(logits + int64_t(m) * E, rt.bias, E, rt.K, rt.kind, rt.norm, rt.scale,
+                                      rt.n_group, rt.topk_group, rt.index + int64_t(m) * rt.K,
+                                      rt.weights + int64_t(m) * rt.K);
+  if (threadIdx.x == 0) *rt.ticket = 0u;
+}
+
 // part (dynamic shared memory): [kWarps][jmax][MR][kGemvRows], jmax >= the column groups any warp's span meets.
 // ROUTE: y is the router's f32 logits [M, N = E], routed by the last block to finish (gemv_route).
 template <class XT, class WT, int MR, int UB, bool ROUTE>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, ROUTE && MR <= 4 ? 3 : 1)
     gemv_stream_kernel(const XT* x, int64_t ldx, const WT* w, const void* bias, int bt, void* y, int yt, int M,
                        int64_t N, int64_t K, int groups, int ksteps, int jmax, GemvRoute rt) {
   constexpr int VEC = 16 / sizeof(WT);
@@ -261,11 +272,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     if (!last) return;
     __threadfence();
-    for (int m = warp; m < M; m += kWarps)
-      route_detail::route_token_upto256(static_cast<const float*>(y) + int64_t(m) * N, rt.bias, int(N), rt.K, rt.kind,
-                                        rt.norm, rt.scale, rt.n_group, rt.topk_group, rt.index + int64_t(m) * rt.K,
-                                        rt.weights + int64_t(m) * rt.K);
-    if (threadIdx.x == 0) *rt.ticket = 0u;
+    route_rows(static_cast<const float*>(y), M, int(N), rt);
   }
 }
 
