@@ -436,34 +436,26 @@ TEST_F(CudaModelOps, DecodeAttentionOverSequencesMatchesCpu) {
           std::vector<Tensor> rk, rv;
           run(cpu(), Device::cpu(), false, ref, rk, rv);
           struct Mode {
-            bool vec, fuse, last;
+            bool vec, fuse;
           };
           for (bool dev_pos : {false, true}) {
-            Tensor merged[2];  // the 16-byte-load kernel's output, its splits merged by a launch / by the last split
-            for (const Mode md : {Mode{true, true, true}, Mode{true, true, false}, Mode{true, false, true},
-                                  Mode{false, true, true}, Mode{false, false, true}}) {
+            for (const Mode md : {Mode{true, true}, Mode{true, false}, Mode{false, true}, Mode{false, false}}) {
               SCOPED_TRACE(::testing::Message() << (dev_pos ? "device positions" : "host positions")
                                                 << (md.vec ? ", 16-byte loads" : ", scalar loads")
-                                                << (md.fuse ? ", norms and rotary fused" : ", norms and rotary apart")
-                                                << (md.last ? ", splits merged by the last" : ", merge launch"));
+                                                << (md.fuse ? ", norms and rotary fused" : ", norms and rotary apart"));
               model::set_vector_decode_attention(md.vec);
               model::set_fused_qk_attention(md.fuse);
-              const bool last_was = model::set_last_split_merge(md.last);
               Tensor got;
               std::vector<Tensor> gk, gv;
               run(gpu(), kDev, dev_pos, got, gk, gv);
               model::set_vector_decode_attention(true);
               model::set_fused_qk_attention(true);
-              model::set_last_split_merge(last_was);
-              if (md.vec && md.fuse) merged[md.last ? 1 : 0] = on_cpu(got);
               EXPECT_LT(dist(got, ref), tol(t));
               for (int64_t i = 0; i < B; ++i) {
                 EXPECT_LT(dist(gk[size_t(i)], rk[size_t(i)]), tol(t)) << "sequence " << i;
                 EXPECT_TRUE(test::bitwise_equal(on_cpu(gv[size_t(i)]), rv[size_t(i)])) << "sequence " << i;
               }
             }
-            // The same arithmetic in the same order: bit for bit the same output.
-            EXPECT_TRUE(test::bitwise_equal(merged[0], merged[1])) << "the splits' two merges differ";
           }
         }
       }
@@ -518,49 +510,6 @@ TEST_F(CudaModelOps, RouterPicksTheCpuExpertsAndWeights) {
         const Tensor hi = on_cpu(gi);
         EXPECT_EQ(std::memcmp(hi.data(), idx.data(), idx.nbytes()), 0);
         EXPECT_LT(dist(gw, w), 1e-6);
-      }
-    }
-  }
-}
-
-// The decode step's router in one launch (the GEMV's last block routes) against the GEMV then the route kernel: bit
-// for bit the same logits, experts and weights, call after call (its counter goes back to 0); 300 experts take the
-// two launches.
-TEST_F(CudaModelOps, FusedRouterIsTheGemvThenTheRoute) {
-  struct Case {
-    RouterKind kind;
-    int64_t E, K, n_group, topk_group;
-    bool norm, linear_bias;
-  };
-  const Case cases[] = {
-      {RouterKind::softmax_topk, 128, 8, 1, 1, true, false},   {RouterKind::softmax_topk, 60, 4, 1, 1, false, false},
-      {RouterKind::topk_softmax, 32, 4, 1, 1, false, true},    {RouterKind::softmax_topk, 8, 2, 1, 1, false, false},
-      {RouterKind::grouped_sigmoid, 256, 8, 8, 4, true, false}, {RouterKind::softmax_topk, 300, 8, 1, 1, true, false},
-  };
-  const int64_t H = 1024 + 64;  // a last step of the GEMV's K short
-  for (DType t : {DType::bf16, DType::f16}) {
-    for (const Case& c : cases) {
-      for (int64_t T : {1, 3, 8}) {
-        SCOPED_TRACE(::testing::Message() << dtype_name(t) << " kind " << int(c.kind) << " E=" << c.E << " K=" << c.K
-                                          << " T=" << T);
-        model::RouterSpec spec{c.kind, c.K, c.norm, 2.5f, c.n_group, c.topk_group};
-        const Tensor x = on_gpu(test::randn({T, H}, t, rng)), w = on_gpu(test::randn({c.E, H}, DType::f32, rng, 0.05));
-        const Tensor lb = on_gpu(test::randn({c.E}, DType::f32, rng, 0.3));
-        const Tensor cb = on_gpu(test::randn({c.E}, DType::f32, rng, 0.3));
-        const bool with_cb = c.kind == RouterKind::grouped_sigmoid;
-        Tensor out[3][3];  // unfused, fused, fused again: logits, index, weights
-        for (int r = 0; r < 3; ++r) {
-          const bool was = model::set_fused_router(r > 0);
-          out[r][0] = poisoned({T, c.E}, DType::f32, kDev);
-          out[r][1] = Tensor::empty({T, c.K}, DType::i32, kDev);
-          out[r][2] = poisoned({T, c.K}, DType::f32, kDev);
-          gpu().router(x.view(), w.view(), c.linear_bias ? lb.view() : TensorView(), with_cb ? cb.view() : TensorView(),
-                       spec, out[r][0].view(), out[r][1].view(), out[r][2].view());
-          model::set_fused_router(was);
-        }
-        for (int r = 1; r < 3; ++r)
-          for (int j = 0; j < 3; ++j)
-            EXPECT_TRUE(test::bitwise_equal(on_cpu(out[r][j]), on_cpu(out[0][j]))) << "call " << r << " output " << j;
       }
     }
   }

@@ -155,11 +155,11 @@ Tensor moe(const Ctx& x, const Layer& L, const TensorView& h) {
   const auto& m = L.moe;
   const int64_t T = x.T, E = c.num_experts, K = c.num_experts_per_tok;
   Tensor logits = x.empty({T, E}, DType::f32);
+  x.ops.linear(h, m.router_w.view(), m.router_b.defined() ? m.router_b.view() : TensorView(), logits.view());
   Tensor idx = x.empty({T, K}, DType::i32), wts = x.empty({T, K}, DType::f32);
   model::RouterSpec rs{c.router, K, c.norm_topk_prob, float(c.routed_scaling_factor), c.n_group, c.topk_group};
-  x.ops.router(h, m.router_w.view(), m.router_b.defined() ? m.router_b.view() : TensorView(),
-               m.correction_bias.defined() ? m.correction_bias.view() : TensorView(), rs, logits.view(), idx.view(),
-               wts.view());
+  x.ops.route(logits.view(), m.correction_bias.defined() ? m.correction_bias.view() : TensorView(), rs, idx.view(),
+              wts.view());
   Tensor y = x.empty({T, h.shape[1]}, h.dtype);
   const ExpertsCall call{h, idx.view(), wts.view(), y.view(), model::current_stream()};
   if (m.ep)

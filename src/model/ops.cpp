@@ -184,9 +184,6 @@ namespace {
 EnvSwitch g_fused_decode{"MOEKIT_FUSED_DECODE", true};
 EnvSwitch g_vector_decode_attention{"MOEKIT_VEC_DECODE_ATTENTION", true};
 EnvSwitch g_fused_qk_attention{"MOEKIT_ATTN_FUSE_QK", true};
-// Both off until measured on a GPU (built and tested bit for bit against the launches they replace).
-EnvSwitch g_last_split_merge{"MOEKIT_ATTN_LAST_MERGE", false};
-EnvSwitch g_fused_router{"MOEKIT_FUSED_ROUTER", false};
 // On: the H200's decode step of the 4-layer Qwen3-30B-A3B-shaped model, 340 -> 331 us, the same tokens.
 EnvSwitch g_decode_ahead{"MOEKIT_DECODE_AHEAD", true};
 }  // namespace
@@ -196,17 +193,6 @@ bool vector_decode_attention() { return g_vector_decode_attention.on(); }
 void set_vector_decode_attention(bool on) { g_vector_decode_attention.set(on); }
 bool fused_qk_attention() { return g_fused_qk_attention.on(); }
 void set_fused_qk_attention(bool on) { g_fused_qk_attention.set(on); }
-bool last_split_merge() { return g_last_split_merge.on(); }
-bool set_last_split_merge(bool on) { return g_last_split_merge.set(on); }
-bool fused_router() { return g_fused_router.on(); }
-bool set_fused_router(bool on) { return g_fused_router.set(on); }
-
-void DeviceOps::router(const TensorView& x, const TensorView& w, const TensorView& bias,
-                       const TensorView& correction_bias, const RouterSpec& spec, const TensorView& logits,
-                       const TensorView& index, const TensorView& weights) const {
-  linear(x, w, bias, logits);
-  route(logits, correction_bias, spec, index, weights);
-}
 bool decode_ahead() { return g_decode_ahead.on(); }
 void set_decode_ahead(bool on) { g_decode_ahead.set(on); }
 

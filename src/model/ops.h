@@ -109,11 +109,6 @@ class DeviceOps {
   // correction_bias [E] f32 (grouped_sigmoid only; data may be null).
   virtual void route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
                      const TensorView& index, const TensorView& weights) const = 0;
-  // The MoE block's router: logits = linear(x, w, bias), then route. CUDA runs the decode step's few rows in one
-  // launch (fused_router); by default the two ops.
-  virtual void router(const TensorView& x, const TensorView& w, const TensorView& bias,
-                      const TensorView& correction_bias, const RouterSpec& spec, const TensorView& logits,
-                      const TensorView& index, const TensorView& weights) const;
   // Multi-head latent attention: kvb [T, H * (nope + dv)] and the roped shared key k_rot [T, rope] give
   // k [T, H, nope + rope] (k_nope then k_rot) and v [T, H, dv], written at rows [row0, row0 + T) of the
   // caches k [S, H, nope + rope] and v [S, H, dv].
@@ -228,18 +223,6 @@ void set_vector_decode_attention(bool on);
 // set_fused_qk_attention says otherwise (tests; a recorded decode graph keeps its kernels).
 bool fused_qk_attention();
 void set_fused_qk_attention(bool on);
-// Whether that 16-byte-load kernel merges its key splits itself (the last split of each query head to finish merges
-// them, in split order: the merge kernel's arithmetic, one launch less): off unless MOEKIT_ATTN_LAST_MERGE=1 (read
-// once) or set_last_split_merge says otherwise (tests; a recorded decode graph keeps its kernels). The setter
-// returns the previous setting.
-bool last_split_merge();
-bool set_last_split_merge(bool on);
-// Whether the CUDA router of the decode step's few rows (the GEMV's rows, f32 weights, up to 256 experts) routes in
-// the GEMV's launch (its last block; the route kernel's arithmetic, one launch less): off unless MOEKIT_FUSED_ROUTER=1
-// (read once) or set_fused_router says otherwise (tests; a recorded decode graph keeps its kernels). The setter
-// returns the previous setting.
-bool fused_router();
-bool set_fused_router(bool on);
 // The most rows a CUDA linear of 16-bit weights runs as the decode step's GEMV (fused decode); more go to cuBLAS,
 // which streams the weights faster from about 4 rows on. 3 unless MOEKIT_GEMV_MAX_ROWS (0 to 8, read once) or
 // set_gemv_max_rows says otherwise. Linears of f32 weights (the router) keep the GEMV up to 8 rows.

@@ -100,32 +100,6 @@ kernels::RopeArgs rope_args(const RopeSpec& rope) {
   return a;
 }
 
-// Counters that the kernels using them leave at 0 (the last block of a launch resets what its launch counted): one
-// buffer of `capacity` per (device, stream), set to 0 when it is allocated (outside a graph capture) and never moved,
-// so that recorded graphs keep pointing at it. get() is null when more counters are asked for than it holds.
-class StreamCounters {
- public:
-  StreamCounters(const char* what, size_t capacity) : what_(what), capacity_(capacity) {}
-  unsigned* get(int device, cudaStream_t stream, size_t count) {
-    if (count > capacity_) return nullptr;
-    std::lock_guard<std::mutex> lock(mutex_);
-    cuda::DeviceBuffer& b = buffers_[{device, stream}];
-    if (!b.data()) {
-      MOEKIT_CHECK_CODE(!cuda::stream_is_capturing(stream), runtime, what_,
-                        " are allocated during graph capture; run the step once uncaptured first");
-      b = cuda::DeviceBuffer(capacity_ * sizeof(unsigned), device);
-      MOEKIT_CUDA_CALL(cudaMemsetAsync(b.data(), 0, b.size(), stream));
-    }
-    return static_cast<unsigned*>(b.data());
-  }
-
- private:
-  const char* what_;
-  size_t capacity_;
-  std::mutex mutex_;
-  std::map<std::pair<int, cudaStream_t>, cuda::DeviceBuffer> buffers_;
-};
-
 class CudaOps final : public DeviceOps {
  public:
   void embedding(const TensorView& ids, const TensorView& table, const TensorView& out) const override {
@@ -375,9 +349,6 @@ class CudaOps final : public DeviceOps {
       float* part = nullptr;
       if (splits > 1)
         part = static_cast<float*>(scratch().get(dev, s, size_t(bh * splits * (D + 2)) * sizeof(float)));
-      // Taken whether or not this call splits, so that a graph recorded later (splits from the cache's capacity)
-      // finds them allocated.
-      unsigned* tickets = last_split_merge() ? split_tickets().get(dev, s, size_t(bh)) : nullptr;
       kernels::AttentionArgs args{.q = row,
                                   .k = nullptr,
                                   .v = nullptr,
@@ -397,7 +368,6 @@ class CudaOps final : public DeviceOps {
                                   .splits = splits,
                                   .chunk = chunk,
                                   .part = part,
-                                  .tickets = tickets,
                                   .seqs = &tab,
                                   .ldq = ld,
                                   .vec = vector_decode_attention(),
@@ -482,58 +452,21 @@ class CudaOps final : public DeviceOps {
     MOEKIT_CUDA_CALL(kernels::clamp(x.data, t, n, limit, stream()));
   }
 
-  // The route kernels' code of spec, after the checks of route's operands and of what the CUDA router supports.
-  static int route_kind(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
-                        const TensorView& index, const TensorView& weights) {
+  void route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
+             const TensorView& index, const TensorView& weights) const override {
     MOEKIT_CHECK(logits.device.is_cuda(), "router logits must be on a CUDA device, got ", logits.to_string());
     const auto [T, E, K] = check_route(logits, correction_bias, spec, index, weights);
     using namespace kernels;  // kRoute*
     MOEKIT_CHECK(E <= 32 * kRouteMaxPerLane && K <= kRouteMaxK, "router: ", E, " experts, top_k ", K,
                  "; the CUDA router supports up to ", 32 * kRouteMaxPerLane, " experts and top_k ", kRouteMaxK);
-    if (spec.kind == RouterKind::topk_softmax) return kRouteTopkSoftmax;
+    const float* bias = correction_bias.data ? correction_bias.ptr<float>() : nullptr;
+    int kind = kRouteSoftmaxTopk;
+    if (spec.kind == RouterKind::topk_softmax) kind = kRouteTopkSoftmax;
     if (spec.kind == RouterKind::grouped_sigmoid) {
+      kind = kRouteGroupedSigmoid;
       MOEKIT_CHECK(spec.n_group <= kRouteMaxGroups, "grouped router: ", spec.n_group,
                    " groups; the CUDA router supports up to ", kRouteMaxGroups);
-      return kRouteGroupedSigmoid;
     }
-    return kRouteSoftmaxTopk;
-  }
-
-  void router(const TensorView& x, const TensorView& w, const TensorView& bias, const TensorView& correction_bias,
-              const RouterSpec& spec, const TensorView& logits, const TensorView& index,
-              const TensorView& weights) const override {
-    const LinearDims dims = check_linear(x, w, bias, logits);
-    const int kind = route_kind(logits, correction_bias, spec, index, weights);
-    const int xt = code(x, "router input"), wt = code(w, "router weight");
-    const int dev = x.device.index;
-    if (fused_router() && fused_decode() && dims.M >= 1 && dims.M <= kernels::kGemvMaxM &&
-        kernels::gemv_route_ok(x.data, xt, dims.ldx, w.data, wt, int(dims.M), dims.N, dims.K)) {
-      DeviceGuard g(dev);
-      const cudaStream_t s = stream();
-      const kernels::GemvRoute r{correction_bias.data ? correction_bias.ptr<float>() : nullptr,
-                                 int(spec.top_k),
-                                 kind,
-                                 spec.norm_topk_prob ? 1 : 0,
-                                 spec.routed_scaling_factor,
-                                 int(spec.n_group),
-                                 int(spec.topk_group),
-                                 index.ptr<int32_t>(),
-                                 weights.ptr<float>(),
-                                 router_tickets().get(dev, s, 1)};
-      MOEKIT_CUDA_CALL(kernels::gemv_route(x.data, xt, dims.ldx, w.data, bias.data,
-                                           bias.data ? code(bias, "linear bias") : 0, logits.ptr<float>(),
-                                           int(dims.M), dims.N, dims.K, cuda::device_info(dev).multiprocessors, r, s));
-      return;
-    }
-    DeviceOps::router(x, w, bias, correction_bias, spec, logits, index, weights);
-  }
-
-  void route(const TensorView& logits, const TensorView& correction_bias, const RouterSpec& spec,
-             const TensorView& index, const TensorView& weights) const override {
-    using namespace kernels;  // kRoute*
-    const int kind = route_kind(logits, correction_bias, spec, index, weights);
-    const int64_t T = logits.shape[0], E = logits.shape[1], K = index.shape[1];
-    const float* bias = correction_bias.data ? correction_bias.ptr<float>() : nullptr;
     if (T == 0) return;
     DeviceGuard g(logits.device.index);
     MOEKIT_CUDA_CALL(kernels::route(logits.ptr<float>(), bias, T, int(E), int(K), kind, spec.norm_topk_prob,
@@ -642,17 +575,6 @@ class CudaOps final : public DeviceOps {
                      host != nullptr,
                  op, ": pick ", pick.to_string(), " and io ", io.to_string(),
                  " must be contiguous i64 on one CUDA device ([>= 2] and [2]), with a host buffer");
-  }
-  // The decode attention's split counters (kernels::AttentionArgs::tickets), one per (query, head): apart from the
-  // layer ops' scratch, whose contents the other ops overwrite.
-  static StreamCounters& split_tickets() {
-    static StreamCounters w("the attention's split counters", size_t(kernels::kMaxDecodeSeqs) * 512);
-    return w;
-  }
-  // The fused router's launch counter (kernels::GemvRoute::ticket): zeroed once, left at 0 by every launch.
-  static StreamCounters& router_tickets() {
-    static StreamCounters w("the router's launch counters", 1);
-    return w;
   }
   // The greedy pick's per-block candidates: apart from the layer ops' scratch, which a recorded decode graph points
   // into, so that a pick after a replay never grows (moves) a buffer the graph reads.

@@ -248,43 +248,6 @@ constexpr int type_code() {
   return std::is_same_v<T, bf16> ? kBF16 : kF16;
 }
 
-// The merge of one (query, head)'s splits (pp: its `splits` rows of [max, sum, Dv values], written by the
-// attention kernels; h: its head, for the sink) into o [Dv], by the block's threads. Each split's max and sum loaded
-// once, by one thread each (all in flight together), then the same arithmetic in split order as one thread would
-// do it. The loads skip L1 (__ldcg): the last split's block of the decode attention merges what other blocks of its
-// own launch wrote. ms_s, fs, ls: kAttnMaxSplits floats of shared memory each.
-template <class T>
-__device__ __forceinline__ void merge_splits(const float* __restrict__ pp, int splits, int Dv, const void* sinks,
-                                             int sink_t, int h, T* __restrict__ o, float* ms_s, float* fs, float* ls) {
-  for (int s = threadIdx.x; s < splits; s += blockDim.x) {
-    ms_s[s] = __ldcg(pp + int64_t(s) * (Dv + 2));
-    ls[s] = __ldcg(pp + int64_t(s) * (Dv + 2) + 1);
-  }
-  __syncthreads();
-  float M = sinks ? ld(sinks, sink_t, h) : -INFINITY;
-  for (int s = 0; s < splits; ++s) M = fmaxf(M, ms_s[s]);
-  for (int s = threadIdx.x; s < splits; s += blockDim.x) fs[s] = ms_s[s] != -INFINITY ? expf(ms_s[s] - M) : 0.0f;
-  __syncthreads();
-  float L = sinks ? expf(ld(sinks, sink_t, h) - M) : 0.0f;
-  for (int s = 0; s < splits; ++s)
-    if (ms_s[s] != -INFINITY) L += ls[s] * fs[s];
-  const float inv = 1.0f / L;
-  constexpr int kBatch = 8;  // value loads in flight per thread
-  for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
-    float a = 0.0f;
-    for (int s0 = 0; s0 < splits; s0 += kBatch) {
-      float v[kBatch];
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i)
-        v[i] = s0 + i < splits && ms_s[s0 + i] != -INFINITY ? __ldcg(pp + int64_t(s0 + i) * (Dv + 2) + 2 + d) : 0.0f;
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i)
-        if (s0 + i < splits && ms_s[s0 + i] != -INFINITY) a += v[i] * fs[s0 + i];
-    }
-    o[d] = from_f32<T>(a * inv);
-  }
-}
-
 // attention_kernel for the decode step of 16-bit caches whose heads are P pieces of 16 bytes (D = 8 P, Dk = Dv):
 // the same splits, online softmax and outputs, with 16-byte loads. P threads share a key (one piece each, the dot
 // product summed over the P lanes); each thread issues its loads of a tile's keys and values before using any, so a
@@ -301,7 +264,7 @@ template <class T, int P>
 __global__ void __launch_bounds__(kAttnThreads)
     decode_attention_vec_kernel(const T* __restrict__ q, int64_t ldq, DecodeSeqs seqs, T* __restrict__ out, int Hq,
                                 int Hkv, float scale, int64_t window, const void* sinks, int sink_t, int64_t chunk,
-                                float* __restrict__ part, unsigned* __restrict__ tickets, QkFuse f) {
+                                float* __restrict__ part, QkFuse f) {
   constexpr int E = 8;                      // values per piece
   constexpr int D = P * E;
   constexpr int KPP = kAttnThreads / P;     // keys per pass (key slots)
@@ -467,21 +430,6 @@ __global__ void __launch_bounds__(kAttnThreads)
       for (int s2 = 0; s2 < KPP; ++s2) a += red[s2 * D + d];
       o[2 + d] = a;
     }
-    if (!tickets) return;
-    // The last of the (query, head)'s splits to finish merges them all (in split order, as the merge kernel does):
-    // every thread's partial results are ordered before the block's ticket, the ticket before the last block's
-    // reads; that block puts the ticket back to 0 for the next launch.
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) last = atomicAdd(tickets + bh, 1u) == unsigned(splits - 1);
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    __shared__ float ms_s[kAttnMaxSplits], fs[kAttnMaxSplits], ls[kAttnMaxSplits];
-    merge_splits<T>(part + int64_t(bh) * splits * (D + 2), splits, D, sinks, sink_t, h, out + int64_t(bh) * D, ms_s, fs,
-                    ls);
-    if (tid == 0) tickets[bh] = 0u;
     return;
   }
   // One split: the block writes the output itself.
@@ -501,8 +449,36 @@ __global__ void attention_combine_kernel(const float* __restrict__ part, int spl
   cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
   cuda::pdl_trigger();
   const int bh = blockIdx.x;
-  merge_splits<T>(part + int64_t(bh) * splits * (Dv + 2), splits, Dv, sinks, sink_t, bh % Hq, out + int64_t(bh) * Dv,
-                  ms_s, fs, ls);
+  const float* pp = part + int64_t(bh) * splits * (Dv + 2);
+  // Each split's max and sum loaded once, by one thread each (all in flight together), then the same arithmetic
+  // in split order as one thread would do it.
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+    ms_s[s] = pp[int64_t(s) * (Dv + 2)];
+    ls[s] = pp[int64_t(s) * (Dv + 2) + 1];
+  }
+  __syncthreads();
+  float M = sinks ? ld(sinks, sink_t, bh % Hq) : -INFINITY;
+  for (int s = 0; s < splits; ++s) M = fmaxf(M, ms_s[s]);
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) fs[s] = ms_s[s] != -INFINITY ? expf(ms_s[s] - M) : 0.0f;
+  __syncthreads();
+  float L = sinks ? expf(ld(sinks, sink_t, bh % Hq) - M) : 0.0f;
+  for (int s = 0; s < splits; ++s)
+    if (ms_s[s] != -INFINITY) L += ls[s] * fs[s];
+  const float inv = 1.0f / L;
+  constexpr int kBatch = 8;  // value loads in flight per thread
+  for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
+    float a = 0.0f;
+    for (int s0 = 0; s0 < splits; s0 += kBatch) {
+      float v[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i)
+        v[i] = s0 + i < splits && ms_s[s0 + i] != -INFINITY ? pp[int64_t(s0 + i) * (Dv + 2) + 2 + d] : 0.0f;
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i)
+        if (s0 + i < splits && ms_s[s0 + i] != -INFINITY) a += v[i] * fs[s0 + i];
+    }
+    out[int64_t(bh) * Dv + d] = from_f32<T>(a * inv);
+  }
 }
 
 // qk_norm_rope_cache for T rows of q, k, v with row strides ldq, ldk, ldv (elements; rows of one QKV projection),
@@ -592,10 +568,8 @@ cudaError_t attention(const AttentionArgs& a, cudaStream_t s) {
         E* oe = static_cast<E*>(a.out);
         auto kernel = a.Dk == 64 ? decode_attention_vec_kernel<E, 8>
                                  : a.Dk == 128 ? decode_attention_vec_kernel<E, 16> : decode_attention_vec_kernel<E, 32>;
-        unsigned* tickets = a.part ? a.tickets : nullptr;
         err = cuda::launch_pdl(pdl, kernel, grid, dim3(kAttnThreads), 0, s, qe, ldq, seqs, oe, a.Hq, a.Hkv, a.scale,
-                               a.window, a.sinks, a.sink_t, a.chunk, a.part, tickets, f);
-        if (err != cudaSuccess || tickets) return err;  // the splits merged by the last of each
+                               a.window, a.sinks, a.sink_t, a.chunk, a.part, f);
       }
     }
     if (!vec)

@@ -12,7 +12,6 @@
 #include "base/cuda_pdl.cuh"
 #include "base/env.h"
 #include "model/kernels/layer_device.cuh"
-#include "model/kernels/route_device.cuh"
 
 namespace moekit::model::kernels {
 namespace {
@@ -179,23 +178,11 @@ __device__ __forceinline__ StreamSpan stream_span(int steps, int warp) {
   return {int(int64_t(steps) * warp / kWarps), int(int64_t(steps) * (warp + 1) / kWarps)};
 }
 
-// The route tail of gemv_stream_kernel<..., ROUTE = true>: rows [M, E] of logits routed by the block's warps (a warp
-// per row), the ticket put back to 0. Out of line, so that the route's registers do not weigh on the GEMV's loop
-// (inlined, ptxas kept the loop at 64 registers with stack spills in it).
-__device__ __noinline__ void route_rows(const float* logits, int M, int E, GemvRoute rt) {
-  for (int m = threadIdx.x / 32; m < M; m += kWarps)
-    route_detail::route_token_upto256(logits + int64_t(m) * E, rt.bias, E, rt.K, rt.kind, rt.norm, rt.scale,
-                                      rt.n_group, rt.topk_group, rt.index + int64_t(m) * rt.K,
-                                      rt.weights + int64_t(m) * rt.K);
-  if (threadIdx.x == 0) *rt.ticket = 0u;
-}
-
 // part (dynamic shared memory): [kWarps][jmax][MR][kGemvRows], jmax >= the column groups any warp's span meets.
-// ROUTE: y is the router's f32 logits [M, N = E], routed by the last block to finish (gemv_route).
-template <class XT, class WT, int MR, int UB, bool ROUTE>
-__global__ void __launch_bounds__(kThreads, ROUTE && MR <= 4 ? 3 : 1)
+template <class XT, class WT, int MR, int UB>
+__global__ void __launch_bounds__(kThreads)
     gemv_stream_kernel(const XT* x, int64_t ldx, const WT* w, const void* bias, int bt, void* y, int yt, int M,
-                       int64_t N, int64_t K, int groups, int ksteps, int jmax, GemvRoute rt) {
+                       int64_t N, int64_t K, int groups, int ksteps, int jmax) {
   constexpr int VEC = 16 / sizeof(WT);
   constexpr int U = MR <= 2 ? UB : MR == 4 ? (UB + 1) / 2 : (UB + 3) / 4;  // pieces of each row in flight per lane
   constexpr int64_t kStep = 32 * VEC;
@@ -262,18 +249,6 @@ __global__ void __launch_bounds__(kThreads, ROUTE && MR <= 4 ? 3 : 1)
     if (bias) s += ld(bias, bt, c);
     st(y, yt, m * N + c, s);
   }
-  if constexpr (ROUTE) {
-    // Every thread's logits are ordered before the block's ticket, the ticket before the last block's reads; that
-    // block routes the M rows (a warp per row) and puts the ticket back to 0 for the next launch.
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(rt.ticket, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    route_rows(static_cast<const float*>(y), M, int(N), rt);
-  }
 }
 
 EnvSwitch g_gemv_stream{"MOEKIT_GEMV_STREAM", true};
@@ -282,14 +257,14 @@ EnvSwitch g_gemv_stream{"MOEKIT_GEMV_STREAM", true};
 // read once, caps the blocks per multiprocessor; 0 or unset: the occupancy, three blocks of about 80 registers),
 // fewer when the weights would give a warp less than a step; more (several waves) only when the partial sums would
 // not fit in shared memory. On the H200 the decode step ran 309 us with the occupancy, 312 with 2 and 315 with 1.
-template <class XT, class WT, int MR, int UB, bool ROUTE = false>
+template <class XT, class WT, int MR, int UB>
 cudaError_t launch_stream_mr(bool pdl, const XT* x, int64_t ldx, const WT* w, const void* bias, int bt, void* y, int yt,
-                             int M, int64_t N, int64_t K, int sms, cudaStream_t s, const GemvRoute& rt = {}) {
+                             int M, int64_t N, int64_t K, int sms, cudaStream_t s) {
   constexpr int VEC = 16 / sizeof(WT);
   constexpr int64_t kStep = 32 * VEC;
   static const int occupancy = [] {
     int b = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, gemv_stream_kernel<XT, WT, MR, UB, ROUTE>, kThreads, 4096) !=
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, gemv_stream_kernel<XT, WT, MR, UB>, kThreads, 4096) !=
         cudaSuccess) {
       (void)cudaGetLastError();
       b = 0;
@@ -311,22 +286,8 @@ cudaError_t launch_stream_mr(bool pdl, const XT* x, int64_t ldx, const WT* w, co
     grid = std::min(groups, grid * 2);
   }
   if (smem > 48 * 1024 || groups * ksteps > 0x7fffffff) return cudaErrorInvalidValue;
-  return cuda::launch_pdl(pdl, gemv_stream_kernel<XT, WT, MR, UB, ROUTE>, dim3(unsigned(grid)), dim3(kThreads), smem, s, x,
-                          ldx, w, bias, bt, y, yt, M, N, K, int(groups), int(ksteps), int(jmax), rt);
-}
-
-// gemv_route's launch: the streaming form of two pieces in flight, MR >= M.
-template <class XT>
-cudaError_t launch_route(const void* x, int64_t ldx, const float* w, const void* bias, int bt, float* y, int M,
-                         int64_t E, int64_t K, int sms, const GemvRoute& rt, cudaStream_t s) {
-  const XT* xp = static_cast<const XT*>(x);
-  const bool pdl = cuda::pdl_enabled();
-  switch (M <= 1 ? 1 : M <= 2 ? 2 : M <= 4 ? 4 : 8) {
-    case 1: return launch_stream_mr<XT, float, 1, 2, true>(pdl, xp, ldx, w, bias, bt, y, kF32, M, E, K, sms, s, rt);
-    case 2: return launch_stream_mr<XT, float, 2, 2, true>(pdl, xp, ldx, w, bias, bt, y, kF32, M, E, K, sms, s, rt);
-    case 4: return launch_stream_mr<XT, float, 4, 2, true>(pdl, xp, ldx, w, bias, bt, y, kF32, M, E, K, sms, s, rt);
-    default: return launch_stream_mr<XT, float, 8, 2, true>(pdl, xp, ldx, w, bias, bt, y, kF32, M, E, K, sms, s, rt);
-  }
+  return cuda::launch_pdl(pdl, gemv_stream_kernel<XT, WT, MR, UB>, dim3(unsigned(grid)), dim3(kThreads), smem, s, x, ldx, w,
+                          bias, bt, y, yt, M, N, K, int(groups), int(ksteps), int(jmax));
 }
 
 template <class XT, class WT>
@@ -408,21 +369,6 @@ cudaError_t gemv(const void* x, int xt, int64_t ldx, const void* w, int wt, cons
   if (xt == kF16 && wt == kF16) return launch<f16, f16>(x, ldx, w, bias, bt, y, yt, M, N, K, sms, s);
   if (xt == kBF16) return launch<bf16, float>(x, ldx, w, bias, bt, y, yt, M, N, K, sms, s);
   return launch<f16, float>(x, ldx, w, bias, bt, y, yt, M, N, K, sms, s);
-}
-
-bool gemv_route_ok(const void* x, int xt, int64_t ldx, const void* w, int wt, int M, int64_t E, int64_t K) {
-  return wt == kF32 && (xt == kBF16 || xt == kF16) && E >= 1 && E <= 256 && gemv_stream() &&
-         ((E + kGemvRows - 1) / kGemvRows) * ((K + 127) / 128) <= 0x7fffffff && gemv_ok(x, xt, ldx, w, wt, M, K);
-}
-
-cudaError_t gemv_route(const void* x, int xt, int64_t ldx, const void* w, const void* bias, int bt, float* y, int M,
-                       int64_t E, int64_t K, int sms, const GemvRoute& r, cudaStream_t s) {
-  if (M == 0) return cudaSuccess;
-  if (!gemv_route_ok(x, xt, ldx, w, kF32, M, E, K) || !r.ticket || r.K < 1 || r.K > kRouteMaxK || r.K > E)
-    return cudaErrorInvalidValue;
-  const float* wp = static_cast<const float*>(w);
-  if (xt == kBF16) return launch_route<bf16>(x, ldx, wp, bias, bt, y, M, E, K, sms, r, s);
-  return launch_route<f16>(x, ldx, wp, bias, bt, y, M, E, K, sms, r, s);
 }
 
 bool gemv_stream() { return g_gemv_stream.on(); }

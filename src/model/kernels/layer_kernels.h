@@ -98,9 +98,6 @@ struct AttentionArgs {
   int sink_t;
   int64_t splits, chunk;  // the keys in `splits` chunks of `chunk` (multiple of kAttnTile)
   float* part;            // splits > 1: [T * Hq * splits, Dv + 2] f32 scratch
-  // splits > 1 in the 16-byte-load decode kernel: [T * Hq] counters, 0 on entry (and left at 0), by which the last
-  // split of each (query, head) to finish merges them (no merge launch). Null: the merge kernel after it.
-  unsigned* tickets = nullptr;
   // Decode steps of several sequences: query t at q + t * ldq reads the caches and position of seqs entry t
   // (k, v and the positions above unused). Null: one sequence, q [T, Hq, Dk] contiguous.
   const DecodeSeqs* seqs = nullptr;
@@ -154,22 +151,6 @@ constexpr int kRouteMaxGroups = 32;
 constexpr int kRouteSoftmaxTopk = 0, kRouteTopkSoftmax = 1, kRouteGroupedSigmoid = 2;
 cudaError_t route(const float* logits, const float* bias, int64_t T, int E, int K, int kind, bool norm, float scale,
                   int n_group, int topk_group, int32_t* index, float* weights, cudaStream_t s);
-// The decode step's router in one launch: gemv's streaming form writes the f32 logits y [M, E] (M <= kGemvMaxM rows of
-// a 16-bit x, f32 weights) and the last of its blocks to finish routes them (route's arithmetic) into index /
-// weights [M, K]. ticket: one counter, 0 on entry and left at 0. gemv_route_ok: whether it serves these operands
-// (gemv_ok, the streaming form on, E <= 256).
-struct GemvRoute {
-  const float* bias;  // the correction bias (grouped_sigmoid) or null
-  int K, kind, norm;
-  float scale;
-  int n_group, topk_group;
-  int32_t* index;
-  float* weights;
-  unsigned* ticket;
-};
-bool gemv_route_ok(const void* x, int xt, int64_t ldx, const void* w, int wt, int M, int64_t E, int64_t K);
-cudaError_t gemv_route(const void* x, int xt, int64_t ldx, const void* w, const void* bias, int bt, float* y, int M,
-                       int64_t E, int64_t K, int sms, const GemvRoute& r, cudaStream_t s);
 
 // Greedy choice per row (DeviceOps::argmax_rows): out[2r] = the first index of the largest value of row r of
 // logits [R, V] f32 with the ids of `suppress` counted as -inf, out[2r + 1] = 1 when the row is all finite, else 0.
