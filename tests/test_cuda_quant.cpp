@@ -699,6 +699,49 @@ TEST(CudaQuant, Fp4GemvForcedOnAndOffMatchesTheReference) {
     }
 }
 
+// MXFP4 with bf16 activations on the tensor-core GEMV (policy.h fp4_mma_gemv) and on the FP32 one, the GEMV's reach
+// lifted so that every case takes it: both against the f64 reference (K and I not multiples of 128, several loads
+// batches of 128-input blocks, experts of 1 to 80 rows: several 8-row passes and 64-row tiles, interleaved clamped
+// SwiGLU with biases, the activation-only epilogue, sentinels, one expert for all), the tensor-core form used where it
+// is on and not where it is off, and the same bits on a second run.
+TEST(CudaQuant, Fp4MmaGemvMatchesTheReferenceAndTheFp32Gemv) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  const std::vector<ProblemConfig> cases = {
+      {.act = DType::bf16, .rwt = DType::bf16, .T = 1, .E = 9, .K = 4, .H = 160, .I = 96},
+      {.act = DType::bf16, .rwt = DType::bf16, .T = 7, .E = 5, .K = 2, .H = 192, .I = 96, .has_bias = true,
+       .concatenated = false, .gate = GateKind::clamped_swiglu, .limit = 7.0f},
+      {.act = DType::bf16, .rwt = DType::bf16, .idt = DType::i32, .T = 11, .E = 5, .K = 2, .H = 224, .I = 96},
+      {.act = DType::bf16, .T = 6, .E = 4, .K = 2, .H = 96, .I = 64, .used = 1},  // 12 rows: two 8-row passes
+      {.act = DType::bf16, .T = 3, .E = 3, .K = 2, .H = 128, .I = 96, .has_gate = false, .has_bias = true,
+       .activation = Activation::relu2},
+      {.act = DType::bf16, .T = 4, .E = 5, .K = 2, .H = 64, .I = 32, .sentinel_every = 1},
+      {.act = DType::bf16, .T = 2, .E = 33, .K = 4, .H = 1312, .I = 160, .has_bias = true, .sentinels = true},
+      {.act = DType::bf16, .T = 40, .E = 2, .K = 2, .H = 96, .I = 64, .used = 1},  // 80 rows: two tiles of 64
+  };
+  const Fp4GemvPolicy reach(int64_t(1) << 40);
+  uint64_t seed = 1300;
+  for (const ProblemConfig& c : cases) {
+    const test::ExpertsProblem p = test::make_fp4_case(c, seed++, /*float_acts=*/true, /*biases_in_act_dtype=*/true);
+    const Experts g = p.experts.to(Device::cuda(0));
+    for (const bool mma : {true, false}) {
+      const bool was = cuda::set_fp4_mma_gemv(mma);
+      for (const char* name : {"grouped_mm", "batched_mm"}) {
+        const int64_t calls = cuda::fp4_mma_gemv_calls();
+        double err = 0;
+        const Tensor out = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
+        const std::string problem = test::compare_with_reference(p, out, &err);
+        std::printf("  %-10s mxfp4 %s gemv %s: rel L2 %.2e %s\n", name, mma ? "mma " : "fp32", c.to_string().c_str(),
+                    err, problem.c_str());
+        EXPECT_TRUE(problem.empty()) << name << (mma ? " mma " : " fp32 ") << c.to_string() << ": " << problem;
+        EXPECT_EQ(cuda::fp4_mma_gemv_calls() - calls, mma ? 2 : 0) << name << " " << c.to_string();
+        const Tensor again = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
+        EXPECT_TRUE(test::bitwise_equal(out, again)) << name << " " << c.to_string();
+      }
+      cuda::set_fp4_mma_gemv(was);
+    }
+  }
+}
+
 // The device quantizer (the benchmark's FP4 experts) is the host's quantize_fp4 bit for bit: every dtype, ties of
 // e2m1, saturation, all-zero and tiny groups.
 TEST(CudaQuant, Fp4WeightQuantisationIsBitwiseTheHosts) {

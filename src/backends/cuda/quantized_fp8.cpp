@@ -86,6 +86,9 @@ EnvSwitch g_gemv_sparse{"MOEKIT_FP8_GEMV_SPARSE", true};
 //   rows par on deepseek-v3.
 // MOEKIT_FP8_CUTLASS=0 keeps moekit's sm90 kernel everywhere.
 EnvSwitch g_fp8_cutlass{"MOEKIT_FP8_CUTLASS", true};
+// MXFP4 with bf16 activations within the GEMV's reach: the tensor-core GEMV (policy.h fp4_mma_gemv).
+EnvSwitch g_fp4_mma{"MOEKIT_FP4_MMA_GEMV", false};
+std::atomic<int64_t> g_fp4_mma_calls{0};
 std::mutex g_fp8_cutlass_mutex;
 Fp8CutlassPolicy& fp8_cutlass_policy_locked() {
   static Fp8CutlassPolicy p = [] {
@@ -158,6 +161,9 @@ Fp8CutlassPolicy set_fp8_cutlass_policy(const Fp8CutlassPolicy& policy) {
 int64_t fp8_cutlass_calls(bool pingpong) { return g_fp8_cutlass_calls[pingpong ? 1 : 0].load(); }
 int64_t fp4_gemv_max_pairs() { return fp4_gemv_limit().load(); }
 int64_t set_fp4_gemv_max_pairs(int64_t pairs) { return fp4_gemv_limit().exchange(pairs); }
+bool fp4_mma_gemv() { return g_fp4_mma.on(); }
+bool set_fp4_mma_gemv(bool on) { return g_fp4_mma.set(on); }
+int64_t fp4_mma_gemv_calls() { return g_fp4_mma_calls.load(); }
 
 namespace {
 
@@ -394,7 +400,14 @@ void run_fp8(const CallContext& c) {
   // The GEMV passes over 4 rows of an expert at once when experts average more than one row (else 1: each
   // weight chunk converted once).
   const int rows_per_pass = P > E ? 4 : 1;
+  // MXFP4 with bf16 activations: the GEMV on the tensor cores (each weight decoded once per 8 rows of an expert).
+  const bool fp4_mma = fp4 && gemv && g_fp4_mma.on();
   auto gemm = [&](const k::Fp4GemmArgs& g, const char* what) {
+    if (fp4_mma && k::fp4_mma_gemv_ok(g, arch)) {
+      check_launch(k::fp4_mma_gemv(g, tile_m, arch, c.stream), what);
+      g_fp4_mma_calls.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
     check_launch(fp4    ? (gemv ? k::fp4_gemv(g, tile_m, rows_per_pass, c.stream) : k::grouped_gemm_fp4(g, tile_m, c.stream))
                  : gemv ? k::fp8_gemv(g, tile_m, rows_per_pass, c.stream)
                  : sm90 ? k::grouped_gemm_fp8_sm90(g, c.stream)

@@ -291,6 +291,171 @@ __global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Fp4GemmAr
   }
 }
 
+// ---- MXFP4 weights with bf16 activations on the tensor cores (fp4_mma_gemv) ----
+//
+// The same rows, tiles and epilogues as the kernel above, the products on mma.sync m16n8k16 (bf16 in, f32
+// accumulation): the weight rows are the M side and up to 8 A rows of the tile the N side, so each weight is decoded
+// once per 8 rows instead of once per row, and the decode is a few byte permutes per four codes. Warp: 16 weight
+// rows (gated: the gate rows of 8 output columns, then their up rows, so that a thread's accumulators hold the gate
+// and the up value of the same column and rows), the whole K; a thread (g = lane / 4, t = lane % 4) streams the
+// 16-byte pieces t, t + 4, ... (32 inputs each: one scale group) of rows g and g + 8. The reduction is permuted the
+// same way for both operands: in step s of a 128-input block, thread t's inputs 32 t + 4 s .. 32 t + 4 s + 3 stand
+// for the mma's k = 2 t, 2 t + 1, 2 t + 8, 2 t + 9 (in A: its weight codes; in B: its A row's elements). Each code
+// becomes the bf16 of its value times the group's power-of-two scale (exact: an e2m1 value has two significant
+// bits), so the tensor cores see the dequantized weights exactly as transformers' MXFP4 dequantization makes them.
+// U: 128-input blocks whose weight pieces are loaded before the first is decoded.
+constexpr int kMmaWarps = 4;
+constexpr int kMmaThreads = kMmaWarps * 32;
+constexpr int kMmaU = 8;
+
+// a * b on two bf16 lanes (fma with -0: exact where the product is).
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+// 2^(c - 127) as bf16 in both lanes (c = 0: the subnormal 2^-127; 255: NaN), as ue8m0_f32.
+__device__ __forceinline__ uint32_t ue8m0_bf16x2(uint32_t c) {
+  const uint32_t h = c == 0 ? 0x0040u : (c == 255 ? 0x7fc0u : c << 7);
+  return h | (h << 16);
+}
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+__device__ __forceinline__ uint32_t u4_word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+// fp4_convert.cuh's e2m1x4_to_16<true> (the same bits) with the four signs from one permute: in prmt's default mode
+// the 4th bit of a selector nibble (the code's sign) replicates the picked byte's top bit, so with 0x80 bytes each
+// output byte is 0xff for a negative code and 0x80 otherwise; its lowest bit, moved to the top, is the sign.
+__device__ __forceinline__ void e2m1x4_to_bf16(uint32_t v, uint32_t& p01, uint32_t& p23) {
+  const uint32_t sel = v & 0x7777u;
+  uint32_t neg;
+  asm("prmt.b32 %0, %1, %1, %2;\n" : "=r"(neg) : "r"(0x80808080u), "r"(v));
+  const uint32_t hi = __byte_perm(0x3F3F3F00u, 0x40404040u, sel) | ((neg << 7) & 0x80808080u);
+  const uint32_t lo = __byte_perm(0xC0800000u, 0xC0804000u, sel);
+  p01 = __byte_perm(lo, hi, 0x5140);
+  p23 = __byte_perm(lo, hi, 0x7362);
+}
+
+template <int EPI>
+__global__ void __launch_bounds__(kMmaThreads) fp4_mma_gemv_kernel(const Fp4GemmArgs args, int tile_m) {
+  pdl_wait();  // the routing and the A rows come from the kernels before
+  pdl_trigger();
+  const int tile = blockIdx.y;
+  if (tile >= __ldg(args.tile_offsets + args.experts)) return;
+  const int expert = tile_expert(args.tile_offsets, args.experts, tile);
+  const int64_t m0 = __ldg(args.offsets + expert) + int64_t(tile - __ldg(args.tile_offsets + expert)) * tile_m;
+  const int64_t m_end = min(int64_t(__ldg(args.offsets + expert + 1)), m0 + tile_m);
+  if (m0 >= m_end) return;
+
+  constexpr int kCols = EPI == kEpiGated ? 8 : 16;  // output columns per warp
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t c0 = (int64_t(blockIdx.x) * kMmaWarps + warp) * kCols;
+  if (c0 >= args.n) return;
+  int64_t wr[2];  // weight rows g and g + 8 of the warp's 16 (columns past n recompute the last, never stored)
+  if constexpr (EPI == kEpiGated) {
+    const int64_t c = min(c0 + g, args.n - 1);
+    wr[0] = gate_row(args.gate, c);
+    wr[1] = up_row(args.gate, c, args.inter);
+  } else {
+    wr[0] = min(c0 + g, args.n - 1);
+    wr[1] = min(c0 + g + 8, args.n - 1);
+  }
+  const uint8_t* wrow[2];
+  const uint8_t* wsc[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    wrow[h] = args.b + int64_t(expert) * args.b_expert_stride + wr[h] * args.b_stride_n;
+    wsc[h] = args.b_e8 + int64_t(expert) * args.bs_expert_stride + wr[h] * args.b_e8_ld;
+  }
+  const int64_t pieces = args.k / 32;            // 16-byte pieces (scale groups) per weight row
+  const int64_t blocks = (pieces + 3) / 4;       // 128-input blocks
+  const bf16* a_base = reinterpret_cast<const bf16*>(args.a);
+
+  for (int64_t m = m0; m < m_end; m += 8) {
+    const int nr = int(min(int64_t(8), m_end - m));
+    const bool a_valid = g < nr;  // this thread's B column: A row m + g
+    const int64_t row = m + (a_valid ? g : 0);
+    const int64_t src = args.a_rows ? int64_t(__ldg(args.a_rows + row) / args.a_row_div) : row;
+    const bf16* arow = a_base + src * args.lda;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t b0 = 0; b0 < blocks; b0 += kMmaU) {
+      uint4 w[kMmaU][2];
+      uint32_t sc[kMmaU][2];
+#pragma unroll
+      for (int u = 0; u < kMmaU; ++u) {  // every weight load of the U blocks first
+        const int64_t q = (b0 + u) * 4 + t;  // this thread's piece
+        const bool in = q < pieces;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          w[u][h] = in ? load_stream(wrow[h] + q * 16) : make_uint4(0, 0, 0, 0);
+          sc[u][h] = in ? uint32_t(__ldg(wsc[h] + q)) : 0u;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kMmaU; ++u) {
+        const int64_t q = (b0 + u) * 4 + t;
+        if ((b0 + u) * 4 >= pieces) break;  // the whole warp is past the row
+        const bool in = q < pieces;
+        uint4 av[4] = {};
+        if (in && a_valid) {
+          const uint4* p = reinterpret_cast<const uint4*>(arow + q * 32);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) av[i] = __ldg(p + i);
+        }
+        const uint32_t s0 = ue8m0_bf16x2(sc[u][0]), s1 = ue8m0_bf16x2(sc[u][1]);
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          uint32_t a[4];
+          uint32_t p01, p23;
+          e2m1x4_to_bf16(u4_word(w[u][0], s / 2) >> (16 * (s % 2)), p01, p23);
+          a[0] = bf16x2_mul(p01, s0);  // row g, k 2t, 2t + 1
+          a[2] = bf16x2_mul(p23, s0);  // row g, k 2t + 8, 2t + 9
+          e2m1x4_to_bf16(u4_word(w[u][1], s / 2) >> (16 * (s % 2)), p01, p23);
+          a[1] = bf16x2_mul(p01, s1);  // row g + 8
+          a[3] = bf16x2_mul(p23, s1);
+          mma_bf16(acc, a, u4_word(av[s / 2], 2 * (s % 2)), u4_word(av[s / 2], 2 * (s % 2) + 1));
+        }
+      }
+    }
+    // acc: [0], [1] weight row g for A rows m + 2t, m + 2t + 1; [2], [3] weight row g + 8 for the same.
+    const bf16* bias =
+        args.bias ? static_cast<const bf16*>(args.bias) + int64_t(expert) * args.bias_expert_stride : nullptr;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (2 * t + j >= nr) break;
+      const int64_t r = m + 2 * t + j;
+      if constexpr (EPI == kEpiGated) {
+        const int64_t c = c0 + g;
+        if (c >= args.n) continue;
+        const float bg = bias ? to_f32(bias[gate_row(args.gate, c)]) : 0.0f;
+        const float bu = bias ? to_f32(bias[up_row(args.gate, c, args.inter)]) : 0.0f;
+        static_cast<bf16*>(args.out)[r * args.ldo + c] =
+            from_f32<bf16>(fp8_gated<bf16>(args.gate, acc[j], acc[2 + j], bias != nullptr, bg, bu));
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int64_t c = c0 + g + 8 * h;
+          if (c >= args.n) continue;
+          const float x = acc[2 * h + j];
+          if constexpr (EPI == kEpiActOnly)
+            static_cast<bf16*>(args.out)[r * args.ldo + c] =
+                from_f32<bf16>(fp8_act_only<bf16>(args.gate, x, bias != nullptr, bias ? to_f32(bias[c]) : 0.0f));
+          else
+            static_cast<float*>(args.out)[r * args.ldo + c] = x;
+        }
+      }
+    }
+  }
+}
+
 // An element of T written by another block of this launch, read from L2 (past L1, which is not coherent).
 template <class T>
 __device__ __forceinline__ float load_cg(const T* p) {
@@ -542,6 +707,31 @@ cudaError_t fp4_gemv(const Fp4GemmArgs& a, int tile_m, int rows_per_pass, cudaSt
   if (!fp4_gemv_ok(a)) return cudaErrorInvalidValue;
   return a.a_float ? launch_gemv_any<true, true>(a, tile_m, rows_per_pass, stream)
                    : launch_gemv_any<true, false>(a, tile_m, rows_per_pass, stream);
+}
+
+bool fp4_mma_gemv_ok(const Fp4GemmArgs& a, int arch) {
+  return arch >= 80 && a.a_float && a.type == Elem::bf16 && a.k % 32 == 0 && a.b_k * 2 == a.k && a.lda >= a.k &&
+         (a.lda * 2) % 16 == 0 && a.b_stride_n % 16 == 0 && a.b_expert_stride % 16 == 0 && a.b_e8 != nullptr &&
+         a.b_e8_ld >= a.k / 32 && aligned16(a.a) && aligned16(a.b) &&
+         (a.epilogue == kEpiGated || a.epilogue == kEpiActOnly || a.epilogue == kEpiF32);
+}
+
+cudaError_t fp4_mma_gemv(const Fp4GemmArgs& a, int tile_m, int arch, cudaStream_t stream) {
+  if (!fp4_mma_gemv_ok(a, arch) || tile_m < 1) return cudaErrorInvalidValue;
+  if (a.max_rows == 0 || a.n == 0 || a.experts == 0) return cudaSuccess;
+  const int cols = a.epilogue == kEpiGated ? 8 : 16;
+  const int64_t tiles = grouped_max_tiles(a.max_rows, a.experts, tile_m);
+  const int64_t col_blocks = (a.n + kMmaWarps * cols - 1) / (kMmaWarps * cols);
+  if (tiles > 65535 || col_blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  const dim3 grid{unsigned(col_blocks), unsigned(tiles)};
+  const bool pdl = pdl_enabled();
+  switch (a.epilogue) {
+    case kEpiGated:
+      return launch_pdl(pdl, fp4_mma_gemv_kernel<kEpiGated>, grid, dim3(kMmaThreads), 0, stream, a, tile_m);
+    case kEpiActOnly:
+      return launch_pdl(pdl, fp4_mma_gemv_kernel<kEpiActOnly>, grid, dim3(kMmaThreads), 0, stream, a, tile_m);
+    default: return launch_pdl(pdl, fp4_mma_gemv_kernel<kEpiF32>, grid, dim3(kMmaThreads), 0, stream, a, tile_m);
+  }
 }
 
 }  // namespace moekit::cuda::kernels

@@ -36,6 +36,13 @@ cudaError_t grouped_gemm_fp4(const Fp4GemmArgs& a, int tile_m, cudaStream_t stre
 bool fp4_gemv_ok(const Fp4GemmArgs& a);
 cudaError_t fp4_gemv(const Fp4GemmArgs& a, int tile_m, int rows_per_pass, cudaStream_t stream);
 
+// MXFP4 at decode sizes on the tensor cores (gemv_quant.cu fp4_mma_gemv_kernel): the GEMV's rows, tiles and
+// epilogues, bf16 activations (a_float), each weight decoded to bf16 times its group's scale once per 8 rows of the
+// tile, mma.sync m16n8k16 with f32 accumulation. Whether it serves these arguments on a device of compute capability
+// `arch` (8.0 and later); the launcher.
+bool fp4_mma_gemv_ok(const Fp4GemmArgs& a, int arch);
+cudaError_t fp4_mma_gemv(const Fp4GemmArgs& a, int tile_m, int arch, cudaStream_t stream);
+
 // Weights [rows, k] of `type` (k a multiple of 32) quantized as moekit/quant.h quantize_fp4 does: per row and 32
 // inputs the scale 2^(floor(log2 amax) - 2), codes rounded to nearest even e2m1, saturated: q [rows, k / 2] packed,
 // scales [rows, k / 32] ue8m0. For making FP4 experts from device weights (the benchmark's random experts).
