@@ -701,9 +701,9 @@ TEST(CudaQuant, Fp4GemvForcedOnAndOffMatchesTheReference) {
 
 // MXFP4 with bf16 activations on the tensor-core GEMV (policy.h fp4_mma_gemv) and on the FP32 one, the GEMV's reach
 // lifted so that every case takes it: both against the f64 reference (K and I not multiples of 128, several loads
-// batches of 128-input blocks, experts of 1 to 80 rows: several 8-row passes and 64-row tiles, interleaved clamped
-// SwiGLU with biases, the activation-only epilogue, sentinels, one expert for all), the tensor-core form used where it
-// is on and not where it is off, and the same bits on a second run.
+// batches of 128-input blocks, experts of 1 to 80 rows: several 8-row passes, passes of four 8-row chunks, 64-row
+// tiles, interleaved clamped SwiGLU with biases, the activation-only epilogue, sentinels, one expert for all, empty
+// experts), the tensor-core form used where it is on and not where it is off, and the same bits on a second run.
 TEST(CudaQuant, Fp4MmaGemvMatchesTheReferenceAndTheFp32Gemv) {
   MOEKIT_SKIP_WITHOUT_CUDA();
   const std::vector<ProblemConfig> cases = {
@@ -716,7 +716,12 @@ TEST(CudaQuant, Fp4MmaGemvMatchesTheReferenceAndTheFp32Gemv) {
        .activation = Activation::relu2},
       {.act = DType::bf16, .T = 4, .E = 5, .K = 2, .H = 64, .I = 32, .sentinel_every = 1},
       {.act = DType::bf16, .T = 2, .E = 33, .K = 4, .H = 1312, .I = 160, .has_bias = true, .sentinels = true},
+      // More than 8 rows per expert on average: four 8-row chunks per pass over the weights
       {.act = DType::bf16, .T = 40, .E = 2, .K = 2, .H = 96, .I = 64, .used = 1},  // 80 rows: two tiles of 64
+      {.act = DType::bf16, .rwt = DType::bf16, .T = 90, .E = 5, .K = 3, .H = 224, .I = 160, .has_bias = true,
+       .concatenated = false, .gate = GateKind::clamped_swiglu, .limit = 7.0f, .sentinels = true},
+      {.act = DType::bf16, .T = 70, .E = 4, .K = 2, .H = 288, .I = 96, .has_gate = false,
+       .activation = Activation::gelu, .empty_experts = true},
   };
   const Fp4GemvPolicy reach(int64_t(1) << 40);
   uint64_t seed = 1300;

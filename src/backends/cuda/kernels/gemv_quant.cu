@@ -303,10 +303,8 @@ __global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Fp4GemmAr
 // for the mma's k = 2 t, 2 t + 1, 2 t + 8, 2 t + 9 (in A: its weight codes; in B: its A row's elements). Each code
 // becomes the bf16 of its value times the group's power-of-two scale (exact: an e2m1 value has two significant
 // bits), so the tensor cores see the dequantized weights exactly as transformers' MXFP4 dequantization makes them.
-// U: 128-input blocks whose weight pieces are loaded before the first is decoded.
 constexpr int kMmaWarps = 4;
 constexpr int kMmaThreads = kMmaWarps * 32;
-constexpr int kMmaU = 8;
 
 // a * b on two bf16 lanes (fma with -0: exact where the product is).
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
@@ -344,7 +342,9 @@ __device__ __forceinline__ void e2m1x4_to_bf16(uint32_t v, uint32_t& p01, uint32
   p23 = __byte_perm(lo, hi, 0x7362);
 }
 
-template <int EPI>
+// RC: 8-row chunks of the tile per pass over the weights (each block of 128 inputs decoded once for all of them);
+// U: blocks of 128 inputs whose weight pieces are loaded before the first is decoded.
+template <int EPI, int RC, int U>
 __global__ void __launch_bounds__(kMmaThreads) fp4_mma_gemv_kernel(const Fp4GemmArgs args, int tile_m) {
   pdl_wait();  // the routing and the A rows come from the kernels before
   pdl_trigger();
@@ -375,22 +375,33 @@ __global__ void __launch_bounds__(kMmaThreads) fp4_mma_gemv_kernel(const Fp4Gemm
     wrow[h] = args.b + int64_t(expert) * args.b_expert_stride + wr[h] * args.b_stride_n;
     wsc[h] = args.b_e8 + int64_t(expert) * args.bs_expert_stride + wr[h] * args.b_e8_ld;
   }
-  const int64_t pieces = args.k / 32;            // 16-byte pieces (scale groups) per weight row
-  const int64_t blocks = (pieces + 3) / 4;       // 128-input blocks
+  const int64_t pieces = args.k / 32;       // 16-byte pieces (scale groups) per weight row
+  const int64_t blocks = (pieces + 3) / 4;  // 128-input blocks
   const bf16* a_base = reinterpret_cast<const bf16*>(args.a);
+  const bf16* bias =
+      args.bias ? static_cast<const bf16*>(args.bias) + int64_t(expert) * args.bias_expert_stride : nullptr;
 
-  for (int64_t m = m0; m < m_end; m += 8) {
-    const int nr = int(min(int64_t(8), m_end - m));
-    const bool a_valid = g < nr;  // this thread's B column: A row m + g
-    const int64_t row = m + (a_valid ? g : 0);
-    const int64_t src = args.a_rows ? int64_t(__ldg(args.a_rows + row) / args.a_row_div) : row;
-    const bf16* arow = a_base + src * args.lda;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int64_t b0 = 0; b0 < blocks; b0 += kMmaU) {
-      uint4 w[kMmaU][2];
-      uint32_t sc[kMmaU][2];
+  for (int64_t m = m0; m < m_end; m += 8 * RC) {
+    const int nr = int(min(int64_t(8 * RC), m_end - m));
+    const int chunks = (nr + 7) / 8;
+    const bf16* arow[RC];  // this thread's B column in chunk rc: A row m + 8 rc + g (null past the rows)
 #pragma unroll
-      for (int u = 0; u < kMmaU; ++u) {  // every weight load of the U blocks first
+    for (int rc = 0; rc < RC; ++rc) {
+      const int64_t row = m + 8 * rc + g;
+      arow[rc] = nullptr;
+      if (8 * rc + g < nr) {
+        const int64_t src = args.a_rows ? int64_t(__ldg(args.a_rows + row) / args.a_row_div) : row;
+        arow[rc] = a_base + src * args.lda;
+      }
+    }
+    float acc[RC][4];
+#pragma unroll
+    for (int rc = 0; rc < RC; ++rc) acc[rc][0] = acc[rc][1] = acc[rc][2] = acc[rc][3] = 0.0f;
+    for (int64_t b0 = 0; b0 < blocks; b0 += U) {
+      uint4 w[U][2];
+      uint32_t sc[U][2];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {  // every weight load of the U blocks first
         const int64_t q = (b0 + u) * 4 + t;  // this thread's piece
         const bool in = q < pieces;
 #pragma unroll
@@ -400,59 +411,81 @@ __global__ void __launch_bounds__(kMmaThreads) fp4_mma_gemv_kernel(const Fp4Gemm
         }
       }
 #pragma unroll
-      for (int u = 0; u < kMmaU; ++u) {
+      for (int u = 0; u < U; ++u) {
         const int64_t q = (b0 + u) * 4 + t;
         if ((b0 + u) * 4 >= pieces) break;  // the whole warp is past the row
         const bool in = q < pieces;
-        uint4 av[4] = {};
-        if (in && a_valid) {
-          const uint4* p = reinterpret_cast<const uint4*>(arow + q * 32);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) av[i] = __ldg(p + i);
-        }
         const uint32_t s0 = ue8m0_bf16x2(sc[u][0]), s1 = ue8m0_bf16x2(sc[u][1]);
-#pragma unroll
-        for (int s = 0; s < 8; ++s) {
-          uint32_t a[4];
+        // Step st's A fragment: the four codes st of rows g and g + 8, scaled.
+        auto fragment = [&](int st, uint32_t (&a)[4]) {
           uint32_t p01, p23;
-          e2m1x4_to_bf16(u4_word(w[u][0], s / 2) >> (16 * (s % 2)), p01, p23);
+          e2m1x4_to_bf16(u4_word(w[u][0], st / 2) >> (16 * (st % 2)), p01, p23);
           a[0] = bf16x2_mul(p01, s0);  // row g, k 2t, 2t + 1
           a[2] = bf16x2_mul(p23, s0);  // row g, k 2t + 8, 2t + 9
-          e2m1x4_to_bf16(u4_word(w[u][1], s / 2) >> (16 * (s % 2)), p01, p23);
+          e2m1x4_to_bf16(u4_word(w[u][1], st / 2) >> (16 * (st % 2)), p01, p23);
           a[1] = bf16x2_mul(p01, s1);  // row g + 8
           a[3] = bf16x2_mul(p23, s1);
-          mma_bf16(acc, a, u4_word(av[s / 2], 2 * (s % 2)), u4_word(av[s / 2], 2 * (s % 2) + 1));
+        };
+        auto b_row = [&](int rc, uint4 (&av)[4]) {
+          if (in && arow[rc]) {
+            const uint4* p = reinterpret_cast<const uint4*>(arow[rc] + q * 32);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) av[i] = __ldg(p + i);
+          }
+        };
+        if constexpr (RC == 1) {  // decode and multiply step by step
+          uint4 av[4] = {};
+          b_row(0, av);
+#pragma unroll
+          for (int st = 0; st < 8; ++st) {
+            uint32_t a[4];
+            fragment(st, a);
+            mma_bf16(acc[0], a, u4_word(av[st / 2], 2 * (st % 2)), u4_word(av[st / 2], 2 * (st % 2) + 1));
+          }
+        } else {  // the block decoded once, then each chunk's rows
+          uint32_t a[8][4];
+#pragma unroll
+          for (int st = 0; st < 8; ++st) fragment(st, a[st]);
+#pragma unroll
+          for (int rc = 0; rc < RC; ++rc) {
+            if (rc >= chunks) break;  // the same for the whole warp
+            uint4 av[4] = {};
+            b_row(rc, av);
+#pragma unroll
+            for (int st = 0; st < 8; ++st)
+              mma_bf16(acc[rc], a[st], u4_word(av[st / 2], 2 * (st % 2)), u4_word(av[st / 2], 2 * (st % 2) + 1));
+          }
         }
       }
     }
-    // acc: [0], [1] weight row g for A rows m + 2t, m + 2t + 1; [2], [3] weight row g + 8 for the same.
-    const bf16* bias =
-        args.bias ? static_cast<const bf16*>(args.bias) + int64_t(expert) * args.bias_expert_stride : nullptr;
+    // acc[rc]: [0], [1] weight row g for A rows m + 8 rc + 2t, + 1; [2], [3] weight row g + 8 for the same.
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      if (2 * t + j >= nr) break;
-      const int64_t r = m + 2 * t + j;
-      if constexpr (EPI == kEpiGated) {
-        const int64_t c = c0 + g;
-        if (c >= args.n) continue;
-        const float bg = bias ? to_f32(bias[gate_row(args.gate, c)]) : 0.0f;
-        const float bu = bias ? to_f32(bias[up_row(args.gate, c, args.inter)]) : 0.0f;
-        static_cast<bf16*>(args.out)[r * args.ldo + c] =
-            from_f32<bf16>(fp8_gated<bf16>(args.gate, acc[j], acc[2 + j], bias != nullptr, bg, bu));
-      } else {
+    for (int rc = 0; rc < RC; ++rc)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int64_t c = c0 + g + 8 * h;
+      for (int j = 0; j < 2; ++j) {
+        if (8 * rc + 2 * t + j >= nr) continue;
+        const int64_t r = m + 8 * rc + 2 * t + j;
+        if constexpr (EPI == kEpiGated) {
+          const int64_t c = c0 + g;
           if (c >= args.n) continue;
-          const float x = acc[2 * h + j];
-          if constexpr (EPI == kEpiActOnly)
-            static_cast<bf16*>(args.out)[r * args.ldo + c] =
-                from_f32<bf16>(fp8_act_only<bf16>(args.gate, x, bias != nullptr, bias ? to_f32(bias[c]) : 0.0f));
-          else
-            static_cast<float*>(args.out)[r * args.ldo + c] = x;
+          const float bg = bias ? to_f32(bias[gate_row(args.gate, c)]) : 0.0f;
+          const float bu = bias ? to_f32(bias[up_row(args.gate, c, args.inter)]) : 0.0f;
+          static_cast<bf16*>(args.out)[r * args.ldo + c] =
+              from_f32<bf16>(fp8_gated<bf16>(args.gate, acc[rc][j], acc[rc][2 + j], bias != nullptr, bg, bu));
+        } else {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int64_t c = c0 + g + 8 * h;
+            if (c >= args.n) continue;
+            const float x = acc[rc][2 * h + j];
+            if constexpr (EPI == kEpiActOnly)
+              static_cast<bf16*>(args.out)[r * args.ldo + c] =
+                  from_f32<bf16>(fp8_act_only<bf16>(args.gate, x, bias != nullptr, bias ? to_f32(bias[c]) : 0.0f));
+            else
+              static_cast<float*>(args.out)[r * args.ldo + c] = x;
+          }
         }
       }
-    }
   }
 }
 
@@ -725,12 +758,17 @@ cudaError_t fp4_mma_gemv(const Fp4GemmArgs& a, int tile_m, int arch, cudaStream_
   if (tiles > 65535 || col_blocks > 0x7fffffff) return cudaErrorInvalidValue;
   const dim3 grid{unsigned(col_blocks), unsigned(tiles)};
   const bool pdl = pdl_enabled();
+  // Up to 8 rows per expert on average: one 8-row chunk per pass, 8 blocks of 128 inputs in flight; beyond, four
+  // chunks per pass (each weight decoded once for 32 rows), 4 blocks in flight (MOEKIT_FP4_MMA_CHUNKS=1 or 4 forces).
+  static const int forced = int(env_int_in("MOEKIT_FP4_MMA_CHUNKS", 0, 4, 0));
+  const bool many = forced ? forced == 4 : a.max_rows > 8 * int64_t(a.experts);
+  auto go = [&](auto kernel) { return launch_pdl(pdl, kernel, grid, dim3(kMmaThreads), 0, stream, a, tile_m); };
   switch (a.epilogue) {
     case kEpiGated:
-      return launch_pdl(pdl, fp4_mma_gemv_kernel<kEpiGated>, grid, dim3(kMmaThreads), 0, stream, a, tile_m);
+      return many ? go(fp4_mma_gemv_kernel<kEpiGated, 4, 4>) : go(fp4_mma_gemv_kernel<kEpiGated, 1, 8>);
     case kEpiActOnly:
-      return launch_pdl(pdl, fp4_mma_gemv_kernel<kEpiActOnly>, grid, dim3(kMmaThreads), 0, stream, a, tile_m);
-    default: return launch_pdl(pdl, fp4_mma_gemv_kernel<kEpiF32>, grid, dim3(kMmaThreads), 0, stream, a, tile_m);
+      return many ? go(fp4_mma_gemv_kernel<kEpiActOnly, 4, 4>) : go(fp4_mma_gemv_kernel<kEpiActOnly, 1, 8>);
+    default: return many ? go(fp4_mma_gemv_kernel<kEpiF32, 4, 4>) : go(fp4_mma_gemv_kernel<kEpiF32, 1, 8>);
   }
 }
 
