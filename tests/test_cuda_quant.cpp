@@ -665,7 +665,7 @@ TEST(CudaQuant, Fp4GroupedBatchedAndDeepgemmMatchTheReference) {
 using Fp4GemvPolicy = ScopedPolicy<cuda::set_fp4_gemv_max_pairs>;
 
 // The FP4 GEMV forced on beyond its reach (experts of several row tiles of 64) and off (the tiled kernel at decode
-// sizes), both variants; the GEMV the same bits on a second run.
+// sizes, the tensor-core GEMV off too), both variants; the GEMV the same bits on a second run.
 TEST(CudaQuant, Fp4GemvForcedOnAndOffMatchesTheReference) {
   MOEKIT_SKIP_WITHOUT_CUDA();
   const std::vector<ProblemConfig> cases = {
@@ -682,6 +682,7 @@ TEST(CudaQuant, Fp4GemvForcedOnAndOffMatchesTheReference) {
       const Experts g = p.experts.to(Device::cuda(0));
       for (const int64_t reach : {int64_t(1) << 40, int64_t(0)}) {
         const Fp4GemvPolicy policy(reach);
+        const bool was_mma = cuda::set_fp4_mma_gemv(reach != 0);  // off: the tiled kernel for every activation type
         for (const char* name : {"grouped_mm", "batched_mm", "deepgemm"}) {
           double err = 0;
           const Tensor out = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
@@ -695,6 +696,7 @@ TEST(CudaQuant, Fp4GemvForcedOnAndOffMatchesTheReference) {
             EXPECT_TRUE(test::bitwise_equal(out, again)) << name << " " << c.to_string();
           }
         }
+        cuda::set_fp4_mma_gemv(was_mma);
       }
     }
 }

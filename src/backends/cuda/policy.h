@@ -87,9 +87,9 @@ int64_t fp8_cutlass_calls(bool pingpong);
 // MOEKIT_FP4_GEMV_MAX_PAIRS in the environment at first use (0: never).
 int64_t fp4_gemv_max_pairs();
 int64_t set_fp4_gemv_max_pairs(int64_t pairs);
-// Within that reach, MXFP4 experts with bf16 activations run the GEMV on the tensor cores (kernels fp4_mma_gemv)
-// rather than the FP32 units: off by default until measured on a GPU, MOEKIT_FP4_MMA_GEMV=1 in the environment at
-// first use (on). Setting it returns the previous value (process-wide).
+// MXFP4 experts with bf16 activations run the GEMV on the tensor cores (kernels fp4_mma_gemv) rather than the FP32
+// units, up to 2048 pairs (MOEKIT_FP4_MMA_MAX_PAIRS) whatever the reach above: on by default, MOEKIT_FP4_MMA_GEMV=0
+// in the environment at first use (off). Setting it returns the previous value (process-wide).
 bool fp4_mma_gemv();
 bool set_fp4_mma_gemv(bool on);
 // The projections that form has run in this process (tests).

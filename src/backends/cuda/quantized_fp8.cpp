@@ -87,7 +87,9 @@ EnvSwitch g_gemv_sparse{"MOEKIT_FP8_GEMV_SPARSE", true};
 // MOEKIT_FP8_CUTLASS=0 keeps moekit's sm90 kernel everywhere.
 EnvSwitch g_fp8_cutlass{"MOEKIT_FP8_CUTLASS", true};
 // MXFP4 with bf16 activations within the GEMV's reach: the tensor-core GEMV (policy.h fp4_mma_gemv).
-EnvSwitch g_fp4_mma{"MOEKIT_FP4_MMA_GEMV", false};
+// Measured on an H100 (docs/perf.md, 2026-12-07): gpt-oss-20b MXFP4 T = 2 / 8 / 16 1.1x / 1.7x / 1.9x faster than the
+// FP32 GEMV, and with its reach lifted 1.2-4.3x faster than the tiled FP4 kernel at T = 32..512.
+EnvSwitch g_fp4_mma{"MOEKIT_FP4_MMA_GEMV", true};
 std::atomic<int64_t> g_fp4_mma_calls{0};
 std::mutex g_fp8_cutlass_mutex;
 Fp8CutlassPolicy& fp8_cutlass_policy_locked() {
@@ -119,6 +121,10 @@ constexpr int kFp8GemvTile = 64;
 // FP4: 64 as well. Measured on gpt-oss-20b MXFP4 at T = 64 (256 pairs, 8 rows per expert): 723 us on the tiled
 // kernel, 1447 us on the GEMV in four-row passes (docs/perf.md).
 constexpr int64_t kFp4GemvMaxPairs = 64;
+// The tensor-core form's reach (MXFP4, bf16 activations): 2048 pairs (gpt-oss-20b T = 512, 64 rows per expert: 1324
+// against the tiled kernel's 1568 us on an H100; T = 128: 408 against 685). Beyond, each 64-row tile passes over its
+// expert's weights twice per 64 rows and the tiled kernel is expected to win. MOEKIT_FP4_MMA_MAX_PAIRS overrides it.
+constexpr int64_t kFp4MmaMaxPairs = 2048;
 // Rows per expert (on average over the call's pairs) from which the FP8 experts take the sm90 kernel's 128-row tiles
 // (sm_90a, 16-bit activations) instead of the mma.sync kernel's 32-row tiles: 0, i.e. wherever the GEMV does not
 // run. Measured on the H200 (docs/perf.md) against fp8_tile_m's 64: qwen3-30b-a3b T = 64 (4 rows per expert)
@@ -135,6 +141,10 @@ std::atomic<int64_t>& fp8_gemv_limit() {
 }
 std::atomic<int64_t>& fp8_pair_limit() {
   static std::atomic<int64_t> v{env_int("MOEKIT_FP8_PAIR_TOKENS", kFp8PairMaxTokens)};
+  return v;
+}
+int64_t fp4_mma_max_pairs() {
+  static const int64_t v = env_int("MOEKIT_FP4_MMA_MAX_PAIRS", kFp4MmaMaxPairs);
   return v;
 }
 std::atomic<int64_t>& fp4_gemv_limit() {
@@ -299,7 +309,10 @@ void run_fp8(const CallContext& c) {
   // Decode: the GEMV (its launcher checks the rest: strides are multiples of 16 by construction), where the sm90
   // kernel applies only for fewer pairs than half the experts and within the pair form's tokens
   // (fp8_gemv_sparse_only). f32 float activations always (no tensor-core kernel takes them unrounded).
-  const bool gemv = fp4 ? (float_acts && c.type == k::Elem::f32) || P <= fp4_gemv_max_pairs()
+  // MXFP4 with bf16 activations: the GEMV on the tensor cores (each weight decoded once per 8 rows of an expert),
+  // within its own reach.
+  const bool fp4_mma_reach = fp4 && float_acts && c.type == k::Elem::bf16 && g_fp4_mma.on() && P <= fp4_mma_max_pairs();
+  const bool gemv = fp4 ? (float_acts && c.type == k::Elem::f32) || P <= fp4_gemv_max_pairs() || fp4_mma_reach
                         : P <= fp8_gemv_max_pairs() && c.q1_ld % 16 == 0 && c.q2_ld % 16 == 0 && aligned16(c.q1) &&
                               aligned16(c.q2) &&
                               !(sm90_ok && fp8_gemv_sparse_only() &&
@@ -400,7 +413,6 @@ void run_fp8(const CallContext& c) {
   // The GEMV passes over 4 rows of an expert at once when experts average more than one row (else 1: each
   // weight chunk converted once).
   const int rows_per_pass = P > E ? 4 : 1;
-  // MXFP4 with bf16 activations: the GEMV on the tensor cores (each weight decoded once per 8 rows of an expert).
   const bool fp4_mma = fp4 && gemv && g_fp4_mma.on();
   auto gemm = [&](const k::Fp4GemmArgs& g, const char* what) {
     if (fp4_mma && k::fp4_mma_gemv_ok(g, arch)) {

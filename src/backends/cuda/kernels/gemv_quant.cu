@@ -758,10 +758,12 @@ cudaError_t fp4_mma_gemv(const Fp4GemmArgs& a, int tile_m, int arch, cudaStream_
   if (tiles > 65535 || col_blocks > 0x7fffffff) return cudaErrorInvalidValue;
   const dim3 grid{unsigned(col_blocks), unsigned(tiles)};
   const bool pdl = pdl_enabled();
-  // Up to 8 rows per expert on average: one 8-row chunk per pass, 8 blocks of 128 inputs in flight; beyond, four
-  // chunks per pass (each weight decoded once for 32 rows), 4 blocks in flight (MOEKIT_FP4_MMA_CHUNKS=1 or 4 forces).
-  static const int forced = int(env_int_in("MOEKIT_FP4_MMA_CHUNKS", 0, 4, 0));
-  const bool many = forced ? forced == 4 : a.max_rows > 8 * int64_t(a.experts);
+  // Four 8-row chunks per pass (each weight decoded once for 32 rows), 4 blocks of 128 inputs in flight (128-144
+  // registers: four blocks of 4 warps per multiprocessor); or one chunk, 8 blocks in flight (133-158 registers,
+  // three blocks), MOEKIT_FP4_MMA_CHUNKS=1. On an H100, gpt-oss-20b MXFP4: four chunks 167 / 261 / 304 us at T = 8 /
+  // 32 / 64 against one chunk's 172-182 / 282 / 383 (docs/perf.md, 2026-12-07).
+  static const int chunks = int(env_int_in("MOEKIT_FP4_MMA_CHUNKS", 1, 4, 4));
+  const bool many = chunks != 1;
   auto go = [&](auto kernel) { return launch_pdl(pdl, kernel, grid, dim3(kMmaThreads), 0, stream, a, tile_m); };
   switch (a.epilogue) {
     case kEpiGated:
