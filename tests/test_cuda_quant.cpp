@@ -705,7 +705,8 @@ TEST(CudaQuant, Fp4GemvForcedOnAndOffMatchesTheReference) {
 // lifted so that every case takes it: both against the f64 reference (K and I not multiples of 128, several loads
 // batches of 128-input blocks, experts of 1 to 80 rows: several 8-row passes, passes of four 8-row chunks, 64-row
 // tiles, interleaved clamped SwiGLU with biases, the activation-only epilogue, sentinels, one expert for all, empty
-// experts), the tensor-core form used where it is on and not where it is off, and the same bits on a second run.
+// experts), with its K slices chosen and forced to 1, 2 and 4; the tensor-core form used where it is on and not where
+// it is off, and the same bits on a second run.
 TEST(CudaQuant, Fp4MmaGemvMatchesTheReferenceAndTheFp32Gemv) {
   MOEKIT_SKIP_WITHOUT_CUDA();
   const std::vector<ProblemConfig> cases = {
@@ -730,20 +731,25 @@ TEST(CudaQuant, Fp4MmaGemvMatchesTheReferenceAndTheFp32Gemv) {
   for (const ProblemConfig& c : cases) {
     const test::ExpertsProblem p = test::make_fp4_case(c, seed++, /*float_acts=*/true, /*biases_in_act_dtype=*/true);
     const Experts g = p.experts.to(Device::cuda(0));
-    for (const bool mma : {true, false}) {
+    // The tensor-core form with its K slices by the call's size (0) and forced to 1, 2, 4; then the FP32 GEMV.
+    for (const int ks : {0, 1, 2, 4, -1}) {
+      const bool mma = ks >= 0;
       const bool was = cuda::set_fp4_mma_gemv(mma);
+      const int was_ks = cuda::kernels::set_fp4_mma_ksplit(mma ? ks : 0);
       for (const char* name : {"grouped_mm", "batched_mm"}) {
         const int64_t calls = cuda::fp4_mma_gemv_calls();
         double err = 0;
         const Tensor out = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
         const std::string problem = test::compare_with_reference(p, out, &err);
-        std::printf("  %-10s mxfp4 %s gemv %s: rel L2 %.2e %s\n", name, mma ? "mma " : "fp32", c.to_string().c_str(),
-                    err, problem.c_str());
-        EXPECT_TRUE(problem.empty()) << name << (mma ? " mma " : " fp32 ") << c.to_string() << ": " << problem;
+        std::printf("  %-10s mxfp4 %s ks %d gemv %s: rel L2 %.2e %s\n", name, mma ? "mma " : "fp32", ks,
+                    c.to_string().c_str(), err, problem.c_str());
+        EXPECT_TRUE(problem.empty()) << name << (mma ? " mma ks " : " fp32 ") << ks << " " << c.to_string() << ": "
+                                     << problem;
         EXPECT_EQ(cuda::fp4_mma_gemv_calls() - calls, mma ? 2 : 0) << name << " " << c.to_string();
         const Tensor again = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
         EXPECT_TRUE(test::bitwise_equal(out, again)) << name << " " << c.to_string();
       }
+      cuda::kernels::set_fp4_mma_ksplit(was_ks);
       cuda::set_fp4_mma_gemv(was);
     }
   }

@@ -28,12 +28,15 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "backends/cuda/kernels/fp4_convert.cuh"
 #include "backends/cuda/kernels/fp8_epilogue.cuh"
 #include "backends/cuda/kernels/fp8_quant.cuh"
 #include "backends/cuda/kernels/quant_fp4.h"
+#include "base/cuda_device.h"
 #include "base/cuda_pdl.cuh"
 #include "base/env.h"
 
@@ -343,9 +346,13 @@ __device__ __forceinline__ void e2m1x4_to_bf16(uint32_t v, uint32_t& p01, uint32
 }
 
 // RC: 8-row chunks of the tile per pass over the weights (each block of 128 inputs decoded once for all of them);
-// U: blocks of 128 inputs whose weight pieces are loaded before the first is decoded.
-template <int EPI, int RC, int U>
-__global__ void __launch_bounds__(kMmaThreads) fp4_mma_gemv_kernel(const Fp4GemmArgs args, int tile_m) {
+// U: blocks of 128 inputs whose weight pieces are loaded before the first is decoded; KS: K slices per warp's rows
+// (the block's warps: kMmaWarps / KS groups of 16 weight rows times KS slices of the 128-input blocks, the slices'
+// sums added in slice order through shared memory before the epilogue), for more warps where the tiles are few.
+template <int EPI, int RC, int U, int KS>
+__global__ void __launch_bounds__(kMmaThreads, KS > 1 ? 4 : 1) fp4_mma_gemv_kernel(const Fp4GemmArgs args, int tile_m) {
+  static_assert(kMmaWarps % KS == 0, "slices of the block's warps");
+  __shared__ float slice_sum[KS > 1 ? kMmaWarps : 1][RC][4][32];
   pdl_wait();  // the routing and the A rows come from the kernels before
   pdl_trigger();
   const int tile = blockIdx.y;
@@ -357,8 +364,9 @@ __global__ void __launch_bounds__(kMmaThreads) fp4_mma_gemv_kernel(const Fp4Gemm
 
   constexpr int kCols = EPI == kEpiGated ? 8 : 16;  // output columns per warp
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t c0 = (int64_t(blockIdx.x) * kMmaWarps + warp) * kCols;
-  if (c0 >= args.n) return;
+  const int slice = warp % KS;
+  const int64_t c0 = (int64_t(blockIdx.x) * (kMmaWarps / KS) + warp / KS) * kCols;
+  if (KS == 1 && c0 >= args.n) return;  // with slices every warp meets the barriers (its columns are never stored)
   int64_t wr[2];  // weight rows g and g + 8 of the warp's 16 (columns past n recompute the last, never stored)
   if constexpr (EPI == kEpiGated) {
     const int64_t c = min(c0 + g, args.n - 1);
@@ -377,6 +385,7 @@ __global__ void __launch_bounds__(kMmaThreads) fp4_mma_gemv_kernel(const Fp4Gemm
   }
   const int64_t pieces = args.k / 32;       // 16-byte pieces (scale groups) per weight row
   const int64_t blocks = (pieces + 3) / 4;  // 128-input blocks
+  const int64_t b_lo = blocks * slice / KS, b_hi = blocks * (slice + 1) / KS;  // this warp's slice of them
   const bf16* a_base = reinterpret_cast<const bf16*>(args.a);
   const bf16* bias =
       args.bias ? static_cast<const bf16*>(args.bias) + int64_t(expert) * args.bias_expert_stride : nullptr;
@@ -397,13 +406,13 @@ __global__ void __launch_bounds__(kMmaThreads) fp4_mma_gemv_kernel(const Fp4Gemm
     float acc[RC][4];
 #pragma unroll
     for (int rc = 0; rc < RC; ++rc) acc[rc][0] = acc[rc][1] = acc[rc][2] = acc[rc][3] = 0.0f;
-    for (int64_t b0 = 0; b0 < blocks; b0 += U) {
+    for (int64_t b0 = b_lo; b0 < b_hi; b0 += U) {
       uint4 w[U][2];
       uint32_t sc[U][2];
 #pragma unroll
       for (int u = 0; u < U; ++u) {  // every weight load of the U blocks first
         const int64_t q = (b0 + u) * 4 + t;  // this thread's piece
-        const bool in = q < pieces;
+        const bool in = b0 + u < b_hi && q < pieces;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           w[u][h] = in ? load_stream(wrow[h] + q * 16) : make_uint4(0, 0, 0, 0);
@@ -413,7 +422,7 @@ __global__ void __launch_bounds__(kMmaThreads) fp4_mma_gemv_kernel(const Fp4Gemm
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int64_t q = (b0 + u) * 4 + t;
-        if ((b0 + u) * 4 >= pieces) break;  // the whole warp is past the row
+        if (b0 + u >= b_hi) break;  // the whole warp is past its slice
         const bool in = q < pieces;
         const uint32_t s0 = ue8m0_bf16x2(sc[u][0]), s1 = ue8m0_bf16x2(sc[u][1]);
         // Step st's A fragment: the four codes st of rows g and g + 8, scaled.
@@ -457,6 +466,25 @@ __global__ void __launch_bounds__(kMmaThreads) fp4_mma_gemv_kernel(const Fp4Gemm
           }
         }
       }
+    }
+    if constexpr (KS > 1) {  // the slices' sums, added in slice order by the first slice's warp
+      if (slice > 0) {
+#pragma unroll
+        for (int rc = 0; rc < RC; ++rc)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) slice_sum[warp][rc][i][lane] = acc[rc][i];
+      }
+      __syncthreads();
+      if (slice == 0) {
+#pragma unroll
+        for (int o = 1; o < KS; ++o)
+#pragma unroll
+          for (int rc = 0; rc < RC; ++rc)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[rc][i] += slice_sum[warp + o][rc][i][lane];
+      }
+      __syncthreads();  // slice_sum free for the next pass
+      if (slice > 0 || c0 >= args.n) continue;
     }
     // acc[rc]: [0], [1] weight row g for A rows m + 8 rc + 2t, + 1; [2], [3] weight row g + 8 for the same.
 #pragma unroll
@@ -742,6 +770,17 @@ cudaError_t fp4_gemv(const Fp4GemmArgs& a, int tile_m, int rows_per_pass, cudaSt
                    : launch_gemv_any<true, false>(a, tile_m, rows_per_pass, stream);
 }
 
+namespace {
+std::atomic<int>& fp4_mma_ksplit_value() {
+  static std::atomic<int> v{int(env_int_in("MOEKIT_FP4_MMA_KSPLIT", 0, 4, 1))};
+  return v;
+}
+}  // namespace
+int fp4_mma_ksplit() { return fp4_mma_ksplit_value().load(std::memory_order_relaxed); }
+int set_fp4_mma_ksplit(int slices) {
+  return fp4_mma_ksplit_value().exchange(slices == 1 || slices == 2 || slices == 4 ? slices : 0);
+}
+
 bool fp4_mma_gemv_ok(const Fp4GemmArgs& a, int arch) {
   return arch >= 80 && a.a_float && a.type == Elem::bf16 && a.k % 32 == 0 && a.b_k * 2 == a.k && a.lda >= a.k &&
          (a.lda * 2) % 16 == 0 && a.b_stride_n % 16 == 0 && a.b_expert_stride % 16 == 0 && a.b_e8 != nullptr &&
@@ -755,8 +794,7 @@ cudaError_t fp4_mma_gemv(const Fp4GemmArgs& a, int tile_m, int arch, cudaStream_
   const int cols = a.epilogue == kEpiGated ? 8 : 16;
   const int64_t tiles = grouped_max_tiles(a.max_rows, a.experts, tile_m);
   const int64_t col_blocks = (a.n + kMmaWarps * cols - 1) / (kMmaWarps * cols);
-  if (tiles > 65535 || col_blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  const dim3 grid{unsigned(col_blocks), unsigned(tiles)};
+  if (tiles > 65535 || col_blocks * 4 > 0x7fffffff) return cudaErrorInvalidValue;
   const bool pdl = pdl_enabled();
   // Four 8-row chunks per pass (each weight decoded once for 32 rows), 4 blocks of 128 inputs in flight (128-144
   // registers: four blocks of 4 warps per multiprocessor); or one chunk, 8 blocks in flight (133-158 registers,
@@ -764,13 +802,33 @@ cudaError_t fp4_mma_gemv(const Fp4GemmArgs& a, int tile_m, int arch, cudaStream_
   // 32 / 64 against one chunk's 172-182 / 282 / 383 (docs/perf.md, 2026-12-07).
   static const int chunks = int(env_int_in("MOEKIT_FP4_MMA_CHUNKS", 1, 4, 4));
   const bool many = chunks != 1;
-  auto go = [&](auto kernel) { return launch_pdl(pdl, kernel, grid, dim3(kMmaThreads), 0, stream, a, tile_m); };
+  // K slices: 1 by default (not yet measured otherwise); with MOEKIT_FP4_MMA_KSPLIT=0 (or the setter) chosen where
+  // the warps would be few, below about 16 per multiprocessor (4 blocks of 4), up to 4 slices; 2 or 4 forces one.
+  const int ks_forced = fp4_mma_ksplit();
+  const int64_t warps = col_blocks * kMmaWarps * std::min<int64_t>(tiles, a.max_rows);
+  const int64_t want = 16 * int64_t(current_multiprocessors());
+  const int ks = ks_forced == 1 || ks_forced == 2 || ks_forced == 4 ? ks_forced
+                 : !many                                          ? 1
+                 : warps * 2 > want                               ? 1
+                 : warps * 4 > want                               ? 2
+                                                                  : 4;
+  auto go = [&](auto kernel, int slices) {
+    const dim3 g{unsigned(col_blocks * slices), unsigned(tiles)};
+    return launch_pdl(pdl, kernel, g, dim3(kMmaThreads), 0, stream, a, tile_m);
+  };
+  auto forms = [&](auto epi) -> cudaError_t {
+    constexpr int E = decltype(epi)::value;
+    if (!many) return go(fp4_mma_gemv_kernel<E, 1, 8, 1>, 1);
+    switch (ks) {
+      case 2: return go(fp4_mma_gemv_kernel<E, 4, 4, 2>, 2);
+      case 4: return go(fp4_mma_gemv_kernel<E, 4, 4, 4>, 4);
+      default: return go(fp4_mma_gemv_kernel<E, 4, 4, 1>, 1);
+    }
+  };
   switch (a.epilogue) {
-    case kEpiGated:
-      return many ? go(fp4_mma_gemv_kernel<kEpiGated, 4, 4>) : go(fp4_mma_gemv_kernel<kEpiGated, 1, 8>);
-    case kEpiActOnly:
-      return many ? go(fp4_mma_gemv_kernel<kEpiActOnly, 4, 4>) : go(fp4_mma_gemv_kernel<kEpiActOnly, 1, 8>);
-    default: return many ? go(fp4_mma_gemv_kernel<kEpiF32, 4, 4>) : go(fp4_mma_gemv_kernel<kEpiF32, 1, 8>);
+    case kEpiGated: return forms(std::integral_constant<int, kEpiGated>{});
+    case kEpiActOnly: return forms(std::integral_constant<int, kEpiActOnly>{});
+    default: return forms(std::integral_constant<int, kEpiF32>{});
   }
 }
 

@@ -42,6 +42,10 @@ cudaError_t fp4_gemv(const Fp4GemmArgs& a, int tile_m, int rows_per_pass, cudaSt
 // `arch` (8.0 and later); the launcher.
 bool fp4_mma_gemv_ok(const Fp4GemmArgs& a, int arch);
 cudaError_t fp4_mma_gemv(const Fp4GemmArgs& a, int tile_m, int arch, cudaStream_t stream);
+// Its K slices per group of weight rows: 1 (default), 2 or 4, or 0 (by the warps the call would have)
+// (MOEKIT_FP4_MMA_KSPLIT in the environment at first use). The setter returns the previous value (process-wide).
+int fp4_mma_ksplit();
+int set_fp4_mma_ksplit(int slices);
 
 // Weights [rows, k] of `type` (k a multiple of 32) quantized as moekit/quant.h quantize_fp4 does: per row and 32
 // inputs the scale 2^(floor(log2 amax) - 2), codes rounded to nearest even e2m1, saturated: q [rows, k / 2] packed,
