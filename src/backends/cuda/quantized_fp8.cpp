@@ -88,7 +88,7 @@ EnvSwitch g_gemv_sparse{"MOEKIT_FP8_GEMV_SPARSE", true};
 EnvSwitch g_fp8_cutlass{"MOEKIT_FP8_CUTLASS", true};
 // MXFP4 with bf16 activations within the GEMV's reach: the tensor-core GEMV (policy.h fp4_mma_gemv).
 // Measured on an H100 (docs/perf.md, 2026-12-07): gpt-oss-20b MXFP4 T = 2 / 8 / 16 1.1x / 1.7x / 1.9x faster than the
-// FP32 GEMV, and with its reach lifted 1.2-4.3x faster than the tiled FP4 kernel at T = 32..512.
+// FP32 GEMV, and with its reach lifted 1.2-2.6x faster than the tiled FP4 kernel at T = 32..512.
 EnvSwitch g_fp4_mma{"MOEKIT_FP4_MMA_GEMV", true};
 std::atomic<int64_t> g_fp4_mma_calls{0};
 std::mutex g_fp8_cutlass_mutex;
