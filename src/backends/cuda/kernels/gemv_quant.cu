@@ -250,17 +250,25 @@ __device__ __forceinline__ void store_columns(const Fp4GemmArgs& args, const flo
   }
 }
 
+// The expert and the rows [m0, m_end) of this block's row tile (blockIdx.y); false where the tile holds none.
+__device__ __forceinline__ bool tile_rows(const Fp8GemmArgs& args, int tile_m, int& expert, int64_t& m0,
+                                          int64_t& m_end) {
+  const int tile = blockIdx.y;
+  if (tile >= __ldg(args.tile_offsets + args.experts)) return false;
+  expert = tile_expert(args.tile_offsets, args.experts, tile);
+  m0 = __ldg(args.offsets + expert) + int64_t(tile - __ldg(args.tile_offsets + expert)) * tile_m;
+  m_end = min(int64_t(__ldg(args.offsets + expert + 1)), m0 + tile_m);
+  return m0 < m_end;
+}
+
 // FP4: the weights are e2m1 (a 16-byte chunk: 32 inputs, one scale group); AF: A is float (see quant_fp4.h).
 template <class T, int EPI, int RC, int U, bool FP4, bool AF>
 __global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Fp4GemmArgs args, int tile_m) {
   pdl_wait();  // launched with PDL: the routing, the quantized rows and the first projection come before
   pdl_trigger();
-  const int tile = blockIdx.y;
-  if (tile >= __ldg(args.tile_offsets + args.experts)) return;
-  const int expert = tile_expert(args.tile_offsets, args.experts, tile);
-  const int64_t m0 = __ldg(args.offsets + expert) + int64_t(tile - __ldg(args.tile_offsets + expert)) * tile_m;
-  const int64_t m_end = min(int64_t(__ldg(args.offsets + expert + 1)), m0 + tile_m);
-  if (m0 >= m_end) return;
+  int expert;
+  int64_t m0, m_end;
+  if (!tile_rows(args, tile_m, expert, m0, m_end)) return;
 
   constexpr int kCols = EPI == kEpiGated ? kWRows / 2 : kWRows;
   constexpr int64_t kAElem = AF ? int64_t(sizeof(T)) : 1;
@@ -320,15 +328,6 @@ __device__ __forceinline__ uint32_t ue8m0_bf16x2(uint32_t c) {
   const uint32_t h = c == 0 ? 0x0040u : (c == 255 ? 0x7fc0u : c << 7);
   return h | (h << 16);
 }
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
 __device__ __forceinline__ uint32_t u4_word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -355,12 +354,9 @@ __global__ void __launch_bounds__(kMmaThreads, KS > 1 ? 4 : 1) fp4_mma_gemv_kern
   __shared__ float slice_sum[KS > 1 ? kMmaWarps : 1][RC][4][32];
   pdl_wait();  // the routing and the A rows come from the kernels before
   pdl_trigger();
-  const int tile = blockIdx.y;
-  if (tile >= __ldg(args.tile_offsets + args.experts)) return;
-  const int expert = tile_expert(args.tile_offsets, args.experts, tile);
-  const int64_t m0 = __ldg(args.offsets + expert) + int64_t(tile - __ldg(args.tile_offsets + expert)) * tile_m;
-  const int64_t m_end = min(int64_t(__ldg(args.offsets + expert + 1)), m0 + tile_m);
-  if (m0 >= m_end) return;
+  int expert;
+  int64_t m0, m_end;
+  if (!tile_rows(args, tile_m, expert, m0, m_end)) return;
 
   constexpr int kCols = EPI == kEpiGated ? 8 : 16;  // output columns per warp
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -449,7 +445,8 @@ __global__ void __launch_bounds__(kMmaThreads, KS > 1 ? 4 : 1) fp4_mma_gemv_kern
           for (int st = 0; st < 8; ++st) {
             uint32_t a[4];
             fragment(st, a);
-            mma_bf16(acc[0], a, u4_word(av[st / 2], 2 * (st % 2)), u4_word(av[st / 2], 2 * (st % 2) + 1));
+            mma_k16<true>(acc[0], a[0], a[1], a[2], a[3], u4_word(av[st / 2], 2 * (st % 2)),
+                          u4_word(av[st / 2], 2 * (st % 2) + 1));
           }
         } else {  // the block decoded once, then each chunk's rows
           uint32_t a[8][4];
@@ -462,7 +459,8 @@ __global__ void __launch_bounds__(kMmaThreads, KS > 1 ? 4 : 1) fp4_mma_gemv_kern
             b_row(rc, av);
 #pragma unroll
             for (int st = 0; st < 8; ++st)
-              mma_bf16(acc[rc], a[st], u4_word(av[st / 2], 2 * (st % 2)), u4_word(av[st / 2], 2 * (st % 2) + 1));
+              mma_k16<true>(acc[rc], a[st][0], a[st][1], a[st][2], a[st][3], u4_word(av[st / 2], 2 * (st % 2)),
+                            u4_word(av[st / 2], 2 * (st % 2) + 1));
           }
         }
       }
