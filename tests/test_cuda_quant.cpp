@@ -755,6 +755,53 @@ TEST(CudaQuant, Fp4MmaGemvMatchesTheReferenceAndTheFp32Gemv) {
   }
 }
 
+// The tensor-core GEMV's pair form (a few tokens, no routing sort, the combine in the second projection's last
+// blocks) against the reference, and bit for bit the sorted form then combine for the same K slices.
+TEST(CudaQuant, Fp4MmaPairFormIsTheSortedFormBitForBit) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  const std::vector<ProblemConfig> cases = {
+      {.act = DType::bf16, .rwt = DType::bf16, .T = 1, .E = 9, .K = 4, .H = 160, .I = 96},
+      {.act = DType::bf16, .T = 1, .E = 32, .K = 4, .H = 2880 / 9, .I = 2880 / 9, .has_bias = true,
+       .concatenated = false, .gate = GateKind::clamped_swiglu, .limit = 7.0f},
+      {.act = DType::bf16, .rwt = DType::bf16, .idt = DType::i32, .T = 3, .E = 5, .K = 2, .H = 224, .I = 96,
+       .has_bias = true, .sentinels = true},
+      {.act = DType::bf16, .T = 4, .E = 5, .K = 2, .H = 64, .I = 32, .sentinel_every = 1},
+      {.act = DType::bf16, .T = 2, .E = 3, .K = 3, .H = 128, .I = 96, .has_gate = false, .has_bias = true,
+       .activation = Activation::relu2},
+      {.act = DType::bf16, .T = 8, .E = 33, .K = 4, .H = 1312, .I = 160, .has_bias = true, .sentinels = true},
+  };
+  const Fp4GemvPolicy reach(int64_t(1) << 40);
+  const bool was_mma = cuda::set_fp4_mma_gemv(true);
+  uint64_t seed = 1400;
+  for (const ProblemConfig& c : cases) {
+    const test::ExpertsProblem p = test::make_fp4_case(c, seed++, /*float_acts=*/true, /*biases_in_act_dtype=*/true);
+    const Experts g = p.experts.to(Device::cuda(0));
+    for (const int ks : {1, 2, 4, 0}) {
+      const int was_ks = cuda::kernels::set_fp4_mma_ksplit(ks);
+      for (const char* name : {"grouped_mm", "batched_mm"}) {
+        const int64_t was_pair = cuda::set_fp4_pair_max_tokens(0);
+        const Tensor sorted = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
+        cuda::set_fp4_pair_max_tokens(64);
+        const int64_t calls = cuda::fp4_pair_calls();
+        double err = 0;
+        const Tensor out = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
+        const std::string problem = test::compare_with_reference(p, out, &err);
+        std::printf("  %-10s mxfp4 pair ks %d %s: rel L2 %.2e %s\n", name, ks, c.to_string().c_str(), err,
+                    problem.c_str());
+        EXPECT_TRUE(problem.empty()) << name << " ks " << ks << " " << c.to_string() << ": " << problem;
+        EXPECT_EQ(cuda::fp4_pair_calls() - calls, 1) << name << " " << c.to_string();
+        if (ks != 0)  // the slice count by the call's size differs between the forms
+          EXPECT_TRUE(test::bitwise_equal(out, sorted)) << name << " ks " << ks << " " << c.to_string();
+        const Tensor again = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
+        EXPECT_TRUE(test::bitwise_equal(out, again)) << name << " " << c.to_string();
+        cuda::set_fp4_pair_max_tokens(was_pair);
+      }
+      cuda::kernels::set_fp4_mma_ksplit(was_ks);
+    }
+  }
+  cuda::set_fp4_mma_gemv(was_mma);
+}
+
 // The device quantizer (the benchmark's FP4 experts) is the host's quantize_fp4 bit for bit: every dtype, ties of
 // e2m1, saturation, all-zero and tiny groups.
 TEST(CudaQuant, Fp4WeightQuantisationIsBitwiseTheHosts) {

@@ -91,6 +91,7 @@ EnvSwitch g_fp8_cutlass{"MOEKIT_FP8_CUTLASS", true};
 // FP32 GEMV, and with its reach lifted 1.2-2.6x faster than the tiled FP4 kernel at T = 32..512.
 EnvSwitch g_fp4_mma{"MOEKIT_FP4_MMA_GEMV", true};
 std::atomic<int64_t> g_fp4_mma_calls{0};
+std::atomic<int64_t> g_fp4_pair_calls{0};
 std::mutex g_fp8_cutlass_mutex;
 Fp8CutlassPolicy& fp8_cutlass_policy_locked() {
   static Fp8CutlassPolicy p = [] {
@@ -151,6 +152,12 @@ std::atomic<int64_t>& fp4_gemv_limit() {
   static std::atomic<int64_t> v{env_int("MOEKIT_FP4_GEMV_MAX_PAIRS", kFp4GemvMaxPairs)};
   return v;
 }
+// The tensor-core GEMV's pair form up to this many tokens (policy.h fp4_pair_max_tokens): not yet measured, off.
+constexpr int64_t kFp4PairMaxTokens = 0;
+std::atomic<int64_t>& fp4_pair_limit() {
+  static std::atomic<int64_t> v{env_int("MOEKIT_FP4_PAIR_TOKENS", kFp4PairMaxTokens)};
+  return v;
+}
 }  // namespace
 
 int64_t fp8_gemv_max_pairs() { return fp8_gemv_limit().load(); }
@@ -174,6 +181,9 @@ int64_t set_fp4_gemv_max_pairs(int64_t pairs) { return fp4_gemv_limit().exchange
 bool fp4_mma_gemv() { return g_fp4_mma.on(); }
 bool set_fp4_mma_gemv(bool on) { return g_fp4_mma.set(on); }
 int64_t fp4_mma_gemv_calls() { return g_fp4_mma_calls.load(); }
+int64_t fp4_pair_max_tokens() { return fp4_pair_limit().load(); }
+int64_t set_fp4_pair_max_tokens(int64_t tokens) { return fp4_pair_limit().exchange(tokens); }
+int64_t fp4_pair_calls() { return g_fp4_pair_calls.load(); }
 
 namespace {
 
@@ -286,6 +296,48 @@ bool run_fp8_pairs(const CallContext& c) {
   return true;
 }
 
+// MXFP4 with bf16 activations, a few tokens: the tensor-core GEMV's pair form (quant_fp4.h fp4_mma_pair_gemv), the
+// token rows read in place, the gated activations written per pair, the second projection summing the slots in its
+// last blocks (two launches; the sorted form takes four). False, with nothing launched, where the form does not
+// apply (unaligned token rows, counters beyond the workspace's).
+bool run_fp4_pairs(const CallContext& c) {
+  namespace k = kernels;
+  const int64_t P = c.pairs, H = c.hidden, I = c.inter;
+  const int arch = c.device->arch();
+  k::RoutingBuffers none;
+  k::Fp4GemmArgs g1 = projection_args(c, 1, none, c.call.hidden_states.data, H, nullptr, 0, nullptr, int(c.top_k),
+                                      nullptr);
+  k::Fp4GemmArgs g2 = projection_args(c, 2, none, nullptr, I, nullptr, 0, nullptr, 1, nullptr);
+  g2.a = reinterpret_cast<const uint8_t*>(size_t(256));  // the workspace's rows: aligned
+  if (!k::fp4_mma_gemv_ok(g1, arch) || !k::fp4_mma_gemv_ok(g2, arch) ||
+      k::fp4_mma_pair_counters(g2, int(c.top_k)) > StreamWorkspace::kCounterWords)
+    return false;
+  void* act = nullptr;
+  float* y = nullptr;
+  carve_workspace(*c.ws, [&](Carver& w) {
+    act = w.take_bytes(P * I * k::elem_bytes(c.type));  // [P, I] gated activations, pair order
+    y = w.take<float>(P * H);                           // [P, H] f32, pair order
+  });
+  k::Fp8PairArgs pa;
+  pa.index = c.call.top_k_index.data;
+  pa.index_type = c.index_type;
+  pa.top_k = int(c.top_k);
+  pa.error = c.ws->error();
+  g1.out = act;
+  check_launch(k::fp4_mma_pair_gemv(g1, pa, arch, c.stream), "fp4_mma_pair_gemv (first)");
+  pa.counters = c.ws->counters();
+  pa.routing_weights = c.call.top_k_weights.data;
+  pa.routing_weight_type = c.weight_type;
+  pa.bias2 = c.b2;
+  pa.out = c.call.out.data;
+  g2.a = static_cast<const uint8_t*>(act);
+  g2.out = y;
+  check_launch(k::fp4_mma_pair_gemv(g2, pa, arch, c.stream), "fp4_mma_pair_gemv (second)");
+  g_fp4_mma_calls.fetch_add(2, std::memory_order_relaxed);
+  g_fp4_pair_calls.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
 }  // namespace
 
 void run_fp8(const CallContext& c) {
@@ -319,6 +371,7 @@ void run_fp8(const CallContext& c) {
                                 (2 * P >= E || T > std::max(fp8_pair_max_tokens(), kFp8PairMaxTokens)));
   // The GEMV's pair form for a few tokens (FP8 weights, quantized activations).
   if (gemv && !fp4 && T <= fp8_pair_max_tokens() && P <= 65535 && run_fp8_pairs(c)) return;
+  if (fp4_mma_reach && T <= fp4_pair_max_tokens() && P <= 65535 && run_fp4_pairs(c)) return;
   // Row tiles: the sm90 kernel's 128 from fp8_sm90_tile_rows() rows per expert on average (its TMA pipeline streams
   // the weights faster than the mma.sync kernel's 32-row tiles even when most of a tile is padding); elsewhere
   // fp8_tile_m's choice.

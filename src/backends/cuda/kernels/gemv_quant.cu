@@ -302,6 +302,68 @@ __global__ void __launch_bounds__(kThreads, 2) quant_gemv_kernel(const Fp4GemmAr
   }
 }
 
+// An element of T written by another block of this launch, read from L2 (past L1, which is not coherent).
+template <class T>
+__device__ __forceinline__ float load_cg(const T* p) {
+  if constexpr (sizeof(T) == 4) {
+    return __ldcg(reinterpret_cast<const float*>(p));
+  } else {
+    const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(p));
+    T v;
+    memcpy(&v, &bits, sizeof(T));
+    return to_f32(v);
+  }
+}
+
+// Routing weight q of an array of `type`.
+__device__ __forceinline__ float routing_weight(const void* w, Elem type, int64_t q) {
+  switch (type) {
+    case Elem::bf16: return to_f32(static_cast<const bf16*>(w)[q]);
+    case Elem::f16: return to_f32(static_cast<const f16*>(w)[q]);
+    default: return static_cast<const float*>(w)[q];
+  }
+}
+
+// The last-block pattern of the pair forms: this block's outputs made visible device-wide, then one arrival on
+// `counter` (zero at launch); true in every thread of the block that arrives `expected`-th, which sets the counter back
+// to zero (left zero for the next launch) and may then read the other blocks' outputs from L2.
+__device__ __forceinline__ bool pair_arrive_last(uint32_t* counter, uint32_t expected) {
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(counter, 1u) + 1 == expected;
+    if (last) *counter = 0;  // every arrival of this launch is in
+  }
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
+// The pair forms' combine of token t's columns [col0, col0 + cols) (threads of the block, `threads` of them):
+// out[t, c] = sum over slots s in order of w[t * K + s] * (y[t * K + s, c] + bias2[e, c]), y = args.out (f32, ldo),
+// rounded once to T, exactly as combine sums them; sentinel and bad ids contribute exactly nothing.
+template <class T>
+__device__ __forceinline__ void pair_combine(const Fp4GemmArgs& args, const Fp8PairArgs& pa, int64_t t, int64_t col0,
+                                             int cols, int threads) {
+  const int K = pa.top_k;
+  const T* bias2 = static_cast<const T*>(pa.bias2);
+  const float* y = static_cast<const float*>(args.out);
+  for (int j = threadIdx.x; j < cols; j += threads) {
+    const int64_t c = col0 + j;
+    if (c >= args.n) break;
+    float acc = 0.0f;
+    for (int s = 0; s < K; ++s) {  // slot order: deterministic
+      const int64_t q = t * K + s;
+      const int e = pair_expert_of(pa.index, pa.index_type, q, K, args.experts, nullptr);
+      if (e >= args.experts) continue;
+      const float w = routing_weight(pa.routing_weights, pa.routing_weight_type, q);
+      acc += w * (__ldcg(y + q * args.ldo + c) + (bias2 ? to_f32(bias2[int64_t(e) * args.n + c]) : 0.0f));
+    }
+    static_cast<T*>(pa.out)[t * args.n + c] = from_f32<T>(acc);
+  }
+}
+
 // ---- MXFP4 weights with bf16 activations on the tensor cores (fp4_mma_gemv) ----
 //
 // The same rows, tiles and epilogues as the kernel above, the products on mma.sync m16n8k16 (bf16 in, f32
@@ -348,21 +410,33 @@ __device__ __forceinline__ void e2m1x4_to_bf16(uint32_t v, uint32_t& p01, uint32
 // U: blocks of 128 inputs whose weight pieces are loaded before the first is decoded; KS: K slices per warp's rows
 // (the block's warps: kMmaWarps / KS groups of 16 weight rows times KS slices of the 128-input blocks, the slices'
 // sums added in slice order through shared memory before the epilogue), for more warps where the tiles are few.
-template <int EPI, int RC, int U, int KS>
-__global__ void __launch_bounds__(kMmaThreads, KS > 1 ? 4 : 1) fp4_mma_gemv_kernel(const Fp4GemmArgs args, int tile_m) {
+// PAIR: the pair form (fp4_mma_pair_gemv): block row p is pair p, one A row (p / a_row_div), its expert read from
+// pa.index; the second projection's blocks sum the slots of their columns in the last one to arrive (pair_combine).
+template <int EPI, int RC, int U, int KS, bool PAIR>
+__global__ void __launch_bounds__(kMmaThreads, KS > 1 ? 4 : 1)
+    fp4_mma_gemv_kernel(const Fp4GemmArgs args, int tile_m, const Fp8PairArgs pa) {
   static_assert(kMmaWarps % KS == 0, "slices of the block's warps");
+  static_assert(!PAIR || RC == 1, "one row per pair");
   __shared__ float slice_sum[KS > 1 ? kMmaWarps : 1][RC][4][32];
   pdl_wait();  // the routing and the A rows come from the kernels before
   pdl_trigger();
   int expert;
   int64_t m0, m_end;
-  if (!tile_rows(args, tile_m, expert, m0, m_end)) return;
+  if constexpr (PAIR) {
+    m0 = blockIdx.y;
+    expert = pair_expert_of(pa.index, pa.index_type, m0, pa.top_k, args.experts, pa.error);
+    if (EPI != kEpiF32 && expert >= args.experts) return;  // a dropped pair's activations are never read
+    m_end = expert < args.experts ? m0 + 1 : m0;          // the second projection's blocks arrive all the same
+  } else if (!tile_rows(args, tile_m, expert, m0, m_end)) {
+    return;
+  }
 
   constexpr int kCols = EPI == kEpiGated ? 8 : 16;  // output columns per warp
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int slice = warp % KS;
   const int64_t c0 = (int64_t(blockIdx.x) * (kMmaWarps / KS) + warp / KS) * kCols;
-  if (KS == 1 && c0 >= args.n) return;  // with slices every warp meets the barriers (its columns are never stored)
+  // With slices or arrivals every warp meets the barriers (columns past n are never stored).
+  if (KS == 1 && !(PAIR && EPI == kEpiF32) && c0 >= args.n) return;
   int64_t wr[2];  // weight rows g and g + 8 of the warp's 16 (columns past n recompute the last, never stored)
   if constexpr (EPI == kEpiGated) {
     const int64_t c = min(c0 + g, args.n - 1);
@@ -395,7 +469,9 @@ __global__ void __launch_bounds__(kMmaThreads, KS > 1 ? 4 : 1) fp4_mma_gemv_kern
       const int64_t row = m + 8 * rc + g;
       arow[rc] = nullptr;
       if (8 * rc + g < nr) {
-        const int64_t src = args.a_rows ? int64_t(__ldg(args.a_rows + row) / args.a_row_div) : row;
+        const int64_t src = PAIR         ? row / args.a_row_div
+                            : args.a_rows ? int64_t(__ldg(args.a_rows + row) / args.a_row_div)
+                                          : row;
         arow[rc] = a_base + src * args.lda;
       }
     }
@@ -513,27 +589,10 @@ __global__ void __launch_bounds__(kMmaThreads, KS > 1 ? 4 : 1) fp4_mma_gemv_kern
         }
       }
   }
-}
-
-// An element of T written by another block of this launch, read from L2 (past L1, which is not coherent).
-template <class T>
-__device__ __forceinline__ float load_cg(const T* p) {
-  if constexpr (sizeof(T) == 4) {
-    return __ldcg(reinterpret_cast<const float*>(p));
-  } else {
-    const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(p));
-    T v;
-    memcpy(&v, &bits, sizeof(T));
-    return to_f32(v);
-  }
-}
-
-// Routing weight q of an array of `type`.
-__device__ __forceinline__ float routing_weight(const void* w, Elem type, int64_t q) {
-  switch (type) {
-    case Elem::bf16: return to_f32(static_cast<const bf16*>(w)[q]);
-    case Elem::f16: return to_f32(static_cast<const f16*>(w)[q]);
-    default: return static_cast<const float*>(w)[q];
+  if constexpr (PAIR && EPI == kEpiF32) {
+    constexpr int kBlockCols = kMmaWarps / KS * kCols;
+    if (pair_arrive_last(pa.counters + (m0 / pa.top_k) * gridDim.x + blockIdx.x, uint32_t(pa.top_k)))
+      pair_combine<bf16>(args, pa, m0 / pa.top_k, int64_t(blockIdx.x) * kBlockCols, kBlockCols, kMmaThreads);
   }
 }
 
@@ -555,7 +614,6 @@ constexpr int pair_block_cols() {
 template <class T, int EPI, int MINB>
 __global__ void __launch_bounds__(kThreads, MINB) pair_gemv_kernel(const Fp4GemmArgs args, const Fp8PairArgs pa,
                                                                 int prefetch) {
-  __shared__ int last;
   const int64_t p = blockIdx.y;
   constexpr int kCols = EPI == kEpiGated ? kWRows / 2 : kWRows;
   constexpr int kBlockCols = pair_block_cols<EPI>();
@@ -593,26 +651,18 @@ __global__ void __launch_bounds__(kThreads, MINB) pair_gemv_kernel(const Fp4Gemm
     warp_sums(acc);
     store_columns<T, EPI, 1>(args, acc, expert, c0, p, 1, lane);
   }
-  __threadfence();  // this block's outputs visible device-wide before its arrival
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    uint32_t* counter;
-    uint32_t expected;
-    if constexpr (EPI != kEpiF32) {
-      constexpr int kPer = 128 / kBlockCols;  // blocks per group
-      const int64_t g = blockIdx.x / kPer, groups = (args.n + 127) / 128;
-      counter = pa.counters + p * groups + g;
-      expected = uint32_t(min(int64_t(kPer), int64_t(gridDim.x) - g * kPer));
-    } else {
-      counter = pa.counters + (p / pa.top_k) * gridDim.x + blockIdx.x;
-      expected = uint32_t(pa.top_k);
-    }
-    last = atomicAdd(counter, 1u) + 1 == expected;
-    if (last) *counter = 0;  // every arrival of this launch is in: left zero for the next launch
+  uint32_t* counter;
+  uint32_t expected;
+  if constexpr (EPI != kEpiF32) {
+    constexpr int kPer = 128 / kBlockCols;  // blocks per group
+    const int64_t g = blockIdx.x / kPer, groups = (args.n + 127) / 128;
+    counter = pa.counters + p * groups + g;
+    expected = uint32_t(min(int64_t(kPer), int64_t(gridDim.x) - g * kPer));
+  } else {
+    counter = pa.counters + (p / pa.top_k) * gridDim.x + blockIdx.x;
+    expected = uint32_t(pa.top_k);
   }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!pair_arrive_last(counter, expected)) return;
   if constexpr (EPI != kEpiF32) {
     if (warp != 0) return;
     const int64_t g = blockIdx.x / (128 / kBlockCols);
@@ -625,23 +675,7 @@ __global__ void __launch_bounds__(kThreads, MINB) pair_gemv_kernel(const Fp4Gemm
     for (int i = 0; i < 8; ++i) v[i] = active && k0 + i < args.n ? load_cg(row + k0 + i) : 0.0f;
     store_group16(v, active, k0, args.n, pa.pow2 ? 1 : 0, l, pa.q, pa.ldq, pa.scale, pa.lds, p, g);
   } else {
-    const int K = pa.top_k;
-    const int64_t t = p / K;
-    const T* bias2 = static_cast<const T*>(pa.bias2);
-    const float* y = static_cast<const float*>(args.out);
-    for (int j = threadIdx.x; j < kBlockCols; j += kThreads) {
-      const int64_t c = int64_t(blockIdx.x) * kBlockCols + j;
-      if (c >= args.n) break;
-      float acc = 0.0f;
-      for (int s = 0; s < K; ++s) {  // slot order: deterministic
-        const int64_t q = t * K + s;
-        const int e = pair_expert_of(pa.index, pa.index_type, q, K, args.experts, nullptr);
-        if (e >= args.experts) continue;  // sentinel or bad id: exactly zero contribution
-        const float w = routing_weight(pa.routing_weights, pa.routing_weight_type, q);
-        acc += w * (__ldcg(y + q * args.ldo + c) + (bias2 ? to_f32(bias2[int64_t(e) * args.n + c]) : 0.0f));
-      }
-      static_cast<T*>(pa.out)[t * args.n + c] = from_f32<T>(acc);
-    }
+    pair_combine<T>(args, pa, p / pa.top_k, int64_t(blockIdx.x) * kBlockCols, kBlockCols, kThreads);
   }
 }
 
@@ -786,41 +820,51 @@ bool fp4_mma_gemv_ok(const Fp4GemmArgs& a, int arch) {
          (a.epilogue == kEpiGated || a.epilogue == kEpiActOnly || a.epilogue == kEpiF32);
 }
 
-cudaError_t fp4_mma_gemv(const Fp4GemmArgs& a, int tile_m, int arch, cudaStream_t stream) {
-  if (!fp4_mma_gemv_ok(a, arch) || tile_m < 1) return cudaErrorInvalidValue;
+namespace {
+// Both forms of the tensor-core GEMV: over sorted row tiles (pa null), or over pairs (blockIdx.y a pair).
+cudaError_t launch_fp4_mma(const Fp4GemmArgs& a, const Fp8PairArgs* pa, int tile_m, cudaStream_t stream) {
   if (a.max_rows == 0 || a.n == 0 || a.experts == 0) return cudaSuccess;
+  const bool pair = pa != nullptr;
   const int cols = a.epilogue == kEpiGated ? 8 : 16;
-  const int64_t tiles = grouped_max_tiles(a.max_rows, a.experts, tile_m);
+  const int64_t tiles = pair ? a.max_rows : grouped_max_tiles(a.max_rows, a.experts, tile_m);
   const int64_t col_blocks = (a.n + kMmaWarps * cols - 1) / (kMmaWarps * cols);
   if (tiles > 65535 || col_blocks * 4 > 0x7fffffff) return cudaErrorInvalidValue;
   const bool pdl = pdl_enabled();
   // Four 8-row chunks per pass (each weight decoded once for 32 rows), 4 blocks of 128 inputs in flight (128-144
   // registers: four blocks of 4 warps per multiprocessor); or one chunk, 8 blocks in flight (133-158 registers,
   // three blocks), MOEKIT_FP4_MMA_CHUNKS=1. On an H100, gpt-oss-20b MXFP4: four chunks 167 / 261 / 304 us at T = 8 /
-  // 32 / 64 against one chunk's 172-182 / 282 / 383 (docs/perf.md, 2026-12-07).
+  // 32 / 64 against one chunk's 172-182 / 282 / 383 (docs/perf.md, 2026-12-07). The pair form: one chunk (one row).
   static const int chunks = int(env_int_in("MOEKIT_FP4_MMA_CHUNKS", 1, 4, 4));
-  const bool many = chunks != 1;
+  const bool many = chunks != 1 && !pair;
   // K slices: 1 by default (not yet measured otherwise); with MOEKIT_FP4_MMA_KSPLIT=0 (or the setter) chosen where
   // the warps would be few, below about 16 per multiprocessor (4 blocks of 4), up to 4 slices; 2 or 4 forces one.
   const int ks_forced = fp4_mma_ksplit();
-  const int64_t warps = col_blocks * kMmaWarps * std::min<int64_t>(tiles, a.max_rows);
+  const int64_t warps = col_blocks * kMmaWarps * (pair ? tiles : std::min<int64_t>(tiles, a.max_rows));
   const int64_t want = 16 * int64_t(current_multiprocessors());
   const int ks = ks_forced == 1 || ks_forced == 2 || ks_forced == 4 ? ks_forced
-                 : !many                                          ? 1
+                 : !many && !pair                                 ? 1
                  : warps * 2 > want                               ? 1
                  : warps * 4 > want                               ? 2
                                                                   : 4;
+  const Fp8PairArgs none;
   auto go = [&](auto kernel, int slices) {
     const dim3 g{unsigned(col_blocks * slices), unsigned(tiles)};
-    return launch_pdl(pdl, kernel, g, dim3(kMmaThreads), 0, stream, a, tile_m);
+    return launch_pdl(pdl, kernel, g, dim3(kMmaThreads), 0, stream, a, tile_m, pair ? *pa : none);
   };
   auto forms = [&](auto epi) -> cudaError_t {
     constexpr int E = decltype(epi)::value;
-    if (!many) return go(fp4_mma_gemv_kernel<E, 1, 8, 1>, 1);
+    if (pair) {
+      switch (ks) {
+        case 2: return go(fp4_mma_gemv_kernel<E, 1, 4, 2, true>, 2);
+        case 4: return go(fp4_mma_gemv_kernel<E, 1, 4, 4, true>, 4);
+        default: return go(fp4_mma_gemv_kernel<E, 1, 8, 1, true>, 1);
+      }
+    }
+    if (!many) return go(fp4_mma_gemv_kernel<E, 1, 8, 1, false>, 1);
     switch (ks) {
-      case 2: return go(fp4_mma_gemv_kernel<E, 4, 4, 2>, 2);
-      case 4: return go(fp4_mma_gemv_kernel<E, 4, 4, 4>, 4);
-      default: return go(fp4_mma_gemv_kernel<E, 4, 4, 1>, 1);
+      case 2: return go(fp4_mma_gemv_kernel<E, 4, 4, 2, false>, 2);
+      case 4: return go(fp4_mma_gemv_kernel<E, 4, 4, 4, false>, 4);
+      default: return go(fp4_mma_gemv_kernel<E, 4, 4, 1, false>, 1);
     }
   };
   switch (a.epilogue) {
@@ -828,6 +872,26 @@ cudaError_t fp4_mma_gemv(const Fp4GemmArgs& a, int tile_m, int arch, cudaStream_
     case kEpiActOnly: return forms(std::integral_constant<int, kEpiActOnly>{});
     default: return forms(std::integral_constant<int, kEpiF32>{});
   }
+}
+}  // namespace
+
+cudaError_t fp4_mma_gemv(const Fp4GemmArgs& a, int tile_m, int arch, cudaStream_t stream) {
+  if (!fp4_mma_gemv_ok(a, arch) || tile_m < 1) return cudaErrorInvalidValue;
+  return launch_fp4_mma(a, nullptr, tile_m, stream);
+}
+
+int64_t fp4_mma_pair_counters(const Fp4GemmArgs& a, int top_k) {
+  if (top_k < 1 || a.epilogue != kEpiF32) return 0;
+  return a.max_rows / top_k * ((a.n + 15) / 16);  // the narrowest blocks: 16 columns (four slices)
+}
+
+cudaError_t fp4_mma_pair_gemv(const Fp4GemmArgs& a, const Fp8PairArgs& pa, int arch, cudaStream_t stream) {
+  if (!fp4_mma_gemv_ok(a, arch) || a.a_rows != nullptr || a.a_row_div < 1 || pa.top_k < 1 ||
+      a.max_rows % pa.top_k != 0 || a.max_rows > 65535 || pa.index == nullptr)
+    return cudaErrorInvalidValue;
+  if (a.epilogue == kEpiF32 && (pa.counters == nullptr || pa.out == nullptr || pa.routing_weights == nullptr))
+    return cudaErrorInvalidValue;
+  return launch_fp4_mma(a, &pa, 1, stream);
 }
 
 }  // namespace moekit::cuda::kernels

@@ -42,7 +42,16 @@ cudaError_t fp4_gemv(const Fp4GemmArgs& a, int tile_m, int rows_per_pass, cudaSt
 // `arch` (8.0 and later); the launcher.
 bool fp4_mma_gemv_ok(const Fp4GemmArgs& a, int arch);
 cudaError_t fp4_mma_gemv(const Fp4GemmArgs& a, int tile_m, int arch, cudaStream_t stream);
-// Its K slices per group of weight rows: 1 (default), 2 or 4, or 0 (by the warps the call would have)
+// Its pair form for a few tokens, without the routing sort (as kernels.h fp8_pair_gemv): row p of a.max_rows (a
+// multiple of pa.top_k) is pair p, run on the expert pa.index[p] (ids outside [0, experts] recorded in pa.error; the
+// sentinel and bad ids contribute nothing) against A row p / a.a_row_div (a.a_rows null); the gated / activation
+// epilogues write row p of a.out; kEpiF32 writes row p of a.out (f32) and its last block per token and columns sums
+// the token's slots into pa.out as combine does (pa.routing_weights, pa.bias2), on pa.counters (zero at launch, left
+// zero; fp4_mma_pair_counters words). The same bits as fp4_mma_gemv over the sorted pairs then combine, for the same
+// K slices.
+int64_t fp4_mma_pair_counters(const Fp4GemmArgs& a, int top_k);
+cudaError_t fp4_mma_pair_gemv(const Fp4GemmArgs& a, const Fp8PairArgs& pa, int arch, cudaStream_t stream);
+// Its K slices per group of weight rows (both forms): 1 (default), 2 or 4, or 0 (by the warps the call would have)
 // (MOEKIT_FP4_MMA_KSPLIT in the environment at first use). The setter returns the previous value (process-wide).
 int fp4_mma_ksplit();
 int set_fp4_mma_ksplit(int slices);
