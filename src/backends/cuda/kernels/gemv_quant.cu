@@ -413,7 +413,7 @@ __device__ __forceinline__ void e2m1x4_to_bf16(uint32_t v, uint32_t& p01, uint32
 // PAIR: the pair form (fp4_mma_pair_gemv): block row p is pair p, one A row (p / a_row_div), its expert read from
 // pa.index; the second projection's blocks sum the slots of their columns in the last one to arrive (pair_combine).
 template <int EPI, int RC, int U, int KS, bool PAIR>
-__global__ void __launch_bounds__(kMmaThreads, KS > 1 ? 4 : 1)
+__global__ void __launch_bounds__(kMmaThreads, KS > 1 ? 4 : RC == 1 ? 3 : 1)
     fp4_mma_gemv_kernel(const Fp4GemmArgs args, int tile_m, const Fp8PairArgs pa) {
   static_assert(kMmaWarps % KS == 0, "slices of the block's warps");
   static_assert(!PAIR || RC == 1, "one row per pair");
