@@ -95,8 +95,8 @@ bool set_fp4_mma_gemv(bool on);
 // The projections that form has run in this process (tests).
 int64_t fp4_mma_gemv_calls();
 // Within that form's reach, calls of up to this many tokens run its pair form (kernels fp4_mma_pair_gemv: no routing
-// sort, the combine in the second projection's last blocks; two launches where the sorted form takes four): 0 (never)
-// by default, MOEKIT_FP4_PAIR_TOKENS in the environment at first use. Setting it returns the previous value
+// sort, the combine in the second projection's last blocks; two launches where the sorted form takes four): 2 by
+// default, MOEKIT_FP4_PAIR_TOKENS in the environment at first use (0: never). Setting it returns the previous value
 // (process-wide). The calls that ran it in this process (tests).
 int64_t fp4_pair_max_tokens();
 int64_t set_fp4_pair_max_tokens(int64_t tokens);

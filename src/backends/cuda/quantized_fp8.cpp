@@ -152,8 +152,11 @@ std::atomic<int64_t>& fp4_gemv_limit() {
   static std::atomic<int64_t> v{env_int("MOEKIT_FP4_GEMV_MAX_PAIRS", kFp4GemvMaxPairs)};
   return v;
 }
-// The tensor-core GEMV's pair form up to this many tokens (policy.h fp4_pair_max_tokens): not yet measured, off.
-constexpr int64_t kFp4PairMaxTokens = 0;
+// The tensor-core GEMV's pair form up to this many tokens (policy.h fp4_pair_max_tokens): 2. Measured on the H200
+// (docs/perf.md, 2026-12-07), gpt-oss-20b MXFP4 (top-4 of 32), both forms on two K slices: T = 1 / 2 41.3 / 62.7 us
+// against the sorted form's 49.9 / 74.5; T = 4 par (108.4 / 108); T = 8 199 against 163 (pairs on the same expert
+// stream its weights once each).
+constexpr int64_t kFp4PairMaxTokens = 2;
 std::atomic<int64_t>& fp4_pair_limit() {
   static std::atomic<int64_t> v{env_int("MOEKIT_FP4_PAIR_TOKENS", kFp4PairMaxTokens)};
   return v;
@@ -236,6 +239,16 @@ kernels::Fp4GemmArgs projection_args(const CallContext& c, int proj, const kerne
   return g;
 }
 
+// The pair forms' routing: the call's top-k ids, their type, top_k and the workspace's error word.
+kernels::Fp8PairArgs pair_args(const CallContext& c) {
+  kernels::Fp8PairArgs pa;
+  pa.index = c.call.top_k_index.data;
+  pa.index_type = c.index_type;
+  pa.top_k = int(c.top_k);
+  pa.error = c.ws->error();
+  return pa;
+}
+
 // The GEMV's pair form (kernels.h fp8_pair_gemv): the token rows quantized, the first projection quantizing its
 // outputs in its last blocks, the second summing the slots in its (three launches; the sorted form takes six).
 // False, with nothing launched, where the arrival counters the call needs exceed the workspace's.
@@ -263,11 +276,7 @@ bool run_fp8_pairs(const CallContext& c) {
   check_launch(k::quantize_fp8_rows(c.type, c.call.hidden_states.data, H, nullptr, 1, T, H, nullptr, c.fp8_pow2, xq,
                                     HB * kFp8Block, xs, HB, c.stream),
                "quantize_fp8_rows (hidden states)");
-  k::Fp8PairArgs pa;
-  pa.index = c.call.top_k_index.data;
-  pa.index_type = c.index_type;
-  pa.top_k = int(c.top_k);
-  pa.error = c.ws->error();
+  k::Fp8PairArgs pa = pair_args(c);
   pa.counters = counters;
   pa.a_row_div = int(c.top_k);
   pa.q = aq;
@@ -279,11 +288,7 @@ bool run_fp8_pairs(const CallContext& c) {
   g1.a_scale = xs;
   g1.out = act;
   check_launch(k::fp8_pair_gemv(g1, pa, c.stream), "fp8_pair_gemv (first)");
-  k::Fp8PairArgs pb;
-  pb.index = pa.index;
-  pb.index_type = pa.index_type;
-  pb.top_k = pa.top_k;
-  pb.error = pa.error;
+  k::Fp8PairArgs pb = pair_args(c);
   pb.counters = counters + words1;
   pb.routing_weights = c.call.top_k_weights.data;
   pb.routing_weight_type = c.weight_type;
@@ -318,11 +323,7 @@ bool run_fp4_pairs(const CallContext& c) {
     act = w.take_bytes(P * I * k::elem_bytes(c.type));  // [P, I] gated activations, pair order
     y = w.take<float>(P * H);                           // [P, H] f32, pair order
   });
-  k::Fp8PairArgs pa;
-  pa.index = c.call.top_k_index.data;
-  pa.index_type = c.index_type;
-  pa.top_k = int(c.top_k);
-  pa.error = c.ws->error();
+  k::Fp8PairArgs pa = pair_args(c);
   g1.out = act;
   check_launch(k::fp4_mma_pair_gemv(g1, pa, arch, c.stream), "fp4_mma_pair_gemv (first)");
   pa.counters = c.ws->counters();

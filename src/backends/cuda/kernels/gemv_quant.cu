@@ -804,7 +804,7 @@ cudaError_t fp4_gemv(const Fp4GemmArgs& a, int tile_m, int rows_per_pass, cudaSt
 
 namespace {
 std::atomic<int>& fp4_mma_ksplit_value() {
-  static std::atomic<int> v{int(env_int_in("MOEKIT_FP4_MMA_KSPLIT", 0, 4, 1))};
+  static std::atomic<int> v{int(env_int_in("MOEKIT_FP4_MMA_KSPLIT", 0, 4, 0))};
   return v;
 }
 }  // namespace
@@ -830,22 +830,25 @@ cudaError_t launch_fp4_mma(const Fp4GemmArgs& a, const Fp8PairArgs* pa, int tile
   const int64_t col_blocks = (a.n + kMmaWarps * cols - 1) / (kMmaWarps * cols);
   if (tiles > 65535 || col_blocks * 4 > 0x7fffffff) return cudaErrorInvalidValue;
   const bool pdl = pdl_enabled();
-  // Four 8-row chunks per pass (each weight decoded once for 32 rows), 4 blocks of 128 inputs in flight (128-144
-  // registers: four blocks of 4 warps per multiprocessor); or one chunk, 8 blocks in flight (133-158 registers,
-  // three blocks), MOEKIT_FP4_MMA_CHUNKS=1. On an H100, gpt-oss-20b MXFP4: four chunks 167 / 261 / 304 us at T = 8 /
-  // 32 / 64 against one chunk's 172-182 / 282 / 383 (docs/perf.md, 2026-12-07). The pair form: one chunk (one row).
+  // Four 8-row chunks per pass (each weight decoded once for 32 rows), 4 blocks of 128 inputs in flight; or one
+  // chunk, 8 blocks in flight (152-161 registers, three blocks per multiprocessor), MOEKIT_FP4_MMA_CHUNKS=1. On an
+  // H100, gpt-oss-20b MXFP4: four chunks 167 / 261 / 304 us at T = 8 / 32 / 64 against one chunk's 172-182 / 282 /
+  // 383 (docs/perf.md, 2026-12-07). The pair form: one chunk (one row per pair), 4 blocks in flight.
   static const int chunks = int(env_int_in("MOEKIT_FP4_MMA_CHUNKS", 1, 4, 4));
   const bool many = chunks != 1 && !pair;
-  // K slices: 1 by default (not yet measured otherwise); with MOEKIT_FP4_MMA_KSPLIT=0 (or the setter) chosen where
-  // the warps would be few, below about 16 per multiprocessor (4 blocks of 4), up to 4 slices; 2 or 4 forces one.
+  // K slices (fp4_mma_ksplit; 0 by default: by the call). Each warp's chain of dependent 128-input steps is what
+  // bounds these calls (a few MB per launch), so slices pay even where the warps are many: on the H200, gpt-oss-20b
+  // MXFP4 two slices against one 49.9 / 74.5 / 108 / 163 / 207 / 245 / 288 us against 53.5 / 76.5 / 116 / 175 / 227
+  // / 268 / 316 at T = 1 / 2 / 4 / 8 / 16 / 32 / 64, four slices 51-326 (the four-chunk form's 128 registers spill
+  // there). By the call: the four-chunk form 2; the pair form 2, or 4 where 2 would leave fewer than 16 warps per
+  // multiprocessor; the one-chunk form 1. Forced: 1, 2 or 4 (the one-chunk form keeps 1).
   const int ks_forced = fp4_mma_ksplit();
-  const int64_t warps = col_blocks * kMmaWarps * (pair ? tiles : std::min<int64_t>(tiles, a.max_rows));
+  const int64_t warps = col_blocks * kMmaWarps * tiles;
   const int64_t want = 16 * int64_t(current_multiprocessors());
   const int ks = ks_forced == 1 || ks_forced == 2 || ks_forced == 4 ? ks_forced
                  : !many && !pair                                 ? 1
-                 : warps * 2 > want                               ? 1
-                 : warps * 4 > want                               ? 2
-                                                                  : 4;
+                 : pair && warps * 2 < want                       ? 4
+                                                                  : 2;
   const Fp8PairArgs none;
   auto go = [&](auto kernel, int slices) {
     const dim3 g{unsigned(col_blocks * slices), unsigned(tiles)};
