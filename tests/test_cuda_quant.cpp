@@ -799,6 +799,34 @@ TEST(CudaQuant, Fp4MmaPairFormIsTheSortedFormBitForBit) {
       cuda::kernels::set_fp4_mma_ksplit(was_ks);
     }
   }
+  // Ids < 0 or > E: the pair form drops the slot and records the first bad id, as the sorted form does.
+  {
+    const ProblemConfig c{.act = DType::bf16, .T = 2, .E = 9, .K = 4, .H = 160, .I = 96};
+    const test::ExpertsProblem p = test::make_fp4_case(c, 1499, /*float_acts=*/true, /*biases_in_act_dtype=*/true);
+    const Experts g = p.experts.to(Device::cuda(0));
+    Tensor bad = Tensor::copy_of(p.top_k_index.view(), Device::cpu());
+    bad.ptr<int64_t>()[1] = -1;     // token 0, slot 1
+    bad.ptr<int64_t>()[6] = 9 + 3;  // token 1, slot 2
+    const int was_ks = cuda::kernels::set_fp4_mma_ksplit(2);
+    Tensor outs[2];
+    for (const int64_t tokens : {0, 64}) {
+      const int64_t was_pair = cuda::set_fp4_pair_max_tokens(tokens);
+      const int64_t calls = cuda::fp4_pair_calls();
+      check_experts_errors(g);  // clean before
+      outs[tokens ? 1 : 0] = test::run_backend(g, "grouped_mm", p.hidden_states, bad, p.top_k_weights);
+      EXPECT_EQ(cuda::fp4_pair_calls() - calls, tokens ? 1 : 0);
+      try {
+        check_experts_errors(g);
+        ADD_FAILURE() << "bad id not reported, pair tokens " << tokens;
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+        EXPECT_NE(std::string(e.what()).find("top_k_index[0, 1] = -1"), std::string::npos) << e.what();
+      }
+      cuda::set_fp4_pair_max_tokens(was_pair);
+    }
+    EXPECT_TRUE(test::bitwise_equal(outs[0], outs[1])) << "bad ids: pair form against the sorted form";
+    cuda::kernels::set_fp4_mma_ksplit(was_ks);
+  }
   cuda::set_fp4_mma_gemv(was_mma);
 }
 
