@@ -885,7 +885,8 @@ cudaError_t fp4_mma_gemv(const Fp4GemmArgs& a, int tile_m, int arch, cudaStream_
 
 int64_t fp4_mma_pair_counters(const Fp4GemmArgs& a, int top_k) {
   if (top_k < 1 || a.epilogue != kEpiF32) return 0;
-  return a.max_rows / top_k * ((a.n + 15) / 16);  // the narrowest blocks: 16 columns (four slices)
+  // One word per token and block of columns; the most blocks: four slices of each 64 columns.
+  return a.max_rows / top_k * ((a.n + kMmaWarps * 16 - 1) / (kMmaWarps * 16) * 4);
 }
 
 cudaError_t fp4_mma_pair_gemv(const Fp4GemmArgs& a, const Fp8PairArgs& pa, int arch, cudaStream_t stream) {
