@@ -840,15 +840,10 @@ cudaError_t launch_fp4_mma(const Fp4GemmArgs& a, const Fp8PairArgs* pa, int tile
   // bounds these calls (a few MB per launch), so slices pay even where the warps are many: on the H200, gpt-oss-20b
   // MXFP4 two slices against one 49.9 / 74.5 / 108 / 163 / 207 / 245 / 288 us against 53.5 / 76.5 / 116 / 175 / 227
   // / 268 / 316 at T = 1 / 2 / 4 / 8 / 16 / 32 / 64, four slices 51-326 (the four-chunk form's 128 registers spill
-  // there). By the call: the four-chunk form 2; the pair form 2, or 4 where 2 would leave fewer than 16 warps per
-  // multiprocessor; the one-chunk form 1. Forced: 1, 2 or 4 (the one-chunk form keeps 1).
+  // there); the pair form at T = 1 / 2 41.3 / 62.7 on two slices against 47.5 / 68.4 on one. By the call: 2 (the
+  // one-chunk form 1). Forced: 1, 2 or 4 (the one-chunk form keeps 1).
   const int ks_forced = fp4_mma_ksplit();
-  const int64_t warps = col_blocks * kMmaWarps * tiles;
-  const int64_t want = 16 * int64_t(current_multiprocessors());
-  const int ks = ks_forced == 1 || ks_forced == 2 || ks_forced == 4 ? ks_forced
-                 : !many && !pair                                 ? 1
-                 : pair && warps * 2 < want                       ? 4
-                                                                  : 2;
+  const int ks = ks_forced == 1 || ks_forced == 2 || ks_forced == 4 ? ks_forced : !many && !pair ? 1 : 2;
   const Fp8PairArgs none;
   auto go = [&](auto kernel, int slices) {
     const dim3 g{unsigned(col_blocks * slices), unsigned(tiles)};

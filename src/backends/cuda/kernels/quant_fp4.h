@@ -51,8 +51,8 @@ cudaError_t fp4_mma_gemv(const Fp4GemmArgs& a, int tile_m, int arch, cudaStream_
 // K slices.
 int64_t fp4_mma_pair_counters(const Fp4GemmArgs& a, int top_k);
 cudaError_t fp4_mma_pair_gemv(const Fp4GemmArgs& a, const Fp8PairArgs& pa, int arch, cudaStream_t stream);
-// Its K slices per group of weight rows (both forms): 0 (default: by the form and the warps the call would have), or
-// 1, 2 or 4 (MOEKIT_FP4_MMA_KSPLIT in the environment at first use). The setter returns the previous value (process-wide).
+// Its K slices per group of weight rows (both forms): 0 (default: by the form: 2, the one-chunk form 1), or 1, 2
+// or 4 (MOEKIT_FP4_MMA_KSPLIT in the environment at first use). The setter returns the previous value (process-wide).
 int fp4_mma_ksplit();
 int set_fp4_mma_ksplit(int slices);
 
