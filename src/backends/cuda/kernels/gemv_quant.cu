@@ -835,7 +835,7 @@ cudaError_t launch_fp4_mma(const Fp4GemmArgs& a, const Fp8PairArgs* pa, int tile
   // H100, gpt-oss-20b MXFP4: four chunks 167 / 261 / 304 us at T = 8 / 32 / 64 against one chunk's 172-182 / 282 /
   // 383 (docs/perf.md, 2026-12-07). The pair form: one chunk (one row per pair), 4 blocks in flight.
   static const int chunks = int(env_int_in("MOEKIT_FP4_MMA_CHUNKS", 1, 4, 4));
-  const bool many = chunks != 1 && !pair;
+  const bool many = chunks != 1;
   // K slices (fp4_mma_ksplit; 0 by default: by the call). Each warp's chain of dependent 128-input steps is what
   // bounds these calls (a few MB per launch), so slices pay even where the warps are many: on the H200, gpt-oss-20b
   // MXFP4 two slices against one 49.9 / 74.5 / 108 / 163 / 207 / 245 / 288 us against 53.5 / 76.5 / 116 / 175 / 227
@@ -843,7 +843,7 @@ cudaError_t launch_fp4_mma(const Fp4GemmArgs& a, const Fp8PairArgs* pa, int tile
   // there); the pair form at T = 1 / 2 41.3 / 62.7 on two slices against 47.5 / 68.4 on one. By the call: 2 (the
   // one-chunk form 1). Forced: 1, 2 or 4 (the one-chunk form keeps 1).
   const int ks_forced = fp4_mma_ksplit();
-  const int ks = ks_forced == 1 || ks_forced == 2 || ks_forced == 4 ? ks_forced : !many && !pair ? 1 : 2;
+  const int ks = ks_forced == 1 || ks_forced == 2 || ks_forced == 4 ? ks_forced : pair || many ? 2 : 1;
   const Fp8PairArgs none;
   auto go = [&](auto kernel, int slices) {
     const dim3 g{unsigned(col_blocks * slices), unsigned(tiles)};
