@@ -52,6 +52,13 @@ namespace moekit::cuda::kernels {
 namespace {
 using sm90::fence_operands;
 using sm90::smem_desc;
+using sm90::cp_async_arrive_noinc;
+using sm90::mbar_arrive;
+using sm90::mbar_expect_tx;
+using sm90::mbar_init;
+using sm90::mbar_wait;
+using sm90::tma_load_2d;
+using sm90::tma_load_3d;
 
 constexpr int kBM = 128, kBN = 128, kBK = 128, kStages = 5, kThreads = 384;
 constexpr int kABytes = kBM * kBK, kBBytes = kBN * kBK, kStageBytes = kABytes + kBBytes;
@@ -84,50 +91,9 @@ __host__ __device__ constexpr SmemLayout smem_layout(int experts, bool staged, b
 size_t smem_bytes(int experts, bool staged, bool bulk) { return smem_layout(experts, staged, bulk).end + 1024; }
 static_assert(smem_layout(4096, true, true).end + 1024 <= 227 * 1024, "shared memory layout");
 
-[[maybe_unused]] __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-[[maybe_unused]] __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-[[maybe_unused]] __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-[[maybe_unused]] __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-[[maybe_unused]] __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
-                                                             int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
-          dst),
-      "l"(map), "r"(bar), "r"(c0), "r"(c1)
-      : "memory");
-}
-[[maybe_unused]] __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
-                                                             int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::
-          "r"(dst),
-      "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-
-// 4-byte asynchronous copy global -> shared, and an arrival on `bar` once this thread's copies so far have landed
-// (the barrier's expected count includes it: .noinc).
+// 4-byte asynchronous copy global -> shared (the stage's arrival: sm90::cp_async_arrive_noinc).
 [[maybe_unused]] __device__ __forceinline__ void cp_async_4(uint32_t dst, const float* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
-}
-[[maybe_unused]] __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
 // d[64 x 128] (=|+=) A[64 x 32] . B[128 x 32]^T, e4m3 operands from shared memory (K-major), f32 accumulators;
@@ -459,7 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             cp_async_4(scales(s) + 4 * (tid + 32 * i), args.a_scale + r * args.lds + kb);
           }
           if (tid < 2) cp_async_4(scales(s) + 4 * (kBM + tid), sw + kb);
-          cp_async_arrive(full(s));
+          cp_async_arrive_noinc(full(s));
         }
         if (++s == kStages) {
           s = 0;

@@ -64,15 +64,6 @@ static_assert((kStages & (kStages - 1)) == 0, "the consumers find an item's firs
 constexpr int kGatherThreads = 128;  // producer warpgroup threads loading gathered A rows
 static_assert(kGatherThreads == 128 && kBM == 128 && kBK == 64, "gathered A: 16 rows x 8 chunks per pass");
 
-[[maybe_unused]] __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-[[maybe_unused]] __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-[[maybe_unused]] __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
 // Arrival on the barrier at the same shared-memory offset in cluster CTA `cta` (this CTA included). kClusterScope:
 // released at cluster scope (the pair form's default arrival, the one measured: its warps stall on membar,
 // docs/perf.md); else at CTA scope (mbarrier.arrive's default semantics), what a consumer's release of a stage needs
@@ -92,33 +83,6 @@ template <bool kClusterScope>
 constexpr int kPairOff = 0, kPairClusterRelease = 1, kPairCtaRelease = 2;
 [[maybe_unused]] __device__ __forceinline__ void cluster_sync_all() {  // every thread of both CTAs, any order
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-[[maybe_unused]] __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-[[maybe_unused]] __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
-                                                             int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
-          dst),
-      "l"(map), "r"(bar), "r"(c0), "r"(c1)
-      : "memory");
-}
-[[maybe_unused]] __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
-                                                             int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::
-          "r"(dst),
-      "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
 }
 
 // The same box into this CTA and its cluster peer (CTA mask 0b11), at the same shared-memory offset, each
@@ -151,9 +115,6 @@ struct Work {
   t.m_end = __ldg(args.offsets + e + 1);
 }
 
-[[maybe_unused]] __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
 [[maybe_unused]] __device__ __forceinline__ float load_weight(const void* w, Elem type, int64_t i) {
   if (type == Elem::bf16) return to_f32(static_cast<const bf16*>(w)[i]);
   if (type == Elem::f16) return to_f32(static_cast<const f16*>(w)[i]);
