@@ -621,17 +621,20 @@ __global__ void __launch_bounds__(kMmaThreads, KS > 1 ? 4 : RC == 1 ? 3 : 1)
 
 // ---- the tensor-core GEMV's ring form (sm_90): the weights streamed by the copy engine ----
 //
-// The register-fed form above keeps each warp's next weight pieces in its registers, so the bytes in flight are
-// what the register file holds (4 KB per warp; 37-46% of DRAM bandwidth at T = 1 and 8 on an H100, docs/perf.md);
-// here a producer warp keeps a ring of kRingStages stages in flight through shared memory, ahead of the four MMA
-// warps: each stage holds 256 inputs of the block's 64 weight rows (two bulk tensor copies of 32 rows x 128 bytes,
-// 128-byte swizzle), their scale codes and the pass's A rows (4- and 16-byte cp.async, A's 16-byte chunks XOR-
-// swizzled by row so that the MMA warps' reads of eight rows meet no bank twice). The MMA warps compute exactly what
-// the register-fed form with one K slice computes, in the same order: the same bits.
-constexpr int kRingWarps = kMmaWarps + 1;  // four MMA warps and the producer
-constexpr int kRingThreads = kRingWarps * 32;
-constexpr int kRingInputs = 256;           // inputs per stage (two 128-input blocks)
-constexpr int kRingBox = 32 * 128;         // one bulk copy: 32 weight rows x 128 bytes
+// The register-fed form above keeps each warp's next weight pieces in its registers, so each warp's chain of steps
+// waits on DRAM once per round; here a producer warp keeps a ring of stages in flight through shared memory, ahead
+// of the MMA warps: each stage holds 256 inputs of the block's 64 weight rows (two bulk tensor copies of 32 rows x
+// 128 bytes, 128-byte swizzle), their scale codes and the pass's A rows (4- and 16-byte cp.async, A's 16-byte chunks
+// XOR-swizzled by row so that the MMA warps' reads of eight rows meet no bank twice). KS slices of four MMA warps
+// each take their slice of the 128-input blocks (the register-fed form's slices: the same ranges, the slices' sums
+// added in slice order through shared memory), the producer issuing the slices' stages in turn. The MMA warps
+// compute exactly what the register-fed form with the same slices computes, in the same order: the same bits.
+constexpr int kRingInputs = 256;    // inputs per stage (two 128-input blocks)
+constexpr int kRingBox = 32 * 128;  // one bulk copy: 32 weight rows x 128 bytes
+template <int KS>
+constexpr int ring_threads() {
+  return (KS * kMmaWarps + 1) * 32;  // KS slices of four MMA warps and the producer
+}
 template <int RC>
 struct RingLayout {
   static constexpr int kStages = RC == 1 ? 5 : 4;
@@ -653,14 +656,37 @@ __device__ __forceinline__ int ring_row(const GateParams& gate, int w, int g, in
   return 16 * w + g + 8 * h;
 }
 
-template <int EPI, int RC, bool PAIR>
-__global__ void __launch_bounds__(kRingThreads, RC == 1 ? 3 : 2)
+// Slice s of KS: its 128-input blocks [lo, hi) of `blocks` (as the register-fed form splits them), its stages, and
+// the position in a pass's stage order (the producer's: stage j of every slice in slice order, then j + 1) of its
+// stage j.
+template <int KS>
+struct RingSlices {
+  int64_t blocks;
+  __device__ __forceinline__ int64_t lo(int s) const { return blocks * s / KS; }
+  __device__ __forceinline__ int64_t hi(int s) const { return blocks * (s + 1) / KS; }
+  __device__ __forceinline__ int64_t stages(int s) const { return (hi(s) - lo(s) + 1) / 2; }
+  __device__ __forceinline__ int64_t total() const {
+    int64_t n = 0;
+    for (int s = 0; s < KS; ++s) n += stages(s);
+    return n;
+  }
+  __device__ __forceinline__ int64_t position(int s, int64_t j) const {
+    int64_t p = 0;
+    for (int o = 0; o < KS; ++o) p += min(j, stages(o)) + (o < s && j < stages(o) ? 1 : 0);
+    return p;
+  }
+};
+
+template <int EPI, int RC, int KS, bool PAIR>
+__global__ void __launch_bounds__(ring_threads<KS>(), RC == 1 ? 3 : 2)
     fp4_ring_gemv_kernel(const __grid_constant__ CUtensorMap map_w, const Fp4GemmArgs args, int tile_m,
                          const Fp8PairArgs pa) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using L = RingLayout<RC>;
   static_assert(!PAIR || RC == 1, "one row per pair");
+  constexpr int kMma = KS * kMmaWarps;  // MMA warps; the producer is warp kMma
   extern __shared__ __align__(1024) unsigned char ring_smem[];
+  __shared__ float slice_sum[KS > 1 ? (KS - 1) * kMmaWarps : 1][RC][4][32];
   const uint32_t base = (smem_u32(ring_smem) + 1023) & ~1023u;  // swizzled copies: 1024-byte aligned
   unsigned char* const sm = ring_smem + (base - smem_u32(ring_smem));
   auto full = [&](int s) { return base + L::kBars + 8 * s; };
@@ -672,8 +698,8 @@ __global__ void __launch_bounds__(kRingThreads, RC == 1 ? 3 : 2)
   if (!fp4_mma_rows<EPI, PAIR>(args, tile_m, pa, expert, m0, m_end)) return;
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
-      sm90::mbar_init(full(s), 1 + 32);    // the copies' bytes and the producer lanes' cp.async arrivals
-      sm90::mbar_init(empty(s), kMmaWarps);  // one arrival per MMA warp
+      sm90::mbar_init(full(s), 1 + 32);      // the copies' bytes and the producer lanes' cp.async arrivals
+      sm90::mbar_init(empty(s), kMmaWarps);  // one arrival per MMA warp of the slice that reads it
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -682,9 +708,10 @@ __global__ void __launch_bounds__(kRingThreads, RC == 1 ? 3 : 2)
   constexpr int kCols = EPI == kEpiGated ? 8 : 16;  // output columns per warp
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t cb = int64_t(blockIdx.x) * kMmaWarps * kCols;  // the block's first output column
-  const int64_t stages = (args.k + kRingInputs - 1) / kRingInputs;
-  const int64_t pieces = args.k / 32, blocks = (pieces + 3) / 4;
-  if (warp == kMmaWarps) {  // the producer: the stages of every pass, in the MMA warps' order
+  const int64_t pieces = args.k / 32;
+  const RingSlices<KS> sl{(pieces + 3) / 4};
+  const int64_t per_pass = sl.total();
+  if (warp == kMma) {  // the producer: the stages of every pass, in the MMA warps' order
     const bool gated = EPI == kEpiGated, concat = gated && args.gate.concatenated;
     const int64_t row0 = gated && !concat ? 2 * cb : cb;
     const int64_t row1 = concat ? args.inter + cb : row0 + 32;
@@ -692,64 +719,73 @@ __global__ void __launch_bounds__(kRingThreads, RC == 1 ? 3 : 2)
     const bf16* a_base = reinterpret_cast<const bf16*>(args.a);
     const uint8_t* e8 = args.b_e8 + int64_t(expert) * args.bs_expert_stride;
     int64_t i = 0;
+    int64_t most = 0;
+    for (int s = 0; s < KS; ++s) most = max(most, sl.stages(s));
     for (int64_t m = m0; m < m_end; m += 8 * RC) {
       const int nr = int(min(int64_t(8 * RC), m_end - m));
       int64_t src = 0;  // lane r < nr: the A row of the pass's row r
       if (lane < nr)
         src = PAIR ? m / args.a_row_div : args.a_rows ? int64_t(__ldg(args.a_rows + m + lane) / args.a_row_div) : m + lane;
-      for (int64_t st = 0; st < stages; ++st, ++i) {
-        const int s = int(i % L::kStages);
-        sm90::mbar_wait(empty(s), uint32_t(i / L::kStages & 1) ^ 1);
-        const uint32_t stage = base + s * L::kStage;
-        if (lane == 0) {
-          sm90::mbar_expect_tx(full(s), 2 * kRingBox);
-          sm90::tma_load_3d(stage, &map_w, full(s), int(st * 128), int(row0), expert);
-          sm90::tma_load_3d(stage + kRingBox, &map_w, full(s), int(st * 128), int(row1), expert);
-        }
+      for (int64_t j = 0; j < most; ++j)
+        for (int sc = 0; sc < KS; ++sc) {
+          if (j >= sl.stages(sc)) continue;
+          const int64_t b0 = sl.lo(sc) + 2 * j;  // the stage's first block
+          const int s = int(i % L::kStages);
+          sm90::mbar_wait(empty(s), uint32_t(i / L::kStages & 1) ^ 1);
+          ++i;
+          const uint32_t stage = base + s * L::kStage;
+          if (lane == 0) {
+            sm90::mbar_expect_tx(full(s), 2 * kRingBox);
+            sm90::tma_load_3d(stage, &map_w, full(s), int(b0 * 64), int(row0), expert);
+            sm90::tma_load_3d(stage + kRingBox, &map_w, full(s), int(b0 * 64), int(row1), expert);
+          }
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {  // scale words: row r of the 64, block u of the stage's two
-          const int w = lane + 32 * j, r = w >> 1, u = w & 1;
-          const int64_t row = r < 32 ? row0 + r : row1 + r - 32, blk = 2 * st + u;
-          const bool ok = row < wrows && blk < blocks;
-          const uint8_t* p = ok ? e8 + row * args.b_e8_ld + 4 * blk : args.b_e8;
-          asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(stage + L::kScales + r * 8 + u * 4),
-                       "l"(p), "r"(ok ? 4 : 0)
-                       : "memory");
+          for (int q = 0; q < 4; ++q) {  // scale words: row r of the 64, block u of the stage's two
+            const int w = lane + 32 * q, r = w >> 1, u = w & 1;
+            const int64_t row = r < 32 ? row0 + r : row1 + r - 32, blk = b0 + u;
+            const bool ok = row < wrows && blk < sl.blocks;
+            const uint8_t* p = ok ? e8 + row * args.b_e8_ld + 4 * blk : args.b_e8;
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(stage + L::kScales + r * 8 + u * 4),
+                         "l"(p), "r"(ok ? 4 : 0)
+                         : "memory");
+          }
+          const int64_t k0 = b0 * 128 + lane * 8;  // this lane's 16-byte chunk of each A row
+          for (int r = 0; r < nr; ++r) {
+            const int64_t row = __shfl_sync(0xffffffffu, src, r);
+            const bool ok = k0 < args.k;
+            cp_async16(stage + L::kA + r * (kRingInputs * 2) + ((lane ^ (r & 7)) << 4),
+                       ok ? a_base + row * args.lda + k0 : a_base, ok);
+          }
+          sm90::cp_async_arrive_noinc(full(s));
         }
-        const int64_t k0 = st * kRingInputs + lane * 8;  // this lane's 16-byte chunk of each A row
-        for (int r = 0; r < nr; ++r) {
-          const int64_t row = __shfl_sync(0xffffffffu, src, r);
-          const bool ok = k0 < args.k;
-          cp_async16(stage + L::kA + r * (kRingInputs * 2) + ((lane ^ (r & 7)) << 4),
-                     ok ? a_base + row * args.lda + k0 : a_base, ok);
-        }
-        sm90::cp_async_arrive_noinc(full(s));
-      }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
-  } else {  // the MMA warps
-    const int g = lane / 4, t = lane % 4;
-    const int64_t c0 = cb + warp * kCols;
+  } else {  // the MMA warps: slice warp / 4
+    const int slice = warp / kMmaWarps, wi = warp % kMmaWarps, g = lane / 4, t = lane % 4;
+    const int64_t c0 = cb + wi * kCols;
     int lr[2];  // rows g and g + 8 of the warp's 16 among the block's 64
 #pragma unroll
-    for (int h = 0; h < 2; ++h) lr[h] = ring_row<EPI>(args.gate, warp, g, h);
+    for (int h = 0; h < 2; ++h) lr[h] = ring_row<EPI>(args.gate, wi, g, h);
     const bf16* bias =
         args.bias ? static_cast<const bf16*>(args.bias) + int64_t(expert) * args.bias_expert_stride : nullptr;
-    int64_t i = 0;
-    for (int64_t m = m0; m < m_end; m += 8 * RC) {
+    const int64_t b_hi = sl.hi(slice), n_st = sl.stages(slice);
+    int64_t pass = 0;
+    for (int64_t m = m0; m < m_end; m += 8 * RC, ++pass) {
       const int nr = int(min(int64_t(8 * RC), m_end - m));
       const int chunks = (nr + 7) / 8;
       float acc[RC][4];
 #pragma unroll
       for (int rc = 0; rc < RC; ++rc) acc[rc][0] = acc[rc][1] = acc[rc][2] = acc[rc][3] = 0.0f;
-      for (int64_t st = 0; st < stages; ++st, ++i) {
+      for (int64_t j = 0; j < n_st; ++j) {
+        const int64_t i = pass * per_pass + (KS == 1 ? j : sl.position(slice, j));
         const int s = int(i % L::kStages);
         sm90::mbar_wait(full(s), uint32_t(i / L::kStages & 1));
         const unsigned char* stage = sm + s * L::kStage;
+        const int64_t b0 = sl.lo(slice) + 2 * j;
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
-          const int64_t b = 2 * st + u;
-          if (b >= blocks) break;  // the same for the whole block
+          const int64_t b = b0 + u;
+          if (b >= b_hi) break;  // the same for the whole slice
           const bool in = b * 4 + t < pieces;
           uint4 w[2];
           uint32_t sc[2];
@@ -791,13 +827,31 @@ __global__ void __launch_bounds__(kRingThreads, RC == 1 ? 3 : 2)
         __syncwarp();
         if (lane == 0) sm90::mbar_arrive(empty(s));  // this warp's reads of the stage are done
       }
-      if (c0 < args.n) fp4_mma_store<EPI, RC>(args, acc, bias, c0, m, nr, g, t);
+      if constexpr (KS > 1) {  // the slices' sums, added in slice order by the first slice's warps
+        if (slice > 0) {
+#pragma unroll
+          for (int rc = 0; rc < RC; ++rc)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) slice_sum[(slice - 1) * kMmaWarps + wi][rc][q][lane] = acc[rc][q];
+        }
+        asm volatile("bar.sync 1, %0;\n" ::"n"(kMma * 32) : "memory");
+        if (slice == 0) {
+#pragma unroll
+          for (int o = 1; o < KS; ++o)
+#pragma unroll
+            for (int rc = 0; rc < RC; ++rc)
+#pragma unroll
+              for (int q = 0; q < 4; ++q) acc[rc][q] += slice_sum[(o - 1) * kMmaWarps + wi][rc][q][lane];
+        }
+        asm volatile("bar.sync 1, %0;\n" ::"n"(kMma * 32) : "memory");  // slice_sum free for the next pass
+      }
+      if (slice == 0 && c0 < args.n) fp4_mma_store<EPI, RC>(args, acc, bias, c0, m, nr, g, t);
     }
   }
   if constexpr (PAIR && EPI == kEpiF32) {
     constexpr int kBlockCols = kMmaWarps * kCols;
     if (pair_arrive_last(pa.counters + (m0 / pa.top_k) * gridDim.x + blockIdx.x, uint32_t(pa.top_k)))
-      pair_combine<bf16>(args, pa, m0 / pa.top_k, int64_t(blockIdx.x) * kBlockCols, kBlockCols, kRingThreads);
+      pair_combine<bf16>(args, pa, m0 / pa.top_k, int64_t(blockIdx.x) * kBlockCols, kBlockCols, ring_threads<KS>());
   }
 #endif
 }
@@ -1049,7 +1103,7 @@ bool fp4_ring_ok(const Fp4GemmArgs& a, int arch) {
 
 // The ring form's launch: the weights' tensor map ([experts, rows, k / 2 bytes], boxes of 32 rows x 128 bytes,
 // 128-byte swizzle, zeros past the ends), four MMA warps and the producer per block, the layout's shared memory.
-template <int EPI, int RC, bool PAIR>
+template <int EPI, int RC, int KS, bool PAIR>
 cudaError_t launch_fp4_ring(const Fp4GemmArgs& a, const Fp8PairArgs& pa, int tile_m, dim3 grid, bool pdl,
                             cudaStream_t stream) {
   CUtensorMap map{};
@@ -1061,12 +1115,12 @@ cudaError_t launch_fp4_ring(const Fp4GemmArgs& a, const Fp8PairArgs& pa, int til
                         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return cudaErrorInvalidValue;
-  auto kernel = fp4_ring_gemv_kernel<EPI, RC, PAIR>;
+  auto kernel = fp4_ring_gemv_kernel<EPI, RC, KS, PAIR>;
   constexpr size_t smem = RingLayout<RC>::kSmem;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
   g_fp4_ring_launches.fetch_add(1, std::memory_order_relaxed);
-  return launch_pdl(pdl, kernel, grid, dim3(kRingThreads), smem, stream, map, a, tile_m, pa);
+  return launch_pdl(pdl, kernel, grid, dim3(ring_threads<KS>()), smem, stream, map, a, tile_m, pa);
 }
 
 // Both forms of the tensor-core GEMV: over sorted row tiles (pa null), or over pairs (blockIdx.y a pair); on sm_90
@@ -1094,13 +1148,17 @@ cudaError_t launch_fp4_mma(const Fp4GemmArgs& a, const Fp8PairArgs* pa, int tile
   const int ks_forced = fp4_mma_ksplit();
   const int ks = ks_forced == 1 || ks_forced == 2 || ks_forced == 4 ? ks_forced : pair || many ? 2 : 1;
   const Fp8PairArgs none;
-  if (fp4_mma_ring() && fp4_ring_ok(a, arch)) {
+  // The ring form where it has the slices asked for: one (every form) or two (the pair form); the one-chunk form
+  // always runs one.
+  if (fp4_mma_ring() && fp4_ring_ok(a, arch) && (ks == 1 || (ks == 2 && pair) || (!pair && !many))) {
     const dim3 g{unsigned(col_blocks), unsigned(tiles)};
     auto ring = [&](auto epi) -> cudaError_t {
       constexpr int E = decltype(epi)::value;
-      if (pair) return launch_fp4_ring<E, 1, true>(a, *pa, tile_m, g, pdl, stream);
-      if (!many) return launch_fp4_ring<E, 1, false>(a, none, tile_m, g, pdl, stream);
-      return launch_fp4_ring<E, 4, false>(a, none, tile_m, g, pdl, stream);
+      if (pair)
+        return ks == 2 ? launch_fp4_ring<E, 1, 2, true>(a, *pa, tile_m, g, pdl, stream)
+                       : launch_fp4_ring<E, 1, 1, true>(a, *pa, tile_m, g, pdl, stream);
+      if (!many) return launch_fp4_ring<E, 1, 1, false>(a, none, tile_m, g, pdl, stream);
+      return launch_fp4_ring<E, 4, 1, false>(a, none, tile_m, g, pdl, stream);
     };
     switch (a.epilogue) {
       case kEpiGated: return ring(std::integral_constant<int, kEpiGated>{});
