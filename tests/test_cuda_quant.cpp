@@ -30,7 +30,6 @@
 #include "backends/cuda/kernels/kernels.h"
 #include "backends/cuda/kernels/quant_fp4.h"
 #include "backends/cuda/policy.h"
-#include "base/cuda_device.h"
 #include "base/cuda_pdl.cuh"
 #endif
 
@@ -732,18 +731,13 @@ TEST(CudaQuant, Fp4MmaGemvMatchesTheReferenceAndTheFp32Gemv) {
   for (const ProblemConfig& c : cases) {
     const test::ExpertsProblem p = test::make_fp4_case(c, seed++, /*float_acts=*/true, /*biases_in_act_dtype=*/true);
     const Experts g = p.experts.to(Device::cuda(0));
-    // The tensor-core form with its K slices by the call's size (0) and forced to 1, 2, 4, its ring form (8: one
-    // slice, the bits of the forced one-slice form; 9: two slices where it has them, the bits of the forced two-slice
-    // form; the register-fed form where the ring is not built); then the FP32 GEMV.
-    Tensor one_slice[2], two_slices[2];
-    for (const int ks : {0, 1, 2, 4, 8, 9, -1}) {
+    // The tensor-core form with its K slices by the call's size (0) and forced to 1, 2, 4; then the FP32 GEMV.
+    for (const int ks : {0, 1, 2, 4, -1}) {
       const bool mma = ks >= 0;
       const bool was = cuda::set_fp4_mma_gemv(mma);
-      const int was_ks = cuda::kernels::set_fp4_mma_ksplit(mma ? (ks == 8 ? 1 : ks == 9 ? 2 : ks) : 0);
-      const bool was_ring = cuda::kernels::set_fp4_mma_ring(ks >= 8);
-      int which = 0;
+      const int was_ks = cuda::kernels::set_fp4_mma_ksplit(mma ? ks : 0);
       for (const char* name : {"grouped_mm", "batched_mm"}) {
-        const int64_t calls = cuda::fp4_mma_gemv_calls(), ring_launches = cuda::kernels::fp4_ring_launches();
+        const int64_t calls = cuda::fp4_mma_gemv_calls();
         double err = 0;
         const Tensor out = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
         const std::string problem = test::compare_with_reference(p, out, &err);
@@ -754,16 +748,7 @@ TEST(CudaQuant, Fp4MmaGemvMatchesTheReferenceAndTheFp32Gemv) {
         EXPECT_EQ(cuda::fp4_mma_gemv_calls() - calls, mma ? 2 : 0) << name << " " << c.to_string();
         const Tensor again = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
         EXPECT_TRUE(test::bitwise_equal(out, again)) << name << " " << c.to_string();
-        if (ks == 1) one_slice[which] = out;
-        if (ks == 2) two_slices[which] = out;
-        if (ks >= 8)
-          EXPECT_TRUE(test::bitwise_equal(out, ks == 8 ? one_slice[which] : two_slices[which]))
-              << name << " ring ks " << ks << " " << c.to_string();
-        if (ks == 8 && cuda::device_info(0).arch() == 90)  // where it is built: both projections on the ring
-          EXPECT_EQ(cuda::kernels::fp4_ring_launches() - ring_launches, 4) << name << " " << c.to_string();
-        ++which;
       }
-      cuda::kernels::set_fp4_mma_ring(was_ring);
       cuda::kernels::set_fp4_mma_ksplit(was_ks);
       cuda::set_fp4_mma_gemv(was);
     }
@@ -791,9 +776,8 @@ TEST(CudaQuant, Fp4MmaPairFormIsTheSortedFormBitForBit) {
   for (const ProblemConfig& c : cases) {
     const test::ExpertsProblem p = test::make_fp4_case(c, seed++, /*float_acts=*/true, /*biases_in_act_dtype=*/true);
     const Experts g = p.experts.to(Device::cuda(0));
-    for (const int ks : {1, 2, 4, 0, 8, 9}) {  // 8, 9: the ring form (one or two slices) in both forms
-      const int was_ks = cuda::kernels::set_fp4_mma_ksplit(ks == 8 ? 1 : ks == 9 ? 2 : ks);
-      const bool was_ring = cuda::kernels::set_fp4_mma_ring(ks >= 8);
+    for (const int ks : {1, 2, 4, 0}) {
+      const int was_ks = cuda::kernels::set_fp4_mma_ksplit(ks);
       for (const char* name : {"grouped_mm", "batched_mm"}) {
         const int64_t was_pair = cuda::set_fp4_pair_max_tokens(0);
         const Tensor sorted = test::run_backend(g, name, p.hidden_states, p.top_k_index, p.top_k_weights);
@@ -812,7 +796,6 @@ TEST(CudaQuant, Fp4MmaPairFormIsTheSortedFormBitForBit) {
         EXPECT_TRUE(test::bitwise_equal(out, again)) << name << " " << c.to_string();
         cuda::set_fp4_pair_max_tokens(was_pair);
       }
-      cuda::kernels::set_fp4_mma_ring(was_ring);
       cuda::kernels::set_fp4_mma_ksplit(was_ks);
     }
   }
@@ -824,29 +807,25 @@ TEST(CudaQuant, Fp4MmaPairFormIsTheSortedFormBitForBit) {
     Tensor bad = Tensor::copy_of(p.top_k_index.view(), Device::cpu());
     bad.ptr<int64_t>()[1] = -1;     // token 0, slot 1
     bad.ptr<int64_t>()[6] = 9 + 3;  // token 1, slot 2
-    for (const bool ring : {false, true}) {
-      const int was_ks = cuda::kernels::set_fp4_mma_ksplit(2);
-      const bool was_ring = cuda::kernels::set_fp4_mma_ring(ring);
-      Tensor outs[2];
-      for (const int64_t tokens : {0, 64}) {
-        const int64_t was_pair = cuda::set_fp4_pair_max_tokens(tokens);
-        const int64_t calls = cuda::fp4_pair_calls();
-        check_experts_errors(g);  // clean before
-        outs[tokens ? 1 : 0] = test::run_backend(g, "grouped_mm", p.hidden_states, bad, p.top_k_weights);
-        EXPECT_EQ(cuda::fp4_pair_calls() - calls, tokens ? 1 : 0);
-        try {
-          check_experts_errors(g);
-          ADD_FAILURE() << "bad id not reported, pair tokens " << tokens;
-        } catch (const Error& e) {
-          EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-          EXPECT_NE(std::string(e.what()).find("top_k_index[0, 1] = -1"), std::string::npos) << e.what();
-        }
-        cuda::set_fp4_pair_max_tokens(was_pair);
+    const int was_ks = cuda::kernels::set_fp4_mma_ksplit(2);
+    Tensor outs[2];
+    for (const int64_t tokens : {0, 64}) {
+      const int64_t was_pair = cuda::set_fp4_pair_max_tokens(tokens);
+      const int64_t calls = cuda::fp4_pair_calls();
+      check_experts_errors(g);  // clean before
+      outs[tokens ? 1 : 0] = test::run_backend(g, "grouped_mm", p.hidden_states, bad, p.top_k_weights);
+      EXPECT_EQ(cuda::fp4_pair_calls() - calls, tokens ? 1 : 0);
+      try {
+        check_experts_errors(g);
+        ADD_FAILURE() << "bad id not reported, pair tokens " << tokens;
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+        EXPECT_NE(std::string(e.what()).find("top_k_index[0, 1] = -1"), std::string::npos) << e.what();
       }
-      EXPECT_TRUE(test::bitwise_equal(outs[0], outs[1])) << "bad ids: pair form against the sorted form, ring " << ring;
-      cuda::kernels::set_fp4_mma_ring(was_ring);
-      cuda::kernels::set_fp4_mma_ksplit(was_ks);
+      cuda::set_fp4_pair_max_tokens(was_pair);
     }
+    EXPECT_TRUE(test::bitwise_equal(outs[0], outs[1])) << "bad ids: pair form against the sorted form";
+    cuda::kernels::set_fp4_mma_ksplit(was_ks);
   }
   cuda::set_fp4_mma_gemv(was_mma);
 }

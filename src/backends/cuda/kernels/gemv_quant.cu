@@ -35,7 +35,6 @@
 #include "backends/cuda/kernels/fp4_convert.cuh"
 #include "backends/cuda/kernels/fp8_epilogue.cuh"
 #include "backends/cuda/kernels/fp8_quant.cuh"
-#include "backends/cuda/kernels/grouped_gemm_sm90.cuh"
 #include "backends/cuda/kernels/quant_fp4.h"
 #include "base/cuda_device.h"
 #include "base/cuda_pdl.cuh"
@@ -407,74 +406,6 @@ __device__ __forceinline__ void e2m1x4_to_bf16(uint32_t v, uint32_t& p01, uint32
   p23 = __byte_perm(lo, hi, 0x7362);
 }
 
-// Step st's A fragment of a 128-input block: the four codes st of rows g and g + 8 (this thread's pieces w0, w1 of
-// them), scaled by their groups' scales (s0, s1: ue8m0_bf16x2).
-__device__ __forceinline__ void fp4_fragment(const uint4& w0, const uint4& w1, uint32_t s0, uint32_t s1, int st,
-                                             uint32_t (&a)[4]) {
-  uint32_t p01, p23;
-  e2m1x4_to_bf16(u4_word(w0, st / 2) >> (16 * (st % 2)), p01, p23);
-  a[0] = bf16x2_mul(p01, s0);  // row g, k 2t, 2t + 1
-  a[2] = bf16x2_mul(p23, s0);  // row g, k 2t + 8, 2t + 9
-  e2m1x4_to_bf16(u4_word(w1, st / 2) >> (16 * (st % 2)), p01, p23);
-  a[1] = bf16x2_mul(p01, s1);  // row g + 8
-  a[3] = bf16x2_mul(p23, s1);
-}
-// Step st of a 128-input block on the tensor cores: acc += A fragment a times the B column pieces av (this thread's
-// 32 inputs of its A row).
-__device__ __forceinline__ void fp4_step_mma(float (&acc)[4], const uint32_t (&a)[4], const uint4 (&av)[4], int st) {
-  mma_k16<true>(acc, a[0], a[1], a[2], a[3], u4_word(av[st / 2], 2 * (st % 2)), u4_word(av[st / 2], 2 * (st % 2) + 1));
-}
-// The epilogue of a pass: acc[rc]: [0], [1] weight row g for A rows m + 8 rc + 2t, + 1; [2], [3] weight row g + 8 for
-// the same (columns from c0, rows below nr stored).
-template <int EPI, int RC>
-__device__ __forceinline__ void fp4_mma_store(const Fp4GemmArgs& args, const float (&acc)[RC][4], const bf16* bias,
-                                              int64_t c0, int64_t m, int nr, int g, int t) {
-#pragma unroll
-  for (int rc = 0; rc < RC; ++rc)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      if (8 * rc + 2 * t + j >= nr) continue;
-      const int64_t r = m + 8 * rc + 2 * t + j;
-      if constexpr (EPI == kEpiGated) {
-        const int64_t c = c0 + g;
-        if (c >= args.n) continue;
-        const float bg = bias ? to_f32(bias[gate_row(args.gate, c)]) : 0.0f;
-        const float bu = bias ? to_f32(bias[up_row(args.gate, c, args.inter)]) : 0.0f;
-        static_cast<bf16*>(args.out)[r * args.ldo + c] =
-            from_f32<bf16>(fp8_gated<bf16>(args.gate, acc[rc][j], acc[rc][2 + j], bias != nullptr, bg, bu));
-      } else {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int64_t c = c0 + g + 8 * h;
-          if (c >= args.n) continue;
-          const float x = acc[rc][2 * h + j];
-          if constexpr (EPI == kEpiActOnly)
-            static_cast<bf16*>(args.out)[r * args.ldo + c] =
-                from_f32<bf16>(fp8_act_only<bf16>(args.gate, x, bias != nullptr, bias ? to_f32(bias[c]) : 0.0f));
-          else
-            static_cast<float*>(args.out)[r * args.ldo + c] = x;
-        }
-      }
-    }
-}
-
-// The block's expert and rows [m0, m_end): its sorted row tile (blockIdx.y), or in the pair form (PAIR) pair
-// blockIdx.y, whose expert comes from pa.index (no rows for a dropped pair: its second projection's blocks still
-// arrive). False where the block has nothing to do.
-template <int EPI, bool PAIR>
-__device__ __forceinline__ bool fp4_mma_rows(const Fp4GemmArgs& args, int tile_m, const Fp8PairArgs& pa, int& expert,
-                                             int64_t& m0, int64_t& m_end) {
-  if constexpr (PAIR) {
-    m0 = blockIdx.y;
-    expert = pair_expert_of(pa.index, pa.index_type, m0, pa.top_k, args.experts, pa.error);
-    if (EPI != kEpiF32 && expert >= args.experts) return false;  // a dropped pair's activations are never read
-    m_end = expert < args.experts ? m0 + 1 : m0;
-    return true;
-  } else {
-    return tile_rows(args, tile_m, expert, m0, m_end);
-  }
-}
-
 // RC: 8-row chunks of the tile per pass over the weights (each block of 128 inputs decoded once for all of them);
 // U: blocks of 128 inputs whose weight pieces are loaded before the first is decoded; KS: K slices per warp's rows
 // (the block's warps: kMmaWarps / KS groups of 16 weight rows times KS slices of the 128-input blocks, the slices'
@@ -491,7 +422,14 @@ __global__ void __launch_bounds__(kMmaThreads, KS > 1 ? 4 : RC == 1 ? 3 : 1)
   pdl_trigger();
   int expert;
   int64_t m0, m_end;
-  if (!fp4_mma_rows<EPI, PAIR>(args, tile_m, pa, expert, m0, m_end)) return;
+  if constexpr (PAIR) {
+    m0 = blockIdx.y;
+    expert = pair_expert_of(pa.index, pa.index_type, m0, pa.top_k, args.experts, pa.error);
+    if (EPI != kEpiF32 && expert >= args.experts) return;  // a dropped pair's activations are never read
+    m_end = expert < args.experts ? m0 + 1 : m0;          // the second projection's blocks arrive all the same
+  } else if (!tile_rows(args, tile_m, expert, m0, m_end)) {
+    return;
+  }
 
   constexpr int kCols = EPI == kEpiGated ? 8 : 16;  // output columns per warp
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -559,7 +497,16 @@ __global__ void __launch_bounds__(kMmaThreads, KS > 1 ? 4 : RC == 1 ? 3 : 1)
         if (b0 + u >= b_hi) break;  // the whole warp is past its slice
         const bool in = q < pieces;
         const uint32_t s0 = ue8m0_bf16x2(sc[u][0]), s1 = ue8m0_bf16x2(sc[u][1]);
-        auto fragment = [&](int st, uint32_t (&a)[4]) { fp4_fragment(w[u][0], w[u][1], s0, s1, st, a); };
+        // Step st's A fragment: the four codes st of rows g and g + 8, scaled.
+        auto fragment = [&](int st, uint32_t (&a)[4]) {
+          uint32_t p01, p23;
+          e2m1x4_to_bf16(u4_word(w[u][0], st / 2) >> (16 * (st % 2)), p01, p23);
+          a[0] = bf16x2_mul(p01, s0);  // row g, k 2t, 2t + 1
+          a[2] = bf16x2_mul(p23, s0);  // row g, k 2t + 8, 2t + 9
+          e2m1x4_to_bf16(u4_word(w[u][1], st / 2) >> (16 * (st % 2)), p01, p23);
+          a[1] = bf16x2_mul(p01, s1);  // row g + 8
+          a[3] = bf16x2_mul(p23, s1);
+        };
         auto b_row = [&](int rc, uint4 (&av)[4]) {
           if (in && arow[rc]) {
             const uint4* p = reinterpret_cast<const uint4*>(arow[rc] + q * 32);
@@ -574,7 +521,8 @@ __global__ void __launch_bounds__(kMmaThreads, KS > 1 ? 4 : RC == 1 ? 3 : 1)
           for (int st = 0; st < 8; ++st) {
             uint32_t a[4];
             fragment(st, a);
-            fp4_step_mma(acc[0], a, av, st);
+            mma_k16<true>(acc[0], a[0], a[1], a[2], a[3], u4_word(av[st / 2], 2 * (st % 2)),
+                          u4_word(av[st / 2], 2 * (st % 2) + 1));
           }
         } else {  // the block decoded once, then each chunk's rows
           uint32_t a[8][4];
@@ -586,7 +534,9 @@ __global__ void __launch_bounds__(kMmaThreads, KS > 1 ? 4 : RC == 1 ? 3 : 1)
             uint4 av[4] = {};
             b_row(rc, av);
 #pragma unroll
-            for (int st = 0; st < 8; ++st) fp4_step_mma(acc[rc], a[st], av, st);
+            for (int st = 0; st < 8; ++st)
+              mma_k16<true>(acc[rc], a[st][0], a[st][1], a[st][2], a[st][3], u4_word(av[st / 2], 2 * (st % 2)),
+                            u4_word(av[st / 2], 2 * (st % 2) + 1));
           }
         }
       }
@@ -610,250 +560,40 @@ __global__ void __launch_bounds__(kMmaThreads, KS > 1 ? 4 : RC == 1 ? 3 : 1)
       __syncthreads();  // slice_sum free for the next pass
       if (slice > 0 || c0 >= args.n) continue;
     }
-    fp4_mma_store<EPI, RC>(args, acc, bias, c0, m, nr, g, t);
+    // acc[rc]: [0], [1] weight row g for A rows m + 8 rc + 2t, + 1; [2], [3] weight row g + 8 for the same.
+#pragma unroll
+    for (int rc = 0; rc < RC; ++rc)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        if (8 * rc + 2 * t + j >= nr) continue;
+        const int64_t r = m + 8 * rc + 2 * t + j;
+        if constexpr (EPI == kEpiGated) {
+          const int64_t c = c0 + g;
+          if (c >= args.n) continue;
+          const float bg = bias ? to_f32(bias[gate_row(args.gate, c)]) : 0.0f;
+          const float bu = bias ? to_f32(bias[up_row(args.gate, c, args.inter)]) : 0.0f;
+          static_cast<bf16*>(args.out)[r * args.ldo + c] =
+              from_f32<bf16>(fp8_gated<bf16>(args.gate, acc[rc][j], acc[rc][2 + j], bias != nullptr, bg, bu));
+        } else {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int64_t c = c0 + g + 8 * h;
+            if (c >= args.n) continue;
+            const float x = acc[rc][2 * h + j];
+            if constexpr (EPI == kEpiActOnly)
+              static_cast<bf16*>(args.out)[r * args.ldo + c] =
+                  from_f32<bf16>(fp8_act_only<bf16>(args.gate, x, bias != nullptr, bias ? to_f32(bias[c]) : 0.0f));
+            else
+              static_cast<float*>(args.out)[r * args.ldo + c] = x;
+          }
+        }
+      }
   }
   if constexpr (PAIR && EPI == kEpiF32) {
     constexpr int kBlockCols = kMmaWarps / KS * kCols;
     if (pair_arrive_last(pa.counters + (m0 / pa.top_k) * gridDim.x + blockIdx.x, uint32_t(pa.top_k)))
       pair_combine<bf16>(args, pa, m0 / pa.top_k, int64_t(blockIdx.x) * kBlockCols, kBlockCols, kMmaThreads);
   }
-}
-
-// ---- the tensor-core GEMV's ring form (sm_90): the weights streamed by the copy engine ----
-//
-// The register-fed form above keeps each warp's next weight pieces in its registers, so each warp's chain of steps
-// waits on DRAM once per round; here a producer warp keeps a ring of stages in flight through shared memory, ahead
-// of the MMA warps: each stage holds 256 inputs of the block's 64 weight rows (two bulk tensor copies of 32 rows x
-// 128 bytes, 128-byte swizzle), their scale codes and the pass's A rows (4- and 16-byte cp.async, A's 16-byte chunks
-// XOR-swizzled by row so that the MMA warps' reads of eight rows meet no bank twice). KS slices of four MMA warps
-// each take their slice of the 128-input blocks (the register-fed form's slices: the same ranges, the slices' sums
-// added in slice order through shared memory), the producer issuing the slices' stages in turn. The MMA warps
-// compute exactly what the register-fed form with the same slices computes, in the same order: the same bits.
-constexpr int kRingInputs = 256;    // inputs per stage (two 128-input blocks)
-constexpr int kRingBox = 32 * 128;  // one bulk copy: 32 weight rows x 128 bytes
-template <int KS>
-constexpr int ring_threads() {
-  return (KS * kMmaWarps + 1) * 32;  // KS slices of four MMA warps and the producer
-}
-template <int RC>
-struct RingLayout {
-  static constexpr int kStages = RC == 1 ? 5 : 4;
-  static constexpr int kA = 2 * kRingBox;                         // A rows: RC * 8 rows x 512 bytes
-  static constexpr int kScales = kA + RC * 8 * kRingInputs * 2;   // 64 rows x 2 words
-  static constexpr int kStage = (kScales + 64 * 8 + 1023) / 1024 * 1024;
-  static constexpr int kBars = kStages * kStage;
-  static constexpr size_t kSmem = size_t(kBars) + 2 * kStages * 8 + 1024;  // + the 1024-byte alignment slack
-};
-// Three blocks of the one-chunk forms per multiprocessor, two of the four-chunk form.
-static_assert(3 * RingLayout<1>::kSmem <= 227 * 1024 && 2 * RingLayout<4>::kSmem <= 227 * 1024, "ring layout");
-
-// Weight row L (0..63) of the block's 64: its copy (0 or 1) and row in it, for warp w's rows g (h = 0) and g + 8
-// (h = 1): gated concatenated (copies: gate rows from the block's first column, up rows), gated interleaved (rows 2c,
-// 2c + 1 from twice the first column) or not gated (rows from the first column).
-template <int EPI>
-__device__ __forceinline__ int ring_row(const GateParams& gate, int w, int g, int h) {
-  if constexpr (EPI == kEpiGated) return gate.concatenated ? 32 * h + 8 * w + g : 2 * (8 * w + g) + h;
-  return 16 * w + g + 8 * h;
-}
-
-// Slice s of KS: its 128-input blocks [lo, hi) of `blocks` (as the register-fed form splits them), its stages, and
-// the position in a pass's stage order (the producer's: stage j of every slice in slice order, then j + 1) of its
-// stage j.
-template <int KS>
-struct RingSlices {
-  int64_t blocks;
-  __device__ __forceinline__ int64_t lo(int s) const { return blocks * s / KS; }
-  __device__ __forceinline__ int64_t hi(int s) const { return blocks * (s + 1) / KS; }
-  __device__ __forceinline__ int64_t stages(int s) const { return (hi(s) - lo(s) + 1) / 2; }
-  __device__ __forceinline__ int64_t total() const {
-    int64_t n = 0;
-    for (int s = 0; s < KS; ++s) n += stages(s);
-    return n;
-  }
-  __device__ __forceinline__ int64_t position(int s, int64_t j) const {
-    int64_t p = 0;
-    for (int o = 0; o < KS; ++o) p += min(j, stages(o)) + (o < s && j < stages(o) ? 1 : 0);
-    return p;
-  }
-};
-
-template <int EPI, int RC, int KS, bool PAIR>
-__global__ void __launch_bounds__(ring_threads<KS>(), RC == 1 ? 3 : 2)
-    fp4_ring_gemv_kernel(const __grid_constant__ CUtensorMap map_w, const Fp4GemmArgs args, int tile_m,
-                         const Fp8PairArgs pa) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using L = RingLayout<RC>;
-  static_assert(!PAIR || RC == 1, "one row per pair");
-  constexpr int kMma = KS * kMmaWarps;  // MMA warps; the producer is warp kMma
-  extern __shared__ __align__(1024) unsigned char ring_smem[];
-  __shared__ float slice_sum[KS > 1 ? (KS - 1) * kMmaWarps : 1][RC][4][32];
-  const uint32_t base = (smem_u32(ring_smem) + 1023) & ~1023u;  // swizzled copies: 1024-byte aligned
-  unsigned char* const sm = ring_smem + (base - smem_u32(ring_smem));
-  auto full = [&](int s) { return base + L::kBars + 8 * s; };
-  auto empty = [&](int s) { return base + L::kBars + 8 * (L::kStages + s); };
-  pdl_wait();  // the routing and the A rows come from the kernels before
-  pdl_trigger();
-  int expert;
-  int64_t m0, m_end;
-  if (!fp4_mma_rows<EPI, PAIR>(args, tile_m, pa, expert, m0, m_end)) return;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < L::kStages; ++s) {
-      sm90::mbar_init(full(s), 1 + 32);      // the copies' bytes and the producer lanes' cp.async arrivals
-      sm90::mbar_init(empty(s), kMmaWarps);  // one arrival per MMA warp of the slice that reads it
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
-
-  constexpr int kCols = EPI == kEpiGated ? 8 : 16;  // output columns per warp
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t cb = int64_t(blockIdx.x) * kMmaWarps * kCols;  // the block's first output column
-  const int64_t pieces = args.k / 32;
-  const RingSlices<KS> sl{(pieces + 3) / 4};
-  const int64_t per_pass = sl.total();
-  if (warp == kMma) {  // the producer: the stages of every pass, in the MMA warps' order
-    const bool gated = EPI == kEpiGated, concat = gated && args.gate.concatenated;
-    const int64_t row0 = gated && !concat ? 2 * cb : cb;
-    const int64_t row1 = concat ? args.inter + cb : row0 + 32;
-    const int64_t wrows = gated ? 2 * args.inter : args.n;
-    const bf16* a_base = reinterpret_cast<const bf16*>(args.a);
-    const uint8_t* e8 = args.b_e8 + int64_t(expert) * args.bs_expert_stride;
-    int64_t i = 0;
-    int64_t most = 0;
-    for (int s = 0; s < KS; ++s) most = max(most, sl.stages(s));
-    for (int64_t m = m0; m < m_end; m += 8 * RC) {
-      const int nr = int(min(int64_t(8 * RC), m_end - m));
-      int64_t src = 0;  // lane r < nr: the A row of the pass's row r
-      if (lane < nr)
-        src = PAIR ? m / args.a_row_div : args.a_rows ? int64_t(__ldg(args.a_rows + m + lane) / args.a_row_div) : m + lane;
-      for (int64_t j = 0; j < most; ++j)
-        for (int sc = 0; sc < KS; ++sc) {
-          if (j >= sl.stages(sc)) continue;
-          const int64_t b0 = sl.lo(sc) + 2 * j;  // the stage's first block
-          const int s = int(i % L::kStages);
-          sm90::mbar_wait(empty(s), uint32_t(i / L::kStages & 1) ^ 1);
-          ++i;
-          const uint32_t stage = base + s * L::kStage;
-          if (lane == 0) {
-            sm90::mbar_expect_tx(full(s), 2 * kRingBox);
-            sm90::tma_load_3d(stage, &map_w, full(s), int(b0 * 64), int(row0), expert);
-            sm90::tma_load_3d(stage + kRingBox, &map_w, full(s), int(b0 * 64), int(row1), expert);
-          }
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {  // scale words: row r of the 64, block u of the stage's two
-            const int w = lane + 32 * q, r = w >> 1, u = w & 1;
-            const int64_t row = r < 32 ? row0 + r : row1 + r - 32, blk = b0 + u;
-            const bool ok = row < wrows && blk < sl.blocks;
-            const uint8_t* p = ok ? e8 + row * args.b_e8_ld + 4 * blk : args.b_e8;
-            asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(stage + L::kScales + r * 8 + u * 4),
-                         "l"(p), "r"(ok ? 4 : 0)
-                         : "memory");
-          }
-          const int64_t k0 = b0 * 128 + lane * 8;  // this lane's 16-byte chunk of each A row
-          for (int r = 0; r < nr; ++r) {
-            const int64_t row = __shfl_sync(0xffffffffu, src, r);
-            const bool ok = k0 < args.k;
-            cp_async16(stage + L::kA + r * (kRingInputs * 2) + ((lane ^ (r & 7)) << 4),
-                       ok ? a_base + row * args.lda + k0 : a_base, ok);
-          }
-          sm90::cp_async_arrive_noinc(full(s));
-        }
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-  } else {  // the MMA warps: slice warp / 4
-    const int slice = warp / kMmaWarps, wi = warp % kMmaWarps, g = lane / 4, t = lane % 4;
-    const int64_t c0 = cb + wi * kCols;
-    int lr[2];  // rows g and g + 8 of the warp's 16 among the block's 64
-#pragma unroll
-    for (int h = 0; h < 2; ++h) lr[h] = ring_row<EPI>(args.gate, wi, g, h);
-    const bf16* bias =
-        args.bias ? static_cast<const bf16*>(args.bias) + int64_t(expert) * args.bias_expert_stride : nullptr;
-    const int64_t b_hi = sl.hi(slice), n_st = sl.stages(slice);
-    int64_t pass = 0;
-    for (int64_t m = m0; m < m_end; m += 8 * RC, ++pass) {
-      const int nr = int(min(int64_t(8 * RC), m_end - m));
-      const int chunks = (nr + 7) / 8;
-      float acc[RC][4];
-#pragma unroll
-      for (int rc = 0; rc < RC; ++rc) acc[rc][0] = acc[rc][1] = acc[rc][2] = acc[rc][3] = 0.0f;
-      for (int64_t j = 0; j < n_st; ++j) {
-        const int64_t i = pass * per_pass + (KS == 1 ? j : sl.position(slice, j));
-        const int s = int(i % L::kStages);
-        sm90::mbar_wait(full(s), uint32_t(i / L::kStages & 1));
-        const unsigned char* stage = sm + s * L::kStage;
-        const int64_t b0 = sl.lo(slice) + 2 * j;
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const int64_t b = b0 + u;
-          if (b >= b_hi) break;  // the same for the whole slice
-          const bool in = b * 4 + t < pieces;
-          uint4 w[2];
-          uint32_t sc[2];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = lr[h] & 31, chunk = (u * 4 + t) ^ (r & 7);
-            w[h] = *reinterpret_cast<const uint4*>(stage + (lr[h] >> 5) * kRingBox + r * 128 + chunk * 16);
-            sc[h] = in ? uint32_t(stage[L::kScales + lr[h] * 8 + u * 4 + t]) : 0u;
-          }
-          const uint32_t s0 = ue8m0_bf16x2(sc[0]), s1 = ue8m0_bf16x2(sc[1]);
-          auto b_row = [&](int rc, uint4 (&av)[4]) {  // A row 8 rc + g: chunks 16 u + 4 t + q, swizzled by g
-            const unsigned char* ar = stage + L::kA + (8 * rc + g) * (kRingInputs * 2);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) av[q] = *reinterpret_cast<const uint4*>(ar + (((16 * u + 4 * t + q) ^ g) << 4));
-          };
-          if constexpr (RC == 1) {
-            uint4 av[4];
-            b_row(0, av);
-#pragma unroll
-            for (int k = 0; k < 8; ++k) {
-              uint32_t a[4];
-              fp4_fragment(w[0], w[1], s0, s1, k, a);
-              fp4_step_mma(acc[0], a, av, k);
-            }
-          } else {
-            uint32_t a[8][4];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) fp4_fragment(w[0], w[1], s0, s1, k, a[k]);
-#pragma unroll
-            for (int rc = 0; rc < RC; ++rc) {
-              if (rc >= chunks) break;
-              uint4 av[4];
-              b_row(rc, av);
-#pragma unroll
-              for (int k = 0; k < 8; ++k) fp4_step_mma(acc[rc], a[k], av, k);
-            }
-          }
-        }
-        __syncwarp();
-        if (lane == 0) sm90::mbar_arrive(empty(s));  // this warp's reads of the stage are done
-      }
-      if constexpr (KS > 1) {  // the slices' sums, added in slice order by the first slice's warps
-        if (slice > 0) {
-#pragma unroll
-          for (int rc = 0; rc < RC; ++rc)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) slice_sum[(slice - 1) * kMmaWarps + wi][rc][q][lane] = acc[rc][q];
-        }
-        asm volatile("bar.sync 1, %0;\n" ::"n"(kMma * 32) : "memory");
-        if (slice == 0) {
-#pragma unroll
-          for (int o = 1; o < KS; ++o)
-#pragma unroll
-            for (int rc = 0; rc < RC; ++rc)
-#pragma unroll
-              for (int q = 0; q < 4; ++q) acc[rc][q] += slice_sum[(o - 1) * kMmaWarps + wi][rc][q][lane];
-        }
-        asm volatile("bar.sync 1, %0;\n" ::"n"(kMma * 32) : "memory");  // slice_sum free for the next pass
-      }
-      if (slice == 0 && c0 < args.n) fp4_mma_store<EPI, RC>(args, acc, bias, c0, m, nr, g, t);
-    }
-  }
-  if constexpr (PAIR && EPI == kEpiF32) {
-    constexpr int kBlockCols = kMmaWarps * kCols;
-    if (pair_arrive_last(pa.counters + (m0 / pa.top_k) * gridDim.x + blockIdx.x, uint32_t(pa.top_k)))
-      pair_combine<bf16>(args, pa, m0 / pa.top_k, int64_t(blockIdx.x) * kBlockCols, kBlockCols, ring_threads<KS>());
-  }
-#endif
 }
 
 // Output columns of a block of the pair form: a divisor of 128 (16 gated, 32 otherwise).
@@ -1067,17 +807,7 @@ std::atomic<int>& fp4_mma_ksplit_value() {
   static std::atomic<int> v{int(env_int_in("MOEKIT_FP4_MMA_KSPLIT", 0, 4, 0))};
   return v;
 }
-std::atomic<int>& fp4_mma_ring_value() {
-  static std::atomic<int> v{int(env_int_in("MOEKIT_FP4_MMA_RING", 0, 1, 0))};
-  return v;
-}
 }  // namespace
-bool fp4_mma_ring() { return fp4_mma_ring_value().load(std::memory_order_relaxed) != 0; }
-bool set_fp4_mma_ring(bool on) { return fp4_mma_ring_value().exchange(on ? 1 : 0) != 0; }
-namespace {
-std::atomic<int64_t> g_fp4_ring_launches{0};
-}  // namespace
-int64_t fp4_ring_launches() { return g_fp4_ring_launches.load(std::memory_order_relaxed); }
 int fp4_mma_ksplit() { return fp4_mma_ksplit_value().load(std::memory_order_relaxed); }
 int set_fp4_mma_ksplit(int slices) {
   return fp4_mma_ksplit_value().exchange(slices == 1 || slices == 2 || slices == 4 ? slices : 0);
@@ -1091,41 +821,8 @@ bool fp4_mma_gemv_ok(const Fp4GemmArgs& a, int arch) {
 }
 
 namespace {
-// Whether the ring form serves these arguments on a device of compute capability `arch` (this build's sm_90 code,
-// the driver's tensor-map encoder, 4-byte aligned scale rows for the scale words' copies).
-bool fp4_ring_ok(const Fp4GemmArgs& a, int arch) {
-  if (arch != 90 || !sm90::encode_fn()) return false;
-  const auto at4 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3) == 0; };
-  if (!at4(a.b_e8) || a.b_e8_ld % 4 || a.bs_expert_stride % 4) return false;
-  const int64_t rows = a.epilogue == kEpiGated ? 2 * a.inter : a.n;
-  return rows < (int64_t(1) << 31) && a.experts < (1 << 30) && a.k / 2 < (int64_t(1) << 31);
-}
-
-// The ring form's launch: the weights' tensor map ([experts, rows, k / 2 bytes], boxes of 32 rows x 128 bytes,
-// 128-byte swizzle, zeros past the ends), four MMA warps and the producer per block, the layout's shared memory.
-template <int EPI, int RC, int KS, bool PAIR>
-cudaError_t launch_fp4_ring(const Fp4GemmArgs& a, const Fp8PairArgs& pa, int tile_m, dim3 grid, bool pdl,
-                            cudaStream_t stream) {
-  CUtensorMap map{};
-  const int64_t rows = EPI == kEpiGated ? 2 * a.inter : a.n;
-  const cuuint64_t dims[3] = {cuuint64_t(a.k / 2), cuuint64_t(rows), cuuint64_t(a.experts)};
-  const cuuint64_t strides[2] = {cuuint64_t(a.b_stride_n), cuuint64_t(a.b_expert_stride)};
-  const cuuint32_t box[3] = {128, 32, 1}, estr[3] = {1, 1, 1};
-  if (sm90::encode_fn()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<uint8_t*>(a.b), dims, strides, box, estr,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
-    return cudaErrorInvalidValue;
-  auto kernel = fp4_ring_gemv_kernel<EPI, RC, KS, PAIR>;
-  constexpr size_t smem = RingLayout<RC>::kSmem;
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (err != cudaSuccess) return err;
-  g_fp4_ring_launches.fetch_add(1, std::memory_order_relaxed);
-  return launch_pdl(pdl, kernel, grid, dim3(ring_threads<KS>()), smem, stream, map, a, tile_m, pa);
-}
-
-// Both forms of the tensor-core GEMV: over sorted row tiles (pa null), or over pairs (blockIdx.y a pair); on sm_90
-// with fp4_mma_ring, their ring form.
-cudaError_t launch_fp4_mma(const Fp4GemmArgs& a, const Fp8PairArgs* pa, int tile_m, int arch, cudaStream_t stream) {
+// Both forms of the tensor-core GEMV: over sorted row tiles (pa null), or over pairs (blockIdx.y a pair).
+cudaError_t launch_fp4_mma(const Fp4GemmArgs& a, const Fp8PairArgs* pa, int tile_m, cudaStream_t stream) {
   if (a.max_rows == 0 || a.n == 0 || a.experts == 0) return cudaSuccess;
   const bool pair = pa != nullptr;
   const int cols = a.epilogue == kEpiGated ? 8 : 16;
@@ -1148,24 +845,6 @@ cudaError_t launch_fp4_mma(const Fp4GemmArgs& a, const Fp8PairArgs* pa, int tile
   const int ks_forced = fp4_mma_ksplit();
   const int ks = ks_forced == 1 || ks_forced == 2 || ks_forced == 4 ? ks_forced : pair || many ? 2 : 1;
   const Fp8PairArgs none;
-  // The ring form where it has the slices asked for: one (every form) or two (the pair form); the one-chunk form
-  // always runs one.
-  if (fp4_mma_ring() && fp4_ring_ok(a, arch) && (ks == 1 || (ks == 2 && pair) || (!pair && !many))) {
-    const dim3 g{unsigned(col_blocks), unsigned(tiles)};
-    auto ring = [&](auto epi) -> cudaError_t {
-      constexpr int E = decltype(epi)::value;
-      if (pair)
-        return ks == 2 ? launch_fp4_ring<E, 1, 2, true>(a, *pa, tile_m, g, pdl, stream)
-                       : launch_fp4_ring<E, 1, 1, true>(a, *pa, tile_m, g, pdl, stream);
-      if (!many) return launch_fp4_ring<E, 1, 1, false>(a, none, tile_m, g, pdl, stream);
-      return launch_fp4_ring<E, 4, 1, false>(a, none, tile_m, g, pdl, stream);
-    };
-    switch (a.epilogue) {
-      case kEpiGated: return ring(std::integral_constant<int, kEpiGated>{});
-      case kEpiActOnly: return ring(std::integral_constant<int, kEpiActOnly>{});
-      default: return ring(std::integral_constant<int, kEpiF32>{});
-    }
-  }
   auto go = [&](auto kernel, int slices) {
     const dim3 g{unsigned(col_blocks * slices), unsigned(tiles)};
     return launch_pdl(pdl, kernel, g, dim3(kMmaThreads), 0, stream, a, tile_m, pair ? *pa : none);
@@ -1196,7 +875,7 @@ cudaError_t launch_fp4_mma(const Fp4GemmArgs& a, const Fp8PairArgs* pa, int tile
 
 cudaError_t fp4_mma_gemv(const Fp4GemmArgs& a, int tile_m, int arch, cudaStream_t stream) {
   if (!fp4_mma_gemv_ok(a, arch) || tile_m < 1) return cudaErrorInvalidValue;
-  return launch_fp4_mma(a, nullptr, tile_m, arch, stream);
+  return launch_fp4_mma(a, nullptr, tile_m, stream);
 }
 
 int64_t fp4_mma_pair_counters(const Fp4GemmArgs& a, int top_k) {
@@ -1211,7 +890,7 @@ cudaError_t fp4_mma_pair_gemv(const Fp4GemmArgs& a, const Fp8PairArgs& pa, int a
     return cudaErrorInvalidValue;
   if (a.epilogue == kEpiF32 && (pa.counters == nullptr || pa.out == nullptr || pa.routing_weights == nullptr))
     return cudaErrorInvalidValue;
-  return launch_fp4_mma(a, &pa, 1, arch, stream);
+  return launch_fp4_mma(a, &pa, 1, stream);
 }
 
 }  // namespace moekit::cuda::kernels

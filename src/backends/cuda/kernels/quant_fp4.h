@@ -55,13 +55,6 @@ cudaError_t fp4_mma_pair_gemv(const Fp4GemmArgs& a, const Fp8PairArgs& pa, int a
 // or 4 (MOEKIT_FP4_MMA_KSPLIT in the environment at first use). The setter returns the previous value (process-wide).
 int fp4_mma_ksplit();
 int set_fp4_mma_ksplit(int slices);
-// Their ring form on sm_90 (the weights, their scales and the A rows streamed through shared memory by a producer
-// warp, the MMA warps on one K slice: the bits of the one-slice form): off by default, on with MOEKIT_FP4_MMA_RING=1
-// in the environment at first use or set_fp4_mma_ring(true). The setter returns the previous value (process-wide).
-bool fp4_mma_ring();
-bool set_fp4_mma_ring(bool on);
-// Launches of the ring form so far (process-wide).
-int64_t fp4_ring_launches();
 
 // Weights [rows, k] of `type` (k a multiple of 32) quantized as moekit/quant.h quantize_fp4 does: per row and 32
 // inputs the scale 2^(floor(log2 amax) - 2), codes rounded to nearest even e2m1, saturated: q [rows, k / 2] packed,
