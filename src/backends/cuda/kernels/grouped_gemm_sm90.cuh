@@ -37,7 +37,7 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
 }
 
 // mbarriers (CTA scope) and the copy engine's tensor loads, shared by the sm_90 kernels (the bf16 TMA engine, the FP8
-// kernel, the MXFP4 GEMV's ring form). Arrivals and waits release and acquire at CTA scope.
+// kernel). Arrivals and waits release and acquire at CTA scope.
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
 }
