@@ -168,6 +168,105 @@ TEST_F(CudaModelOps, DecodeGemvFormsMatchCpuAndRepeatExactly) {
 #endif
 }
 
+// The decode step's norm inside the linear after it (norm_linear): the residual sum, the normed rows and the
+// linear's output bit for bit those of add_rmsnorm / rmsnorm then linear, for 1..8 rows, rows of several lengths
+// (the norm's thread counts 64..1024, partial last warps of elements), 16-bit and f32 (router) weights, biases,
+// both norm roundings; the inputs left as they were; refused (false, nothing written) where it does not apply.
+TEST_F(CudaModelOps, NormLinearIsTheNormThenTheLinearBitForBit) {
+#ifdef MOEKIT_WITH_CUDA
+  const int64_t saved_rows = model::gemv_max_rows();
+  const bool saved_on = model::norm_linear_on();
+  model::set_gemv_max_rows(8);
+  model::set_norm_linear(true);
+  struct Case {
+    int64_t M, D, N;
+    DType xt, wt, yt;
+    bool add, bias, wbc;
+  };
+  const Case cases[] = {
+      {1, 2048, 5120, DType::bf16, DType::bf16, DType::bf16, true, false, false},
+      {1, 2048, 128, DType::bf16, DType::f32, DType::f32, true, false, false},
+      {1, 2048, 4099, DType::bf16, DType::bf16, DType::f32, true, false, false},
+      {1, 2048, 640, DType::bf16, DType::bf16, DType::bf16, false, true, false},
+      {2, 704, 96, DType::f16, DType::f16, DType::f16, true, true, true},
+      {3, 4096, 333, DType::bf16, DType::bf16, DType::bf16, true, false, true},
+      {4, 1024, 60, DType::bf16, DType::f32, DType::f32, true, true, false},
+      {5, 2056, 1000, DType::f16, DType::f16, DType::f32, false, false, false},
+      {8, 2048, 256, DType::bf16, DType::bf16, DType::bf16, true, true, false},
+      {1, 7168, 257, DType::bf16, DType::f32, DType::f32, true, false, false},
+      {7, 64, 13, DType::bf16, DType::bf16, DType::bf16, true, false, false},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "M=" << c.M << " D=" << c.D << " N=" << c.N << " x " << dtype_name(c.xt)
+                                      << " w " << dtype_name(c.wt) << " y " << dtype_name(c.yt) << " add " << c.add
+                                      << " bias " << c.bias << " wbc " << c.wbc);
+    const Tensor h = on_gpu(test::randn({c.M, c.D}, c.xt, rng)), a = on_gpu(test::randn({c.M, c.D}, c.xt, rng));
+    const Tensor nw = on_gpu(test::randn({c.D}, c.xt, rng)), w = on_gpu(test::randn({c.N, c.D}, c.wt, rng, 0.05));
+    const Tensor b = on_gpu(test::randn({c.N}, c.xt, rng));
+    const TensorView bias = c.bias ? b.view() : TensorView();
+    // The ops one by one.
+    Tensor h1 = on_gpu(on_cpu(h)), n1 = poisoned({c.M, c.D}, c.xt, kDev), y1 = poisoned({c.M, c.N}, c.yt, kDev);
+    if (c.add)
+      gpu().add_rmsnorm(h1.view(), a.view(), nw.view(), 1e-6f, c.wbc, n1.view());
+    else
+      gpu().rmsnorm(h1.view(), nw.view(), 1e-6f, c.wbc, n1.view());
+    gpu().linear(n1.view(), w.view(), bias, y1.view());
+    // In one launch.
+    Tensor h2 = poisoned({c.M, c.D}, c.xt, kDev), n2 = poisoned({c.M, c.D}, c.xt, kDev);
+    Tensor y2 = poisoned({c.M, c.N}, c.yt, kDev);
+    const Tensor h_before = on_cpu(h), a_before = on_cpu(a);
+    ASSERT_TRUE(gpu().norm_linear(h.view(), c.add ? a.view() : TensorView(), nw.view(), 1e-6f, c.wbc,
+                                  c.add ? h2.view() : TensorView(), n2.view(), w.view(), bias, y2.view()));
+    const Tensor gy1 = on_cpu(y1), gy2 = on_cpu(y2), gn1 = on_cpu(n1), gn2 = on_cpu(n2);
+    EXPECT_EQ(std::memcmp(gy1.data(), gy2.data(), gy1.nbytes()), 0) << "linear output";
+    EXPECT_EQ(std::memcmp(gn1.data(), gn2.data(), gn1.nbytes()), 0) << "normed rows";
+    if (c.add) {
+      const Tensor gh1 = on_cpu(h1), gh2 = on_cpu(h2);
+      EXPECT_EQ(std::memcmp(gh1.data(), gh2.data(), gh1.nbytes()), 0) << "residual sum";
+    }
+    EXPECT_EQ(std::memcmp(on_cpu(h).data(), h_before.data(), h_before.nbytes()), 0) << "h changed";
+    EXPECT_EQ(std::memcmp(on_cpu(a).data(), a_before.data(), a_before.nbytes()), 0) << "a changed";
+    // Without the normed rows written, the same output.
+    Tensor y3 = poisoned({c.M, c.N}, c.yt, kDev);
+    ASSERT_TRUE(gpu().norm_linear(h.view(), c.add ? a.view() : TensorView(), nw.view(), 1e-6f, c.wbc, TensorView(),
+                                  TensorView(), w.view(), bias, y3.view()));
+    EXPECT_EQ(std::memcmp(gy1.data(), on_cpu(y3).data(), gy1.nbytes()), 0) << "output without n";
+  }
+  // Where it does not apply: false, and the output untouched.
+  {
+    const Tensor h = on_gpu(test::randn({2, 1004}, DType::bf16, rng)), nw = on_gpu(test::randn({1004}, DType::bf16, rng));
+    const Tensor w = on_gpu(test::randn({9, 1004}, DType::bf16, rng));
+    Tensor y = poisoned({2, 9}, DType::bf16, kDev);
+    const Tensor before = on_cpu(y);
+    EXPECT_FALSE(gpu().norm_linear(h.view(), TensorView(), nw.view(), 1e-6f, false, TensorView(), TensorView(),
+                                   w.view(), TensorView(), y.view()))
+        << "rows not a multiple of 8 elements";
+    const Tensor h9 = on_gpu(test::randn({9, 64}, DType::bf16, rng)), nw9 = on_gpu(test::randn({64}, DType::bf16, rng));
+    const Tensor w9 = on_gpu(test::randn({4, 64}, DType::bf16, rng));
+    Tensor y9 = poisoned({9, 4}, DType::bf16, kDev);
+    EXPECT_FALSE(gpu().norm_linear(h9.view(), TensorView(), nw9.view(), 1e-6f, false, TensorView(), TensorView(),
+                                   w9.view(), TensorView(), y9.view()))
+        << "9 rows";
+    EXPECT_FALSE(gpu().norm_linear(h9.view(), h9.view(), nw9.view(), 1e-6f, false, h9.view(), TensorView(), w9.view(),
+                                   TensorView(), y9.view()))
+        << "h_out over h";
+    EXPECT_FALSE(cpu().norm_linear(h9.view(), TensorView(), nw9.view(), 1e-6f, false, TensorView(), TensorView(),
+                                   w9.view(), TensorView(), y9.view()))
+        << "the CPU has no such form";
+    model::set_norm_linear(false);
+    const Tensor h1 = on_gpu(test::randn({1, 64}, DType::bf16, rng));
+    Tensor y1 = poisoned({1, 4}, DType::bf16, kDev);
+    EXPECT_FALSE(gpu().norm_linear(h1.view(), TensorView(), nw9.view(), 1e-6f, false, TensorView(), TensorView(),
+                                   w9.view(), TensorView(), y1.view()))
+        << "switched off";
+    model::set_norm_linear(true);
+    EXPECT_EQ(std::memcmp(before.data(), on_cpu(y).data(), before.nbytes()), 0);
+  }
+  model::set_norm_linear(saved_on);
+  model::set_gemv_max_rows(saved_rows);
+#endif
+}
+
 // The decode step's greedy choice on the device: the host sampler's id on every finite row (ties, -inf,
 // suppressed ids), non-finite rows flagged; rows of odd lengths.
 TEST_F(CudaModelOps, ArgmaxRowsIsTheGreedySamplersChoice) {
@@ -859,6 +958,43 @@ TEST(CudaModel, DecodeAheadMatchesOneStepAtATime) {
     EXPECT_LE(runs[1][1].tokens.size(), 4u);
   }
   model::set_decode_ahead(was);
+}
+
+// The bf16 decode step with its norms inside the linears after them (norm_linear: QKV, router, lm_head) and
+// without: the same greedy tokens on every fixture model, one sequence and two together (the forms are bit for
+// bit the same), and fewer kernels per step where the model has those linears.
+TEST(CudaModel, DecodeStepWithNormsInsideTheLinearsIsTheSame) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  const bool was = model::norm_linear_on();
+  for (const std::string& name : test::fixture_models()) {
+    SCOPED_TRACE(name);
+    const test::ModelReference fx = test::model_reference(name);
+    const std::vector<int64_t> p0 = test::row_ids(fx.ids, 0);
+    const std::vector<int64_t> p1(p0.begin(), p0.begin() + std::max<int64_t>(1, fx.L - 2));
+    std::vector<GenerationResult> one;
+    std::vector<std::vector<GenerationResult>> two;
+    int64_t kernels[2] = {0, 0};
+    for (bool on : {false, true}) {
+      SCOPED_TRACE(on ? "norms in the linears" : "norm launches");
+      model::set_norm_linear(on);
+      Model model = Model::from_pretrained(fx.dir, ModelOptions{.device = kDev, .dtype = DType::bf16, .cuda_graph = true});
+      model.set_experts_implementation("batched_mm");
+      GenerationConfig gc;
+      gc.max_new_tokens = fx.n_new;
+      gc.min_new_tokens = fx.n_new;
+      one.push_back(model.generate(p0, gc));
+      EXPECT_GT(one.back().graph_replays, 0);
+      kernels[on ? 1 : 0] = model::last_capture_kernel_nodes();
+      two.push_back(model.generate_batch({p0, p1}, gc));
+      ASSERT_EQ(two.back().size(), 2u);
+    }
+    EXPECT_EQ(one[1].tokens, one[0].tokens);
+    for (size_t i = 0; i < 2; ++i) EXPECT_EQ(two[1][i].tokens, two[0][i].tokens) << "sequence " << i;
+    std::printf("  %-14s bf16 decode step kernels: norm launches %lld, norms in the linears %lld\n", name.c_str(),
+                (long long)kernels[0], (long long)kernels[1]);
+    EXPECT_LT(kernels[1], kernels[0]);
+  }
+  model::set_norm_linear(was);
 }
 
 TEST(CudaModel, LowPrecisionModelsStayCloseToTheCpu) {
