@@ -16,9 +16,6 @@ using model::rows;
 
 namespace {
 
-// The most rows (new tokens of a decode step) whose norms run inside the linear after them (norm_linear).
-constexpr int64_t kNormLinearMaxRows = 8;
-
 struct Ctx {
   const DeviceOps& ops;
   const TextConfig& c;
@@ -46,13 +43,12 @@ struct Ctx {
 
 // The decode step's attention (one new token per sequence): one QKV projection, then decode_attention over all
 // the sequences (per-head norms, rotary, the cache writes and the attention; on CUDA one launch of each).
-// qkv: the QKV projection when the caller has made it (norm_linear), else made here from h.
-Tensor attention_decode(const Ctx& x, const Layer& L, const TensorView& h, Tensor qkv) {
+Tensor attention_decode(const Ctx& x, const Layer& L, const TensorView& h) {
   const TextConfig& c = x.c;
   const auto& a = L.attn;
   const int64_t T = x.T, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, D = c.head_dim;
   const int64_t Nq = Hq * D, Nk = Hkv * D;
-  if (!qkv.defined()) qkv = x.linear(h, a.qkv, x.dtype);  // [T, Nq + 2 Nk]
+  Tensor qkv = x.linear(h, a.qkv, x.dtype);  // [T, Nq + 2 Nk]
   const float eps = float(c.rms_norm_eps);
   if (c.qk_norm == QkNorm::full) {
     const TensorView qc = model::columns(qkv.view(), 0, Nq), kc = model::columns(qkv.view(), Nq, Nk);
@@ -73,19 +69,13 @@ Tensor attention_decode(const Ctx& x, const Layer& L, const TensorView& h, Tenso
   return x.linear(reshaped(out.view(), {T, Hq * D}), a.o, x.dtype);
 }
 
-// Whether attention() takes the decode step's fused path (attention_decode).
-bool decode_attention_path(const Ctx& x, const Layer& L) {
-  return !x.c.mla && L.attn.qkv.w.defined() && x.T == int64_t(x.segs.size()) && model::fused_decode();
-}
-
 // Grouped-query attention (qwen, mixtral, olmoe, gpt-oss); writes this step's keys and values into the cache.
-// qkv: see attention_decode (made by the caller only where that path is taken).
-Tensor attention(const Ctx& x, const Layer& L, const TensorView& h, Tensor qkv = {}) {
+Tensor attention(const Ctx& x, const Layer& L, const TensorView& h) {
   const TextConfig& c = x.c;
   const auto& a = L.attn;
   const int64_t T = x.T, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, D = c.head_dim;
   // A decode step (one new token per sequence) takes the fused path unless MOEKIT_FUSED_DECODE=0.
-  if (decode_attention_path(x, L)) return attention_decode(x, L, h, std::move(qkv));
+  if (a.qkv.w.defined() && T == int64_t(x.segs.size()) && model::fused_decode()) return attention_decode(x, L, h);
   Tensor q = x.linear(h, a.q, x.dtype), k = x.linear(h, a.k, x.dtype), v = x.linear(h, a.v, x.dtype);
   const float eps = float(c.rms_norm_eps);
   if (c.qk_norm == QkNorm::full) {
@@ -160,15 +150,12 @@ Tensor mla_attention(const Ctx& x, const Layer& L, const TensorView& h) {
   return x.linear(reshaped(out.view(), {T, Hq * dv}), a.o, x.dtype);
 }
 
-// logits: the router's when the caller has made them (norm_linear), else made here from h.
-Tensor moe(const Ctx& x, const Layer& L, const TensorView& h, Tensor logits = {}) {
+Tensor moe(const Ctx& x, const Layer& L, const TensorView& h) {
   const TextConfig& c = x.c;
   const auto& m = L.moe;
   const int64_t T = x.T, E = c.num_experts, K = c.num_experts_per_tok;
-  if (!logits.defined()) {
-    logits = x.empty({T, E}, DType::f32);
-    x.ops.linear(h, m.router_w.view(), m.router_b.defined() ? m.router_b.view() : TensorView(), logits.view());
-  }
+  Tensor logits = x.empty({T, E}, DType::f32);
+  x.ops.linear(h, m.router_w.view(), m.router_b.defined() ? m.router_b.view() : TensorView(), logits.view());
   Tensor idx = x.empty({T, K}, DType::i32), wts = x.empty({T, K}, DType::f32);
   model::RouterSpec rs{c.router, K, c.norm_topk_prob, float(c.routed_scaling_factor), c.n_group, c.topk_group};
   x.ops.route(logits.view(), m.correction_bias.defined() ? m.correction_bias.view() : TensorView(), rs, idx.view(),
@@ -255,55 +242,21 @@ Tensor Model::Impl::forward_segments(const TensorView& ids, const std::vector<mo
   Tensor n = x.empty({T, H}, dtype);
   const bool wbc = c.norm_weight_before_cast;
   Tensor m;  // the last layer's MLP output, added to the residual by the next norm
-  // A decode step's norms run inside the linear after them where the device can (norm_linear): the residual sum
-  // goes to a new buffer then (h_next), which becomes the residual.
-  const bool norm_in_linear = T <= kNormLinearMaxRows && T == int64_t(segs.size()) && model::fused_decode() &&
-                              model::norm_linear_on();
-  auto norm_into = [&](const Tensor& add, const TensorView& norm_w, const TensorView& n_out, const TensorView& w,
-                       const TensorView& b, const Tensor& y) {
-    Tensor h_next = add.defined() ? x.empty({T, H}, dtype) : Tensor();
-    if (!o.norm_linear(h.view(), add.defined() ? add.view() : TensorView(), norm_w, eps, wbc,
-                       h_next.defined() ? h_next.view() : TensorView(), n_out, w, b, y.view()))
-      return false;
-    if (h_next.defined()) h = h_next;
-    return true;
-  };
   for (size_t i = 0; i < weights.layers.size(); ++i) {
     const Layer& L = weights.layers[i];
     x.layer = i;
-    Tensor qkv;
-    if (norm_in_linear && decode_attention_path(x, L)) {
-      const model::Linear& l = L.attn.qkv;
-      qkv = x.empty({T, l.w.size(0)}, dtype);
-      if (!norm_into(m, L.input_norm.view(), TensorView(), l.w.view(), l.b.defined() ? l.b.view() : TensorView(), qkv))
-        qkv = Tensor();
-    }
-    if (!qkv.defined()) {  // else the norm ran inside the QKV projection
-      if (i == 0)
-        o.rmsnorm(h.view(), L.input_norm.view(), eps, wbc, n.view());
-      else
-        o.add_rmsnorm(h.view(), m.view(), L.input_norm.view(), eps, wbc, n.view());
-    }
-    Tensor a = c.mla ? mla_attention(x, L, n.view()) : attention(x, L, n.view(), std::move(qkv));
-    Tensor logits;
-    if (norm_in_linear && L.is_moe) {
-      const auto& mo = L.moe;
-      logits = x.empty({T, c.num_experts}, DType::f32);
-      if (!norm_into(a, L.post_norm.view(), n.view(), mo.router_w.view(),
-                     mo.router_b.defined() ? mo.router_b.view() : TensorView(), logits))
-        logits = Tensor();
-    }
-    if (!logits.defined()) o.add_rmsnorm(h.view(), a.view(), L.post_norm.view(), eps, wbc, n.view());
-    m = L.is_moe ? moe(x, L, n.view(), std::move(logits)) : x.dense_mlp(n.view(), L.mlp);
+    if (i == 0)
+      o.rmsnorm(h.view(), L.input_norm.view(), eps, wbc, n.view());
+    else
+      o.add_rmsnorm(h.view(), m.view(), L.input_norm.view(), eps, wbc, n.view());
+    Tensor a = c.mla ? mla_attention(x, L, n.view()) : attention(x, L, n.view());
+    o.add_rmsnorm(h.view(), a.view(), L.post_norm.view(), eps, wbc, n.view());
+    m = L.is_moe ? moe(x, L, n.view()) : x.dense_mlp(n.view(), L.mlp);
   }
   // Only the rows whose logits are asked for get the last residual add and the final norm: every row
   // (all_logits), else each sequence's last row (all rows when every sequence has one new token).
   const bool every_row = all_logits || int64_t(segs.size()) == T;
   const int64_t rows_out = every_row ? T : int64_t(segs.size());
-  if (every_row && norm_in_linear) {
-    Tensor logits = x.empty({rows_out, c.vocab_size}, DType::f32);
-    if (norm_into(m, weights.norm.view(), TensorView(), weights.lm_head.view(), TensorView(), logits)) return logits;
-  }
   Tensor hn = x.empty({rows_out, H}, dtype);
   auto final_norm = [&](int64_t src, int64_t count, int64_t dst) {
     const TensorView last = rows(h.view(), src, count), out = rows(hn.view(), dst, count);

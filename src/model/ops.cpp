@@ -101,11 +101,6 @@ QkvDims check_qk_norm_rope_cache(const TensorView& q, const TensorView& k, const
   return d;
 }
 
-bool DeviceOps::norm_linear(const TensorView&, const TensorView&, const TensorView&, float, bool, const TensorView&,
-                            const TensorView&, const TensorView&, const TensorView&, const TensorView&) const {
-  return false;
-}
-
 void DeviceOps::qk_norm_rope_cache(const TensorView& q, const TensorView& k, const TensorView& v,
                                    const TensorView& q_norm, const TensorView& k_norm, float eps,
                                    bool weight_before_cast, Position pos0, const RopeSpec& rope,
@@ -189,7 +184,6 @@ namespace {
 EnvSwitch g_fused_decode{"MOEKIT_FUSED_DECODE", true};
 EnvSwitch g_vector_decode_attention{"MOEKIT_VEC_DECODE_ATTENTION", true};
 EnvSwitch g_fused_qk_attention{"MOEKIT_ATTN_FUSE_QK", true};
-EnvSwitch g_norm_linear{"MOEKIT_NORM_LINEAR", true};
 // On: the H200's decode step of the 4-layer Qwen3-30B-A3B-shaped model, 340 -> 331 us, the same tokens.
 EnvSwitch g_decode_ahead{"MOEKIT_DECODE_AHEAD", true};
 }  // namespace
@@ -197,8 +191,6 @@ bool fused_decode() { return g_fused_decode.on(); }
 void set_fused_decode(bool on) { g_fused_decode.set(on); }
 bool vector_decode_attention() { return g_vector_decode_attention.on(); }
 void set_vector_decode_attention(bool on) { g_vector_decode_attention.set(on); }
-bool norm_linear_on() { return g_norm_linear.on(); }
-void set_norm_linear(bool on) { g_norm_linear.set(on); }
 bool fused_qk_attention() { return g_fused_qk_attention.on(); }
 void set_fused_qk_attention(bool on) { g_fused_qk_attention.set(on); }
 bool decode_ahead() { return g_decode_ahead.on(); }

@@ -86,14 +86,6 @@ class DeviceOps {
   // and the next norm in one pass.
   virtual void add_rmsnorm(const TensorView& h, const TensorView& a, const TensorView& w, float eps,
                            bool weight_before_cast, const TensorView& y) const = 0;
-  // The decode step's norm and the linear after it, in one launch where the device has such a form: v = h + a
-  // rounded to h's dtype (a.data may be null: v = h), written to h_out when a and h_out are set (h_out and n must
-  // not overlap h or a); n = rmsnorm(v) * norm_w as add_rmsnorm / rmsnorm give it, written to n when n.data is set; y = n w^T + bias
-  // as linear gives it. Bit for bit those ops. Returns false, having done nothing, where there is no such form
-  // for these operands (the caller runs the ops one by one); this default always does.
-  virtual bool norm_linear(const TensorView& h, const TensorView& a, const TensorView& norm_w, float eps,
-                           bool weight_before_cast, const TensorView& h_out, const TensorView& n, const TensorView& w,
-                           const TensorView& bias, const TensorView& y) const;
   // In place on x [T, heads, S] (strides allowed on the first two dimensions): rotates dims
   // [offset, offset + rot_dim) of every head; row t sits at position pos0 + t.
   virtual void rope(const TensorView& x, int64_t offset, Position pos0, const RopeSpec& rope) const = 0;
@@ -231,11 +223,6 @@ void set_vector_decode_attention(bool on);
 // set_fused_qk_attention says otherwise (tests; a recorded decode graph keeps its kernels).
 bool fused_qk_attention();
 void set_fused_qk_attention(bool on);
-// Whether the decode step's norms run inside the linear after them (DeviceOps::norm_linear: the QKV projection,
-// the router, lm_head) where the device has that form: on unless MOEKIT_NORM_LINEAR=0 (read once) or
-// set_norm_linear says otherwise (tests; a recorded decode graph keeps its kernels).
-bool norm_linear_on();
-void set_norm_linear(bool on);
 // The most rows a CUDA linear of 16-bit weights runs as the decode step's GEMV (fused decode); more go to cuBLAS,
 // which streams the weights faster from about 4 rows on. 3 unless MOEKIT_GEMV_MAX_ROWS (0 to 8, read once) or
 // set_gemv_max_rows says otherwise. Linears of f32 weights (the router) keep the GEMV up to 8 rows.

@@ -197,50 +197,6 @@ class CudaOps final : public DeviceOps {
         kernels::rmsnorm(x.data, xt, ldx, w.data, wt, y.data, yt, ldy, M, D, eps, weight_before_cast, stream()));
   }
 
-  bool norm_linear(const TensorView& h, const TensorView& a, const TensorView& norm_w, float eps,
-                   bool weight_before_cast, const TensorView& h_out, const TensorView& n, const TensorView& w,
-                   const TensorView& bias, const TensorView& y) const override {
-    // Where linear would run the streaming GEMV on n, and the norm's operands are contiguous rows of one 16-bit type.
-    if (!norm_linear_on() || !fused_decode() || !kernels::gemv_stream()) return false;
-    if (h.dim() != 2 || !h.is_contiguous() || h.dtype == DType::f32) return false;
-    const int64_t M = h.shape[0], D = h.shape[1];
-    auto rows_like_h = [&](const TensorView& t) {
-      return !t.data || (t.shape == h.shape && t.is_contiguous() && t.dtype == h.dtype && t.device == h.device);
-    };
-    if (!rows_like_h(a) || !rows_like_h(h_out) || !rows_like_h(n)) return false;
-    const size_t bytes = h.nbytes();
-    auto apart = [bytes](const void* p, const void* q) {  // two [M, D] row blocks that do not overlap (or one absent)
-      const char *x = static_cast<const char*>(p), *z = static_cast<const char*>(q);
-      return !x || !z || x + bytes <= z || z + bytes <= x;
-    };
-    for (const void* out : {h_out.data, n.data})
-      if (!apart(out, h.data) || !apart(out, a.data)) return false;
-    if (h_out.data && n.data && !apart(h_out.data, n.data)) return false;
-    if (M < 1 || M > kernels::kGemvMaxM || norm_w.numel() != D || norm_w.device != h.device) return false;
-    const int xt = code(h, "norm_linear input"), wt = code(w, "linear weight"), yt = code(y, "linear output");
-    if (M > gemv_max_rows() && wt == xt) return false;  // linear would take cuBLAS
-    const TensorView nx(n.data ? n.data : h.data, h.dtype, h.shape, h.device);  // the linear's input, as linear sees it
-    const LinearDims dims = check_linear(nx, w, bias, y);
-    if (dims.K != D) return false;
-    DeviceGuard g(h.device.index);
-    kernels::NormGemvArgs na;
-    na.h = h.data;
-    na.a = a.data;
-    na.nw = norm_w.data;
-    na.nwt = code(norm_w, "rmsnorm weight");
-    na.h_out = a.data ? h_out.data : nullptr;
-    na.n_out = n.data;
-    na.eps = eps;
-    na.weight_before_cast = weight_before_cast ? 1 : 0;
-    na.norm_threads = kernels::norm_threads(D);
-    const cudaError_t e = kernels::norm_gemv(na, xt, w.data, wt, bias.data, bias.data ? code(bias, "linear bias") : 0,
-                                             y.data, yt, int(M), dims.N, D, cuda::device_info(h.device.index).multiprocessors,
-                                             stream());
-    if (e == cudaErrorNotSupported) return false;
-    MOEKIT_CUDA_CALL(e);
-    return true;
-  }
-
   void add_rmsnorm(const TensorView& h, const TensorView& a, const TensorView& w, float eps, bool weight_before_cast,
                    const TensorView& y) const override {
     const int ht = code(h, "residual"), at = code(a, "residual addend"), wt = code(w, "rmsnorm weight");

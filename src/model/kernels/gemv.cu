@@ -178,102 +178,11 @@ __device__ __forceinline__ StreamSpan stream_span(int steps, int warp) {
   return {int(int64_t(steps) * warp / kWarps), int(int64_t(steps) * (warp + 1) / kWarps)};
 }
 
-// The norm before the GEMV (norm_gemv): the rows' residual sums, norms and normed values in the block's shared
-// memory `xs` [M][K] (x's type), computed as add_rmsnorm_reg_kernel / rmsnorm_reg_kernel compute them with
-// norm_threads(K) threads: "virtual thread" v of the norm kernel sums the squares of its elements v, v + nt, ...
-// in that order, the warps of 32 virtual threads reduce by warp_sum and the warp sums are added in order, so the
-// normed values are those kernels' bit for bit. nws [K]: the norm's weights as f32. Block 0 writes h_out and
-// n_out. Ends with a barrier.
-template <class XT, int MR>
-__device__ __forceinline__ void norm_rows_into_shared(const NormGemvArgs& na, int M, int64_t K, XT* xs,
-                                                      const float* nws) {
-  constexpr int kPer = 2;  // 16-byte pieces per thread in flight
-  __shared__ float red[MR][32];
-  const int pieces_per_row = int(K / 8), pieces = M * pieces_per_row;
-  const XT* h = static_cast<const XT*>(na.h);
-  const XT* a = static_cast<const XT*>(na.a);
-  const bool writer = blockIdx.x == 0;
-  // 1. v = round(h + a) (or h) into xs, 8 values at a time; h_out = v.
-  for (int q0 = threadIdx.x; q0 < pieces; q0 += kThreads * kPer) {
-    Piece<XT, 8> hp[kPer], ap[kPer];
-#pragma unroll
-    for (int u = 0; u < kPer; ++u) {
-      const int q = min(q0 + u * kThreads, pieces - 1);
-      const int64_t off = int64_t(q / pieces_per_row) * K + int64_t(q % pieces_per_row) * 8;
-      hp[u].load(h + off);
-      if (a) ap[u].load(a + off);
-    }
-#pragma unroll
-    for (int u = 0; u < kPer; ++u) {
-      const int q = q0 + u * kThreads;
-      if (q >= pieces) break;
-      const int64_t off = int64_t(q / pieces_per_row) * K + int64_t(q % pieces_per_row) * 8;
-      Piece<XT, 8> v;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v.raw.v[e] = a ? XT(hp[u][e] + ap[u][e]) : hp[u].raw.v[e];
-      *reinterpret_cast<typename Piece<XT, 8>::Raw*>(xs + off) = v.raw;
-      if (writer && a && na.h_out)
-        *reinterpret_cast<typename Piece<XT, 8>::Raw*>(static_cast<XT*>(na.h_out) + off) = v.raw;
-    }
-  }
-  __syncthreads();
-  // 2. The squares' sums of the norm kernel's threads and warps.
-  const int nt = na.norm_threads, lane = threadIdx.x % 32;
-  for (int m = 0; m < M; ++m) {
-#pragma unroll
-    for (int it = 0; it < 1024 / kThreads; ++it) {
-      const int vt = int(threadIdx.x) + it * kThreads;
-      if (vt >= nt) break;  // uniform over a warp: nt is a multiple of 32
-      float ss = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kNormPer; ++j) {
-        const int64_t i = vt + int64_t(j) * nt;
-        if (i < K) {
-          const float v = Elem<XT>::f(xs[m * K + i]);
-          ss = fmaf(v, v, ss);
-        }
-      }
-      ss = warp_sum(ss);
-      if (lane == 0) red[m][vt / 32] = ss;
-    }
-  }
-  __syncthreads();
-  float inv[MR];
-#pragma unroll
-  for (int m = 0; m < MR; ++m) {
-    float t = 0.0f;
-    if (m < M)
-      for (int w = 0; w < nt / 32; ++w) t += red[m][w];
-    inv[m] = rsqrtf(t / float(K) + na.eps);
-  }
-  // 3. n = w * round(v * inv) (or (w * v * inv) rounded once) in place; n_out = n.
-  for (int q = threadIdx.x; q < pieces; q += kThreads) {
-    const int m = q / pieces_per_row;
-    const int64_t i0 = int64_t(q % pieces_per_row) * 8, off = int64_t(m) * K + i0;
-    Piece<XT, 8> v;
-    v.load(xs + off);
-    float im = inv[0];
-#pragma unroll
-    for (int r = 1; r < MR; ++r)
-      if (r == m) im = inv[r];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float hn = v[e] * im, wv = nws[i0 + e];
-      v.raw.v[e] = XT(na.weight_before_cast ? wv * hn : wv * Elem<XT>::f(XT(hn)));
-    }
-    *reinterpret_cast<typename Piece<XT, 8>::Raw*>(xs + off) = v.raw;
-    if (writer && na.n_out) *reinterpret_cast<typename Piece<XT, 8>::Raw*>(static_cast<XT*>(na.n_out) + off) = v.raw;
-  }
-  __syncthreads();
-}
-
 // part (dynamic shared memory): [kWarps][jmax][MR][kGemvRows], jmax >= the column groups any warp's span meets.
-// NORM (norm_gemv): x is the normed rows in shared memory after part (xs [MR][K], then the norm's weights [K] f32),
-// computed after the PDL wait by norm_rows_into_shared; each warp's first round of weights is asked of L2 before it.
-template <class XT, class WT, int MR, int UB, bool NORM = false>
+template <class XT, class WT, int MR, int UB>
 __global__ void __launch_bounds__(kThreads)
     gemv_stream_kernel(const XT* x, int64_t ldx, const WT* w, const void* bias, int bt, void* y, int yt, int M,
-                       int64_t N, int64_t K, int groups, int ksteps, int jmax, NormGemvArgs na = {}) {
+                       int64_t N, int64_t K, int groups, int ksteps, int jmax) {
   constexpr int VEC = 16 / sizeof(WT);
   constexpr int U = MR <= 2 ? UB : MR == 4 ? (UB + 1) / 2 : (UB + 3) / 4;  // pieces of each row in flight per lane
   constexpr int64_t kStep = 32 * VEC;
@@ -283,35 +192,9 @@ __global__ void __launch_bounds__(kThreads)
   const int steps = (g1 - g0) * ksteps;
   const StreamSpan sp = stream_span(steps, warp);
   const XT* xr[MR];
+#pragma unroll
+  for (int m = 0; m < MR; ++m) xr[m] = x + (m < M ? m : 0) * ldx;
   bool waited = false;
-  if constexpr (NORM) {
-    XT* xs = reinterpret_cast<XT*>(stream_part + kWarps * jmax * MR * kGemvRows);
-    float* nws = reinterpret_cast<float*>(xs + MR * K);
-#pragma unroll
-    for (int m = 0; m < MR; ++m) xr[m] = xs + (m < M ? m : 0) * K;
-    // Before the wait (constants only): the norm's weights into shared memory, and this warp's first round of
-    // weights asked of L2 (the pieces the loop below loads first).
-    if (sp.lo < sp.hi) {
-      const int gl = sp.lo / ksteps;
-      const int64_t k_end = min(K, int64_t(min(sp.hi, (gl + 1) * ksteps) - gl * ksteps) * kStep);
-      const int64_t base = int64_t(sp.lo - gl * ksteps) * kStep + int64_t(lane) * VEC;
-#pragma unroll
-      for (int r = 0; r < kGemvRows; ++r) {
-        const WT* row = w + min(int64_t(g0 + gl) * kGemvRows + r, N - 1) * K;
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-          if (base + u * kStep < k_end) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + base + u * kStep));
-      }
-    }
-    for (int64_t i = threadIdx.x; i < K; i += kThreads) nws[i] = ld(na.nw, na.nwt, i);
-    cuda::pdl_wait();  // PDL: h and a are written by the kernels before
-    cuda::pdl_trigger();
-    waited = true;
-    norm_rows_into_shared<XT, MR>(na, M, K, xs, nws);
-  } else {
-#pragma unroll
-    for (int m = 0; m < MR; ++m) xr[m] = x + (m < M ? m : 0) * ldx;
-  }
 #pragma unroll 1
   for (int t = sp.lo; t < sp.hi;) {
     const int gl = t / ksteps;                        // the block's column group
@@ -374,13 +257,9 @@ EnvSwitch g_gemv_stream{"MOEKIT_GEMV_STREAM", true};
 // read once, caps the blocks per multiprocessor; 0 or unset: the occupancy, three blocks of about 80 registers),
 // fewer when the weights would give a warp less than a step; more (several waves) only when the partial sums would
 // not fit in shared memory. On the H200 the decode step ran 309 us with the occupancy, 312 with 2 and 315 with 1.
-// The streaming form's grid for these sizes, its partial sums' column groups per warp (jmax) and their shared memory.
-struct StreamGrid {
-  int64_t grid = 0, jmax = 0;
-  size_t smem = 0;
-};
 template <class XT, class WT, int MR, int UB>
-StreamGrid stream_grid(int64_t N, int64_t K, int sms) {
+cudaError_t launch_stream_mr(bool pdl, const XT* x, int64_t ldx, const WT* w, const void* bias, int bt, void* y, int yt,
+                             int M, int64_t N, int64_t K, int sms, cudaStream_t s) {
   constexpr int VEC = 16 / sizeof(WT);
   constexpr int64_t kStep = 32 * VEC;
   static const int occupancy = [] {
@@ -395,55 +274,20 @@ StreamGrid stream_grid(int64_t N, int64_t K, int sms) {
   static const int cap = int(std::min<int64_t>(64, env_int("MOEKIT_GEMV_BLOCKS_PER_SM", 0)));
   const int per_sm = cap > 0 ? std::min(cap, occupancy) : occupancy;
   const int64_t ksteps = (K + kStep - 1) / kStep, groups = (N + kGemvRows - 1) / kGemvRows;
-  StreamGrid g;
-  g.grid = std::min<int64_t>(int64_t(std::max(sms, 1)) * per_sm, (groups * ksteps + kWarps - 1) / kWarps);
-  g.grid = std::max<int64_t>(1, std::min(g.grid, groups));
+  int64_t grid = std::min<int64_t>(int64_t(std::max(sms, 1)) * per_sm, (groups * ksteps + kWarps - 1) / kWarps);
+  grid = std::max<int64_t>(1, std::min(grid, groups));
+  int64_t jmax = 0;
+  size_t smem = 0;
   for (;;) {
-    const int64_t gmax = (groups + g.grid - 1) / g.grid, span = (gmax * ksteps + kWarps - 1) / kWarps;
-    g.jmax = std::min(gmax, (span + ksteps - 1) / ksteps + 1);
-    g.smem = size_t(kWarps) * size_t(g.jmax) * MR * kGemvRows * sizeof(float);
-    if (g.smem <= 48 * 1024 || g.grid == groups) break;
-    g.grid = std::min(groups, g.grid * 2);
+    const int64_t gmax = (groups + grid - 1) / grid, span = (gmax * ksteps + kWarps - 1) / kWarps;
+    jmax = std::min(gmax, (span + ksteps - 1) / ksteps + 1);
+    smem = size_t(kWarps) * size_t(jmax) * MR * kGemvRows * sizeof(float);
+    if (smem <= 48 * 1024 || grid == groups) break;
+    grid = std::min(groups, grid * 2);
   }
-  return g;
-}
-
-// The streaming form's launch: grid = the blocks that fit at once (MOEKIT_GEMV_BLOCKS_PER_SM in the environment,
-// read once, caps the blocks per multiprocessor; 0 or unset: the occupancy, three blocks of about 80 registers),
-// fewer when the weights would give a warp less than a step; more (several waves) only when the partial sums would
-// not fit in shared memory. On the H200 the decode step ran 309 us with the occupancy, 312 with 2 and 315 with 1.
-template <class XT, class WT, int MR, int UB>
-cudaError_t launch_stream_mr(bool pdl, const XT* x, int64_t ldx, const WT* w, const void* bias, int bt, void* y, int yt,
-                             int M, int64_t N, int64_t K, int sms, cudaStream_t s) {
-  constexpr int64_t kStep = 32 * (16 / sizeof(WT));
-  const int64_t ksteps = (K + kStep - 1) / kStep, groups = (N + kGemvRows - 1) / kGemvRows;
-  const StreamGrid g = stream_grid<XT, WT, MR, UB>(N, K, sms);
-  if (g.smem > 48 * 1024 || groups * ksteps > 0x7fffffff) return cudaErrorInvalidValue;
-  return cuda::launch_pdl(pdl, gemv_stream_kernel<XT, WT, MR, UB>, dim3(unsigned(g.grid)), dim3(kThreads), g.smem, s, x,
-                          ldx, w, bias, bt, y, yt, M, N, K, int(groups), int(ksteps), int(g.jmax), NormGemvArgs{});
-}
-
-// norm_gemv's launch: the grid of launch_stream_mr (so that the sums are the GEMV's bit for bit) with the normed
-// rows and the norm's weights after the partial sums; cudaErrorNotSupported (nothing launched) when they do not
-// fit 48 KiB or this form would not run the grid in one wave.
-template <class XT, class WT, int MR, int UB>
-cudaError_t launch_norm_mr(bool pdl, const NormGemvArgs& na, const WT* w, const void* bias, int bt, void* y, int yt,
-                           int M, int64_t N, int64_t K, int sms, cudaStream_t s) {
-  constexpr int64_t kStep = 32 * (16 / sizeof(WT));
-  const int64_t ksteps = (K + kStep - 1) / kStep, groups = (N + kGemvRows - 1) / kGemvRows;
-  const StreamGrid g = stream_grid<XT, WT, MR, UB>(N, K, sms);
-  const size_t smem = g.smem + size_t(MR) * size_t(K) * sizeof(XT) + size_t(K) * sizeof(float);
-  if (smem + sizeof(float) * MR * 32 > 48 * 1024 || groups * ksteps > 0x7fffffff) return cudaErrorNotSupported;
-  int fit = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, gemv_stream_kernel<XT, WT, MR, UB, true>, kThreads, smem) !=
-      cudaSuccess) {
-    (void)cudaGetLastError();
-    return cudaErrorNotSupported;
-  }
-  if (int64_t(fit) * std::max(sms, 1) < g.grid) return cudaErrorNotSupported;
-  return cuda::launch_pdl(pdl, gemv_stream_kernel<XT, WT, MR, UB, true>, dim3(unsigned(g.grid)), dim3(kThreads), smem, s,
-                          static_cast<const XT*>(nullptr), int64_t(0), w, bias, bt, y, yt, M, N, K, int(groups),
-                          int(ksteps), int(g.jmax), na);
+  if (smem > 48 * 1024 || groups * ksteps > 0x7fffffff) return cudaErrorInvalidValue;
+  return cuda::launch_pdl(pdl, gemv_stream_kernel<XT, WT, MR, UB>, dim3(unsigned(grid)), dim3(kThreads), smem, s, x, ldx, w,
+                          bias, bt, y, yt, M, N, K, int(groups), int(ksteps), int(jmax));
 }
 
 template <class XT, class WT>
@@ -466,22 +310,6 @@ cudaError_t launch_stream(const void* x, int64_t ldx, const void* w, const void*
     default: MOEKIT_GEMV_STREAM_CASE(8)
   }
 #undef MOEKIT_GEMV_STREAM_CASE
-}
-
-// norm_gemv's kernels exist for the default unroll only (MOEKIT_GEMV_UNROLL=4: not supported).
-template <class XT, class WT>
-cudaError_t launch_norm(const NormGemvArgs& na, const void* w, const void* bias, int bt, void* y, int yt, int M,
-                        int64_t N, int64_t K, int sms, cudaStream_t s) {
-  static const int unroll = env_int("MOEKIT_GEMV_UNROLL", 2) == 4 ? 4 : 2;
-  if (unroll != 2) return cudaErrorNotSupported;
-  const WT* wp = static_cast<const WT*>(w);
-  const bool pdl = cuda::pdl_enabled();
-  switch (M <= 1 ? 1 : M <= 2 ? 2 : M <= 4 ? 4 : 8) {
-    case 1: return launch_norm_mr<XT, WT, 1, 2>(pdl, na, wp, bias, bt, y, yt, M, N, K, sms, s);
-    case 2: return launch_norm_mr<XT, WT, 2, 2>(pdl, na, wp, bias, bt, y, yt, M, N, K, sms, s);
-    case 4: return launch_norm_mr<XT, WT, 4, 2>(pdl, na, wp, bias, bt, y, yt, M, N, K, sms, s);
-    default: return launch_norm_mr<XT, WT, 8, 2>(pdl, na, wp, bias, bt, y, yt, M, N, K, sms, s);
-  }
 }
 
 template <class XT, class WT>
@@ -541,23 +369,6 @@ cudaError_t gemv(const void* x, int xt, int64_t ldx, const void* w, int wt, cons
   if (xt == kF16 && wt == kF16) return launch<f16, f16>(x, ldx, w, bias, bt, y, yt, M, N, K, sms, s);
   if (xt == kBF16) return launch<bf16, float>(x, ldx, w, bias, bt, y, yt, M, N, K, sms, s);
   return launch<f16, float>(x, ldx, w, bias, bt, y, yt, M, N, K, sms, s);
-}
-
-cudaError_t norm_gemv(const NormGemvArgs& na, int xt, const void* w, int wt, const void* bias, int bt, void* y, int yt,
-                      int M, int64_t N, int64_t K, int sms, cudaStream_t s) {
-  if (M == 0 || N == 0) return cudaErrorNotSupported;
-  const bool aligned = reinterpret_cast<uintptr_t>(na.h) % 16 == 0 && reinterpret_cast<uintptr_t>(na.a) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(na.h_out) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(na.n_out) % 16 == 0;
-  const int64_t piece = wt == kF32 ? 4 : 8;
-  if (!gemv_stream() || !aligned || K % 8 != 0 || na.norm_threads < 32 || na.norm_threads > 1024 ||
-      na.norm_threads % 32 != 0 || K > int64_t(kNormPer) * na.norm_threads || !gemv_ok(na.h, xt, K, w, wt, M, K) ||
-      ((N + kGemvRows - 1) / kGemvRows) * ((K + 32 * piece - 1) / (32 * piece)) > 0x7fffffff)
-    return cudaErrorNotSupported;
-  if (xt == kBF16 && wt == kBF16) return launch_norm<bf16, bf16>(na, w, bias, bt, y, yt, M, N, K, sms, s);
-  if (xt == kF16 && wt == kF16) return launch_norm<f16, f16>(na, w, bias, bt, y, yt, M, N, K, sms, s);
-  if (xt == kBF16) return launch_norm<bf16, float>(na, w, bias, bt, y, yt, M, N, K, sms, s);
-  return launch_norm<f16, float>(na, w, bias, bt, y, yt, M, N, K, sms, s);
 }
 
 bool gemv_stream() { return g_gemv_stream.on(); }

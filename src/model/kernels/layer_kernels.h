@@ -42,32 +42,6 @@ constexpr int kGemvMaxM = 8;
 bool gemv_ok(const void* x, int xt, int64_t ldx, const void* w, int wt, int M, int64_t K);
 cudaError_t gemv(const void* x, int xt, int64_t ldx, const void* w, int wt, const void* bias, int bt, void* y, int yt,
                  int M, int64_t N, int64_t K, int sms, cudaStream_t s);
-// The decode step's norm and the GEMV after it in one launch (the streaming form, one block's threads doing the
-// norm of every row for themselves): per row m < M of h [M, K], v = round(h + a) when a is set (h_out = v when set;
-// h_out must not overlap h or a), else v = h; n = rmsnorm(v) * nw (n_out = n when set); y = n w^T + bias. Bit for
-// bit add_rmsnorm / rmsnorm (norm_threads(K) threads) then gemv. h, a, h_out and n_out: contiguous [M, K] of type
-// xt (16-bit), 16-byte aligned. Returns cudaErrorNotSupported, having launched nothing, where it does not apply
-// (sizes, alignment, the first form, the shared memory): the caller then runs the ops one by one.
-struct NormGemvArgs {
-  const void* h = nullptr;
-  const void* a = nullptr;
-  const void* nw = nullptr;
-  int nwt = 0;
-  void* h_out = nullptr;
-  void* n_out = nullptr;
-  float eps = 0.0f;
-  int weight_before_cast = 0;
-  int norm_threads = 0;  // norm_threads(K)
-};
-cudaError_t norm_gemv(const NormGemvArgs& na, int xt, const void* w, int wt, const void* bias, int bt, void* y, int yt,
-                      int M, int64_t N, int64_t K, int sms, cudaStream_t s);
-// The norm kernels' shape: one block of norm_threads(D) threads per row, each thread holding at most kNormPer of
-// the row's elements (kernels with a loop serve longer rows).
-constexpr int kNormPer = 8;
-inline int norm_threads(int64_t D) {
-  const int64_t t = (D / 4 + 31) / 32 * 32;
-  return int(t < 64 ? 64 : (t > 1024 ? 1024 : t));
-}
 // Which form gemv runs: the streaming one (one wave, even split; default) or the first one (MOEKIT_GEMV_STREAM=0 in
 // the environment, read once). set_gemv_stream returns the previous setting.
 bool gemv_stream();

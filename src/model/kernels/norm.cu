@@ -25,7 +25,7 @@ __global__ void rmsnorm_kernel(const void* x, int xt, int64_t ldx, const void* w
   float ss = 0;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
     const float v = ld(x, xt, r * ldx + i);
-    ss = fmaf(v, v, ss);
+    ss += v * v;
   }
   const float inv = rsqrtf(block_sum(ss, red) / float(D) + eps);
   store_normed(x, xt, r * ldx, w, wt, y, yt, r * ldy, D, inv, weight_before_cast);
@@ -44,7 +44,7 @@ __global__ void add_rmsnorm_kernel(void* h, int ht, const void* a, int at, const
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
     const float v = round_as(ht, ld(h, ht, r * D + i) + ld(a, at, r * D + i));
     st(h, ht, r * D + i, v);
-    ss = fmaf(v, v, ss);
+    ss += v * v;
   }
   const float inv = rsqrtf(block_sum(ss, red) / float(D) + eps);
   store_normed(h, ht, r * D, w, wt, y, yt, r * D, D, inv, weight_before_cast);
@@ -53,9 +53,8 @@ __global__ void add_rmsnorm_kernel(void* h, int ht, const void* a, int at, const
 // The decode step's norms with the row in registers: thread i holds elements i, i + blockDim.x, ... (at most
 // kNormPer of them, so D <= kNormPer * blockDim.x), all of a row's loads issued at once; the weights are read
 // before the PDL wait (they are constant), the residual sum stays in registers for the second pass. Same
-// arithmetic and summation order as the kernels above (the per-thread partial sums, then block_sum), which
-// norm_gemv's norm repeats: the squares are summed by fmaf, so that no contraction choice of the compiler can
-// make them differ.
+// arithmetic and summation order as the kernels above (the per-thread partial sums, then block_sum).
+constexpr int kNormPer = 8;
 
 __global__ void rmsnorm_reg_kernel(const void* x, int xt, int64_t ldx, const void* w, int wt, void* y, int yt,
                                    int64_t ldy, int64_t D, float eps, int weight_before_cast) {
@@ -76,7 +75,7 @@ __global__ void rmsnorm_reg_kernel(const void* x, int xt, int64_t ldx, const voi
     v[j] = i < D ? ld(x, xt, r * ldx + i) : 0.0f;
   }
 #pragma unroll
-  for (int j = 0; j < kNormPer; ++j) ss = fmaf(v[j], v[j], ss);
+  for (int j = 0; j < kNormPer; ++j) ss += v[j] * v[j];
   const float inv = rsqrtf(block_sum(ss, red) / float(D) + eps);
 #pragma unroll
   for (int j = 0; j < kNormPer; ++j) {
@@ -110,7 +109,7 @@ __global__ void add_rmsnorm_reg_kernel(void* h, int ht, const void* a, int at, c
     const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
     v[j] = round_as(ht, v[j] + av[j]);
     if (i < D) st(h, ht, r * D + i, v[j]);
-    if (i < D) ss = fmaf(v[j], v[j], ss);
+    ss += i < D ? v[j] * v[j] : 0.0f;
   }
   const float inv = rsqrtf(block_sum(ss, red) / float(D) + eps);
 #pragma unroll
@@ -141,6 +140,12 @@ __global__ void small_m_linear_kernel(const void* x, int xt, int64_t ldx, const 
     const float s = block_sum(acc[m], red);
     if (threadIdx.x == 0) st(y, yt, m * N + n, s + (bias ? ld(bias, bt, n) : 0.0f));
   }
+}
+
+// About four elements per thread: one row per block, so a single decode row is spread wide.
+int norm_threads(int64_t D) {
+  const int64_t t = (D / 4 + 31) / 32 * 32;
+  return int(t < 64 ? 64 : (t > 1024 ? 1024 : t));
 }
 
 }  // namespace
