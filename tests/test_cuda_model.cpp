@@ -222,8 +222,9 @@ TEST_F(CudaModelOps, GreedyPickFeedIsArgmaxThenFeed) {
 
 TEST_F(CudaModelOps, RmsnormMatchesCpuInPlaceAndStrided) {
   // D up to 8 per thread keeps the row in registers (the decode step's norms); 9000 takes the two-pass kernels.
+  // 4096 and 7168 (mixtral-8x7b's and deepseek-v3's hidden sizes) launch blocks of 1024 threads.
   for (DType t : {DType::f32, DType::bf16}) {
-    for (int64_t D : {8, 96, 1100, 2048, 9000}) {
+    for (int64_t D : {8, 96, 1100, 2048, 2880, 4096, 7168, 9000}) {
       for (bool before_cast : {false, true}) {
         SCOPED_TRACE(::testing::Message() << dtype_name(t) << " D=" << D << " weight_before_cast " << before_cast);
         const int64_t M = 7;

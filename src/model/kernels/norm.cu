@@ -5,6 +5,11 @@
 namespace moekit::model::kernels {
 namespace {
 
+// The most threads a norm launch has (norm_threads): the kernels are compiled for it, so that one block of 1024
+// fits the register file (the register-row kernels took 72 registers without the bound, and rows of 4096 values
+// and more, 1024 threads, failed to launch).
+constexpr int kNormMaxThreads = 1024;
+
 // The second pass of both norms: y = w * (x * inv), with x_hat rounded to x's dtype first unless
 // weight_before_cast (see DeviceOps::rmsnorm).
 __device__ __forceinline__ void store_normed(const void* x, int xt, int64_t x0, const void* w, int wt, void* y, int yt,
@@ -16,8 +21,9 @@ __device__ __forceinline__ void store_normed(const void* x, int xt, int64_t x0, 
   }
 }
 
-__global__ void rmsnorm_kernel(const void* x, int xt, int64_t ldx, const void* w, int wt, void* y, int yt, int64_t ldy,
-                               int64_t D, float eps, int weight_before_cast) {
+__global__ void __launch_bounds__(kNormMaxThreads)
+    rmsnorm_kernel(const void* x, int xt, int64_t ldx, const void* w, int wt, void* y, int yt, int64_t ldy, int64_t D,
+                   float eps, int weight_before_cast) {
   __shared__ float red[32];
   cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
   cuda::pdl_trigger();
@@ -32,8 +38,9 @@ __global__ void rmsnorm_kernel(const void* x, int xt, int64_t ldx, const void* w
 }
 
 // h = round(h + a) in place, then y = rmsnorm(h) * w: each thread re-reads only what it wrote.
-__global__ void add_rmsnorm_kernel(void* h, int ht, const void* a, int at, const void* w, int wt, void* y, int yt,
-                                   int64_t D, float eps, int weight_before_cast) {
+__global__ void __launch_bounds__(kNormMaxThreads)
+    add_rmsnorm_kernel(void* h, int ht, const void* a, int at, const void* w, int wt, void* y, int yt, int64_t D,
+                       float eps, int weight_before_cast) {
   __shared__ float red[32];
   cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
   cuda::pdl_trigger();
@@ -56,8 +63,9 @@ __global__ void add_rmsnorm_kernel(void* h, int ht, const void* a, int at, const
 // arithmetic and summation order as the kernels above (the per-thread partial sums, then block_sum).
 constexpr int kNormPer = 8;
 
-__global__ void rmsnorm_reg_kernel(const void* x, int xt, int64_t ldx, const void* w, int wt, void* y, int yt,
-                                   int64_t ldy, int64_t D, float eps, int weight_before_cast) {
+__global__ void __launch_bounds__(kNormMaxThreads)
+    rmsnorm_reg_kernel(const void* x, int xt, int64_t ldx, const void* w, int wt, void* y, int yt, int64_t ldy,
+                       int64_t D, float eps, int weight_before_cast) {
   __shared__ float red[32];
   const int64_t r = blockIdx.x;
   float wv[kNormPer], v[kNormPer];
@@ -85,8 +93,9 @@ __global__ void rmsnorm_reg_kernel(const void* x, int xt, int64_t ldx, const voi
   }
 }
 
-__global__ void add_rmsnorm_reg_kernel(void* h, int ht, const void* a, int at, const void* w, int wt, void* y, int yt,
-                                       int64_t D, float eps, int weight_before_cast) {
+__global__ void __launch_bounds__(kNormMaxThreads)
+    add_rmsnorm_reg_kernel(void* h, int ht, const void* a, int at, const void* w, int wt, void* y, int yt, int64_t D,
+                           float eps, int weight_before_cast) {
   __shared__ float red[32];
   const int64_t r = blockIdx.x;
   float wv[kNormPer], v[kNormPer], av[kNormPer];
