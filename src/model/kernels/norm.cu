@@ -154,7 +154,7 @@ __global__ void small_m_linear_kernel(const void* x, int xt, int64_t ldx, const 
 // About four elements per thread: one row per block, so a single decode row is spread wide.
 int norm_threads(int64_t D) {
   const int64_t t = (D / 4 + 31) / 32 * 32;
-  return int(t < 64 ? 64 : (t > 1024 ? 1024 : t));
+  return int(t < 64 ? 64 : (t > kNormMaxThreads ? kNormMaxThreads : t));
 }
 
 }  // namespace
