@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 
 #include "model/ops.h"
 #ifdef MOEKIT_WITH_CUDA
@@ -437,21 +438,42 @@ TEST_F(CudaModelOps, DecodeAttentionOverSequencesMatchesCpu) {
           std::vector<Tensor> rk, rv;
           run(cpu(), Device::cpu(), false, ref, rk, rv);
           struct Mode {
-            bool vec, fuse;
+            bool vec, fuse, prefetch;
+            int64_t split_keys;
           };
+          const int64_t keys0 = model::attention_split_keys();
+          Tensor plain;  // the output without the prefetch
+          const bool pre0 = model::attention_prefetch();
           for (bool dev_pos : {false, true}) {
-            for (const Mode md : {Mode{true, true}, Mode{true, false}, Mode{false, true}, Mode{false, false}}) {
+            // The prefetch with one tile per split at least, and with splits as large as shared memory takes.
+            for (const Mode md : {Mode{true, true, false, 64}, Mode{true, true, true, 64}, Mode{true, true, true, 1 << 20},
+                                  Mode{true, false, false, 64}, Mode{false, true, false, 64},
+                                  Mode{false, false, false, 64}}) {
               SCOPED_TRACE(::testing::Message() << (dev_pos ? "device positions" : "host positions")
                                                 << (md.vec ? ", 16-byte loads" : ", scalar loads")
-                                                << (md.fuse ? ", norms and rotary fused" : ", norms and rotary apart"));
+                                                << (md.fuse ? ", norms and rotary fused" : ", norms and rotary apart")
+                                                << (md.prefetch ? ", prefetch" : "") << ", split keys "
+                                                << md.split_keys);
               model::set_vector_decode_attention(md.vec);
               model::set_fused_qk_attention(md.fuse);
+              model::set_attention_prefetch(md.prefetch);
+              model::set_attention_split_keys(md.split_keys);
               Tensor got;
               std::vector<Tensor> gk, gv;
               run(gpu(), kDev, dev_pos, got, gk, gv);
               model::set_vector_decode_attention(true);
               model::set_fused_qk_attention(true);
+              model::set_attention_prefetch(pre0);
+              model::set_attention_split_keys(keys0);
               EXPECT_LT(dist(got, ref), tol(t));
+              // The prefetch changes where the keys are read from, not the arithmetic: the same bits where it keeps
+              // the splits (heads of 256 dims at B = 37 take two splits of 192 keys, where one took all 203).
+              if (md.vec && md.fuse && md.split_keys == 64 && D <= 128) {
+                if (!md.prefetch)
+                  plain = on_cpu(got);
+                else
+                  EXPECT_TRUE(test::bitwise_equal(on_cpu(got), plain));
+              }
               for (int64_t i = 0; i < B; ++i) {
                 EXPECT_LT(dist(gk[size_t(i)], rk[size_t(i)]), tol(t)) << "sequence " << i;
                 EXPECT_TRUE(test::bitwise_equal(on_cpu(gv[size_t(i)]), rv[size_t(i)])) << "sequence " << i;
@@ -514,6 +536,106 @@ TEST_F(CudaModelOps, RouterPicksTheCpuExpertsAndWeights) {
       }
     }
   }
+}
+
+// ExpertsCall::routing: the experts route the tokens from the router logits themselves. batched_mm's GEMVs do it
+// inside their own launches (each first-projection block as far as its slot, the second projection in full before
+// its wait); the other backends and batched_mm's other forms route first. Every form gives the ids and weights of
+// the model's router and the output of the router's ids given to the call, bit for bit; in CUDA graphs too.
+TEST_F(CudaModelOps, ExpertsRoutingInsideTheCallIsTheRouterThenTheCall) {
+  struct Case {
+    RouterKind kind;
+    int64_t E, K, T;
+    bool norm, gated;
+  };
+  const Case cases[] = {
+      {RouterKind::softmax_topk, 128, 8, 1, true, true},  {RouterKind::softmax_topk, 128, 8, 3, false, true},
+      {RouterKind::softmax_topk, 60, 4, 1, false, true},  {RouterKind::softmax_topk, 64, 8, 8, false, false},
+      {RouterKind::topk_softmax, 32, 4, 1, false, true},  {RouterKind::topk_softmax, 8, 2, 5, false, true},
+      {RouterKind::softmax_topk, 8, 1, 2, true, true},    {RouterKind::softmax_topk, 300, 8, 1, true, true},
+      {RouterKind::softmax_topk, 256, 32, 2, true, true}, {RouterKind::softmax_topk, 128, 8, 300, true, true},
+  };
+  for (const Case& c : cases) {
+    for (bool ties : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "kind " << int(c.kind) << " E=" << c.E << " K=" << c.K << " T=" << c.T
+                                        << (c.norm ? " norm" : "") << (c.gated ? "" : " no gate")
+                                        << (ties ? " ties" : ""));
+      test::ProblemConfig pc = test::cuda_case();
+      pc.T = c.T;
+      pc.E = c.E;
+      pc.K = c.K;
+      pc.H = 128;
+      pc.I = 96;
+      pc.has_gate = c.gated;
+      const Experts experts = test::make_experts(pc, rng).to(kDev);
+      Tensor logits = test::randn({c.T, c.E}, DType::f32, rng, 2.0);
+      if (ties) {
+        float* l = static_cast<float*>(logits.data());
+        for (int64_t i = 0; i < c.T * c.E; ++i) l[i] = i % 7 == 3 ? -INFINITY : std::round(l[i]);
+      }
+      const Tensor gl = on_gpu(logits), x = on_gpu(test::randn({c.T, pc.H}, DType::bf16, rng));
+      // The model's router, then the call with its ids.
+      const model::RouterSpec spec{c.kind, c.K, c.norm, 1.0f, 1, 1};
+      Tensor ri = Tensor::empty({c.T, c.K}, DType::i32, kDev), rw = poisoned({c.T, c.K}, DType::f32, kDev);
+      gpu().route(gl.view(), TensorView(), spec, ri.view(), rw.view());
+      const ExpertsRouting routing{gl.view(), c.kind, c.norm};
+      for (const char* backend : {"batched_mm", "grouped_mm", "eager"}) {
+        for (bool graph : {false, true}) {
+          if (graph && std::string(backend) == "eager") continue;  // not capturable
+          SCOPED_TRACE(::testing::Message() << backend << (graph ? " graph" : ""));
+          Experts e = experts;
+          e.set_implementation(backend);
+          Tensor want = poisoned({c.T, pc.H}, DType::bf16, kDev);
+          e.forward_into(ExpertsCall{x.view(), ri.view(), rw.view(), want.view(), nullptr});
+          Tensor got = poisoned({c.T, pc.H}, DType::bf16, kDev);
+          Tensor gi = poisoned({c.T, c.K}, DType::i32, kDev), gw = poisoned({c.T, c.K}, DType::f32, kDev);
+          const ExpertsCall call{x.view(), gi.view(), gw.view(), got.view(), nullptr, &routing};
+          if (graph) {
+            const Stream st = stream_create(kDev);
+            {
+              model::StreamScope scope(st);
+              ExpertsCall on = call;
+              on.stream = st;
+              e.forward_into(on);  // uncaptured first (workspaces)
+              auto g = gpu().capture([&] { e.forward_into(on); });
+              stream_synchronize(st, kDev);
+              test::poison(got);
+              test::poison(gi);
+              test::poison(gw);
+              g->replay();
+              stream_synchronize(st, kDev);
+            }
+            stream_destroy(st, kDev);
+          } else {
+            e.forward_into(call);
+          }
+          EXPECT_TRUE(test::bitwise_equal(on_cpu(got), on_cpu(want)));
+          EXPECT_TRUE(test::bitwise_equal(on_cpu(gi), on_cpu(ri)));
+          EXPECT_TRUE(test::bitwise_equal(on_cpu(gw), on_cpu(rw)));
+        }
+      }
+    }
+  }
+  // Refused: the grouped router, logits of another shape, i64 ids, CPU experts.
+  test::ProblemConfig pc = test::cuda_case();
+  pc.T = 2;
+  pc.K = 2;
+  const Experts experts = test::make_experts(pc, rng);
+  const Experts ge = experts.to(kDev);
+  const Tensor x = on_gpu(test::randn({2, pc.H}, DType::bf16, rng)), l = on_gpu(test::randn({2, pc.E}, DType::f32, rng));
+  Tensor out = Tensor::empty({2, pc.H}, DType::bf16, kDev), i = Tensor::empty({2, 2}, DType::i32, kDev);
+  Tensor w = Tensor::empty({2, 2}, DType::f32, kDev), i64 = Tensor::empty({2, 2}, DType::i64, kDev);
+  const ExpertsRouting grouped{l.view(), RouterKind::grouped_sigmoid, true};
+  EXPECT_THROW(ge.forward_into(ExpertsCall{x.view(), i.view(), w.view(), out.view(), nullptr, &grouped}), Error);
+  const ExpertsRouting narrow{model::columns(l.view(), 0, pc.E - 1), RouterKind::softmax_topk, false};
+  EXPECT_THROW(ge.forward_into(ExpertsCall{x.view(), i.view(), w.view(), out.view(), nullptr, &narrow}), Error);
+  const ExpertsRouting ok{l.view(), RouterKind::softmax_topk, false};
+  EXPECT_THROW(ge.forward_into(ExpertsCall{x.view(), i64.view(), w.view(), out.view(), nullptr, &ok}), Error);
+  const Tensor cx = on_cpu(x), cl = on_cpu(l);
+  Tensor co = Tensor::empty({2, pc.H}, DType::bf16), ci = Tensor::empty({2, 2}, DType::i32);
+  Tensor cw = Tensor::empty({2, 2}, DType::f32);
+  const ExpertsRouting on_host{cl.view(), RouterKind::softmax_topk, false};
+  EXPECT_THROW(experts.forward_into(ExpertsCall{cx.view(), ci.view(), cw.view(), co.view(), nullptr, &on_host}), Error);
 }
 
 TEST_F(CudaModelOps, ElementwiseOpsEmbeddingAndMlaMatchCpu) {
@@ -814,6 +936,61 @@ TEST(CudaModel, DecodeStepWithProgrammaticDependentLaunchMatchesPlainLaunches) {
 // Greedy decode steps run ahead (step n + 1 queued, its token fed on the device, before step n's token is read)
 // against one step at a time, graphs on: the same tokens (transformers' on every fixture model), the same stop
 // on an EOS met mid-way, and EOS suppressed until min_new_tokens the same way.
+// The decode step with the experts routing the tokens themselves (model::route_in_experts) and with the attention's
+// keys prefetched into shared memory (model::attention_prefetch): in f32 the fixture models' greedy tokens are
+// transformers'; in bf16 (the 16-byte-load attention the prefetch serves) each form's tokens, one sequence and two
+// at once, are those of the form without them at the same split size (the same arithmetic).
+TEST(CudaModel, DecodeStepWithRoutingInsideAndPrefetchedKeysIsTheSame) {
+  MOEKIT_SKIP_WITHOUT_CUDA();
+  const bool route_was = model::route_in_experts(), pre_was = model::attention_prefetch();
+  const int64_t keys_was = model::attention_split_keys();
+  struct Form {
+    bool route, prefetch;
+    int64_t keys;
+    int base;  // the form whose tokens it must give (-1: itself a base)
+  };
+  const Form forms[] = {{false, false, 64, -1}, {true, false, 64, 0}, {false, true, 64, 0},
+                        {false, false, 256, -1}, {true, true, 256, 3}};
+  for (const std::string& name : test::fixture_models()) {
+    SCOPED_TRACE(name);
+    const test::ModelReference fx = test::model_reference(name);
+    const std::vector<int64_t> p0 = test::row_ids(fx.ids, 0);
+    const std::vector<int64_t> p1(p0.begin(), p0.begin() + std::max<int64_t>(1, fx.L - 2));
+    GenerationConfig gc;
+    gc.max_new_tokens = fx.n_new;
+    gc.min_new_tokens = fx.n_new;
+    {  // f32: transformers' tokens with the routing inside
+      model::set_route_in_experts(true);
+      Model model =
+          Model::from_pretrained(fx.dir, ModelOptions{.device = kDev, .dtype = DType::f32, .cuda_graph = true});
+      model.set_experts_implementation("batched_mm");
+      EXPECT_EQ(model.generate(p0, gc).tokens, fx.expect) << "f32, routing inside";
+    }
+    std::vector<std::vector<int64_t>> single;
+    std::vector<std::vector<GenerationResult>> batched;
+    for (const Form& f : forms) {
+      SCOPED_TRACE(::testing::Message() << "bf16, " << (f.route ? "routing inside" : "router launch")
+                                        << (f.prefetch ? ", prefetch" : "") << ", split keys " << f.keys);
+      model::set_route_in_experts(f.route);
+      model::set_attention_prefetch(f.prefetch);
+      model::set_attention_split_keys(f.keys);
+      Model model =
+          Model::from_pretrained(fx.dir, ModelOptions{.device = kDev, .dtype = DType::bf16, .cuda_graph = true});
+      model.set_experts_implementation("batched_mm");
+      single.push_back(model.generate(p0, gc).tokens);
+      batched.push_back(model.generate_batch({p0, p1}, gc));
+      ASSERT_EQ(batched.back().size(), 2u);
+      if (f.base < 0) continue;
+      EXPECT_EQ(single.back(), single[size_t(f.base)]);
+      for (size_t i = 0; i < 2; ++i)
+        EXPECT_EQ(batched.back()[i].tokens, batched[size_t(f.base)][i].tokens) << "sequence " << i;
+    }
+  }
+  model::set_route_in_experts(route_was);
+  model::set_attention_prefetch(pre_was);
+  model::set_attention_split_keys(keys_was);
+}
+
 TEST(CudaModel, DecodeAheadMatchesOneStepAtATime) {
   MOEKIT_SKIP_WITHOUT_CUDA();
   const bool was = model::decode_ahead();

@@ -140,6 +140,21 @@ TEST(ExpertsApi, MismatchedShapesAndDtypesAreRejectedClearly) {
       {"out dtype bf16", "f32"});
 }
 
+TEST(ExpertsApi, RoutingInsideTheCallIsRefusedOnTheCpuNamingTheWayOut) {
+  ExpertsProblem p = problem();
+  std::mt19937_64 rng(5);
+  const Tensor logits = randn({7, 8}, DType::f32, rng);
+  Tensor idx = Tensor::empty({7, 2}, DType::i32), w = Tensor::empty({7, 2}, DType::f32);
+  Tensor out = Tensor::empty({7, 24}, DType::f32);
+  const ExpertsRouting routing{logits.view(), RouterKind::softmax_topk, true};
+  for (const std::string& b : cpu_backends()) {
+    p.experts.set_implementation(b);
+    const ExpertsCall call{p.hidden_states.view(), idx.view(), w.view(), out.view(), nullptr, &routing};
+    expect_error([&] { p.experts.forward_into(call); },
+                 {"routing inside the call runs on CUDA devices", "cpu", "route first"}, ErrorCode::not_supported);
+  }
+}
+
 TEST(ExpertsApi, DtypeMismatchIsNotAnErrorWhereItIsDefined) {
   // Activations, weights and routing weights may differ in dtype: products accumulate in f32.
   ExpertsProblem p = problem(DType::f16);

@@ -25,11 +25,7 @@ struct RopeConfig {
   double low_freq_factor = 1.0, high_freq_factor = 4.0;
 };
 
-enum class RouterKind : uint8_t {
-  softmax_topk,     // softmax over experts, top-k, optional renormalisation (qwen, mixtral, olmoe)
-  topk_softmax,     // top-k of the logits, then softmax over the k values (gpt-oss)
-  grouped_sigmoid,  // DeepSeek-V3: sigmoid, correction bias, group-limited top-k, routed scaling factor
-};
+// RouterKind: moekit/experts.h (ExpertsRouting routes with it too).
 
 enum class QkNorm : uint8_t {
   none,

@@ -78,13 +78,31 @@ struct ExpertsWeights {
   bool is_quantized() const { return is_fp8() || is_fp4(); }
 };
 
+enum class RouterKind : uint8_t {
+  softmax_topk,     // softmax over experts, top-k, optional renormalisation (qwen, mixtral, olmoe)
+  topk_softmax,     // top-k of the logits, then softmax over the k values (gpt-oss)
+  grouped_sigmoid,  // DeepSeek-V3: sigmoid, correction bias, group-limited top-k, routed scaling factor
+};
+
+// A call that routes its tokens itself (ExpertsCall::routing; CUDA experts, softmax_topk and topk_softmax
+// routers): the router's logits [T, E] f32 on the experts' device; top_k_index (i32) and top_k_weights (f32) are
+// then outputs, the experts and weights moekit's model router picks from these logits (the same bits). batched_mm's
+// per-pair GEMVs route inside their own launches (no routing launch before them); every other path routes first.
+constexpr int64_t kRoutingMaxExperts = 1024, kRoutingMaxTopK = 32;
+struct ExpertsRouting {
+  TensorView logits;
+  RouterKind kind = RouterKind::softmax_topk;
+  bool norm_topk_prob = false;  // softmax_topk: renormalise the k weights to sum to one
+};
+
 // One forward call: every view already validated by Experts::forward_into.
 struct ExpertsCall {
   TensorView hidden_states;  // [T, H] bf16 | f16 | f32
-  TensorView top_k_index;    // [T, K] i32 | i64, ids in [0, E] (E = sentinel)
-  TensorView top_k_weights;  // [T, K] f32 | bf16 | f16
+  TensorView top_k_index;    // [T, K] i32 | i64, ids in [0, E] (E = sentinel); an output with routing
+  TensorView top_k_weights;  // [T, K] f32 | bf16 | f16; an output with routing
   TensorView out;            // [T, H] dtype of hidden_states
   Stream stream = nullptr;
+  const ExpertsRouting* routing = nullptr;  // optional: route inside the call (above)
   int64_t tokens() const { return hidden_states.shape.empty() ? 0 : hidden_states.shape[0]; }
   int64_t top_k() const { return top_k_index.shape.size() < 2 ? 0 : top_k_index.shape[1]; }
 };

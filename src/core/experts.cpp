@@ -242,6 +242,25 @@ void Experts::validate_call(const ExpertsCall& c) const {
     MOEKIT_CHECK(v->is_contiguous(), "experts arguments must be contiguous; got strides ", shape_to_string(v->strides),
                  " for ", v->to_string(), " (make a contiguous copy first)");
   }
+  if (c.routing) {
+    const ExpertsRouting& r = *c.routing;
+    const int64_t E = spec_.num_experts, K = idx.shape[1];
+    MOEKIT_CHECK_CODE(dev.is_cuda(), not_supported, "experts routing inside the call runs on CUDA devices; these "
+                      "experts live on ", dev.to_string(), " (route first and pass top_k_index / top_k_weights)");
+    MOEKIT_CHECK_CODE(r.kind != RouterKind::grouped_sigmoid, not_supported,
+                      "experts routing inside the call: the grouped sigmoid router (correction bias, groups) is not "
+                      "supported; route first");
+    MOEKIT_CHECK(r.logits.dim() == 2 && r.logits.shape[0] == T && r.logits.shape[1] == E &&
+                     r.logits.dtype == DType::f32,
+                 "routing logits must be [", T, ", ", E, "] f32, got ", r.logits.to_string());
+    MOEKIT_CHECK(r.logits.device == dev && r.logits.is_contiguous(), "routing logits ", r.logits.to_string(),
+                 " must be contiguous on ", dev.to_string());
+    MOEKIT_CHECK(idx.dtype == DType::i32 && w.dtype == DType::f32, "with routing inside the call, top_k_index (",
+                 dtype_name(idx.dtype), ") and top_k_weights (", dtype_name(w.dtype), ") are outputs of i32 and f32");
+    MOEKIT_CHECK(K <= kRoutingMaxTopK && K <= E && E <= kRoutingMaxExperts, "experts routing inside the call: top_k ",
+                 K, " of ", E, " experts; supported up to top_k ", kRoutingMaxTopK, " and ", kRoutingMaxExperts,
+                 " experts");
+  }
   if (dev.is_cpu()) {
     const int64_t n = idx.numel(), E = spec_.num_experts;
     for (int64_t i = 0; i < n; ++i) {

@@ -157,11 +157,19 @@ Tensor moe(const Ctx& x, const Layer& L, const TensorView& h) {
   Tensor logits = x.empty({T, E}, DType::f32);
   x.ops.linear(h, m.router_w.view(), m.router_b.defined() ? m.router_b.view() : TensorView(), logits.view());
   Tensor idx = x.empty({T, K}, DType::i32), wts = x.empty({T, K}, DType::f32);
-  model::RouterSpec rs{c.router, K, c.norm_topk_prob, float(c.routed_scaling_factor), c.n_group, c.topk_group};
-  x.ops.route(logits.view(), m.correction_bias.defined() ? m.correction_bias.view() : TensorView(), rs, idx.view(),
-              wts.view());
+  // On CUDA the experts may route the tokens themselves from the logits (model::route_in_experts): the same ids and
+  // weights, without a launch of the router's own.
+  const ExpertsRouting routing{logits.view(), c.router, c.norm_topk_prob};
+  const bool inside = model::route_in_experts() && h.device.is_cuda() && !m.ep &&
+                      c.router != RouterKind::grouped_sigmoid && !m.correction_bias.defined() &&
+                      E <= kRoutingMaxExperts && K <= kRoutingMaxTopK && K <= E;
+  if (!inside) {
+    model::RouterSpec rs{c.router, K, c.norm_topk_prob, float(c.routed_scaling_factor), c.n_group, c.topk_group};
+    x.ops.route(logits.view(), m.correction_bias.defined() ? m.correction_bias.view() : TensorView(), rs, idx.view(),
+                wts.view());
+  }
   Tensor y = x.empty({T, h.shape[1]}, h.dtype);
-  const ExpertsCall call{h, idx.view(), wts.view(), y.view(), model::current_stream()};
+  const ExpertsCall call{h, idx.view(), wts.view(), y.view(), model::current_stream(), inside ? &routing : nullptr};
   if (m.ep)
     m.ep->forward_into(m.experts, call);
   else

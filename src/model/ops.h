@@ -223,6 +223,24 @@ void set_vector_decode_attention(bool on);
 // set_fused_qk_attention says otherwise (tests; a recorded decode graph keeps its kernels).
 bool fused_qk_attention();
 void set_fused_qk_attention(bool on);
+// Whether the CUDA decode_attention of the 16-byte-load kernel with its norms fused copies each block's cached
+// keys and values into shared memory before its PDL wait (they were written by earlier steps), so that the loads
+// overlap the QKV projection and the tile loop reads shared memory; its splits then also fit that memory. Off
+// unless MOEKIT_ATTN_PREFETCH=1 (read once) or set_attention_prefetch says otherwise (tests; a recorded decode
+// graph keeps its kernels).
+bool attention_prefetch();
+void set_attention_prefetch(bool on);
+// Whether the model's MoE blocks on CUDA let the experts route the tokens from the router logits
+// (ExpertsCall::routing: batched_mm's decode GEMVs route inside their own launches, the route launch goes) for
+// the softmax_topk and topk_softmax routers. Off unless MOEKIT_ROUTE_IN_EXPERTS=1 (read once) or
+// set_route_in_experts says otherwise (tests; a recorded decode graph keeps its kernels).
+bool route_in_experts();
+void set_route_in_experts(bool on);
+// The fewest keys a split of the CUDA decode attention takes (rounded up to whole tiles of 64): 64 unless
+// MOEKIT_ATTN_SPLIT_KEYS (read once) or set_attention_split_keys says otherwise (tests). More: fewer splits, no
+// merge launch for caches of that many rows or fewer.
+int64_t attention_split_keys();
+void set_attention_split_keys(int64_t keys);
 // The most rows a CUDA linear of 16-bit weights runs as the decode step's GEMV (fused decode); more go to cuBLAS,
 // which streams the weights faster from about 4 rows on. 3 unless MOEKIT_GEMV_MAX_ROWS (0 to 8, read once) or
 // set_gemv_max_rows says otherwise. Linears of f32 weights (the router) keep the GEMV up to 8 rows.

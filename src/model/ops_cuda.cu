@@ -64,18 +64,17 @@ class CudaGraph final : public StepGraph {
   int device_;
 };
 
-// MOEKIT_ATTN_SPLIT_KEYS: the fewest keys a split of the decode attention takes (default kAttnTile, one tile;
-// rounded up to whole tiles). Larger: fewer splits, no merge launch for short caches (A/B runs).
-int64_t attention_split_keys() {
-  static const int64_t keys = std::max<int64_t>(
-      kernels::kAttnTile, env_int_in("MOEKIT_ATTN_SPLIT_KEYS", 1, int64_t(1) << 30, kernels::kAttnTile));
-  return keys;
-}
-
 // The split of the keys for the decode attention (flash-decoding): few (query, head) pairs spread over more
 // blocks, then merged. It depends on S (the cache rows given), not on the position, so a recorded graph keeps
-// its shape. Chunks cover absolute key indices [0, S); with a window narrower than S, one split.
-std::pair<int64_t, int64_t> attention_split(int64_t bh, int64_t S, int64_t window, int dev) {
+// its shape. Chunks cover absolute key indices [0, S); with a window narrower than S, one split. The fewest keys
+// a split takes is attention_split_keys() (rounded up to whole tiles). With the prefetch (attention_prefetch()),
+// a chunk also fits the block's shared memory for its keys and values (heads of D dims, es bytes a value);
+// prefetch says whether it does (else the blocks load their tiles in the loop, after the wait).
+struct AttentionSplit {
+  int64_t splits, chunk;
+  bool prefetch;
+};
+AttentionSplit attention_split(int64_t bh, int64_t S, int64_t window, int dev, int64_t D = 0, size_t es = 0) {
   using kernels::kAttnTile;
   const int64_t keys_max = window > 0 ? std::min(window, S) : S;
   const int64_t target = 2 * int64_t(cuda::device_info(dev).multiprocessors);
@@ -83,9 +82,17 @@ std::pair<int64_t, int64_t> attention_split(int64_t bh, int64_t S, int64_t windo
   splits = std::min<int64_t>(splits, kernels::kAttnMaxSplits);
   int64_t chunk = std::max<int64_t>(attention_split_keys(), (S + splits - 1) / splits);
   if (window > 0 && keys_max < S) splits = 1, chunk = S;
-  chunk = (chunk + kAttnTile - 1) / kAttnTile * kAttnTile;
+  const auto tiles = [](int64_t c) { return (c + kAttnTile - 1) / kAttnTile * kAttnTile; };
+  chunk = tiles(chunk);
+  bool prefetch = false;
+  if (D > 0 && attention_prefetch()) {
+    const int64_t fit = kernels::attention_prefetch_keys(D, es) / kAttnTile * kAttnTile;
+    const int64_t c = std::min(chunk, std::max<int64_t>(fit, kAttnTile));
+    if (fit >= kAttnTile && (S + c - 1) / c <= kernels::kAttnMaxSplits && !(window > 0 && keys_max < S && c < S))
+      chunk = c, prefetch = true;
+  }
   splits = (S + chunk - 1) / chunk;
-  return {splits, chunk};
+  return {splits, chunk, prefetch};
 }
 
 kernels::RopeArgs rope_args(const RopeSpec& rope) {
@@ -275,7 +282,8 @@ class CudaOps final : public DeviceOps {
     const size_t smem = size_t(Dk + kAttnTile) * sizeof(float);
     MOEKIT_CHECK(smem <= 48 * 1024, "attention: key heads of ", Dk, " dims do not fit the CUDA kernel");
     const int64_t bh = T * Hq;
-    const auto [splits, chunk] = attention_split(bh, S, window, dev);
+    const AttentionSplit sp = attention_split(bh, S, window, dev);
+    const int64_t splits = sp.splits, chunk = sp.chunk;
     float* part = nullptr;
     if (splits > 1)
       part = static_cast<float*>(scratch().get(dev, s, size_t(bh * splits * (Dv + 2)) * sizeof(float)));
@@ -345,7 +353,7 @@ class CudaOps final : public DeviceOps {
       }
       char* row = static_cast<char*>(qkv.data) + size_t(b0 * ld) * es;
       const int64_t bh = n * Hq;
-      const auto [splits, chunk] = attention_split(bh, S, window, dev);
+      const auto [splits, chunk, prefetch] = attention_split(bh, S, window, dev, D, es);
       float* part = nullptr;
       if (splits > 1)
         part = static_cast<float*>(scratch().get(dev, s, size_t(bh * splits * (D + 2)) * sizeof(float)));
@@ -381,7 +389,8 @@ class CudaOps final : public DeviceOps {
                                   .kwt = kwt,
                                   .eps = eps,
                                   .weight_before_cast = weight_before_cast,
-                                  .rope = &ra};
+                                  .rope = &ra,
+                                  .prefetch = prefetch};
       MOEKIT_CUDA_CALL(kernels::attention(args, s));
     }
   }

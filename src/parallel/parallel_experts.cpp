@@ -103,6 +103,8 @@ void ParallelExperts::check_local(const Experts& local, const ExpertsCall& call)
 }
 
 void ParallelExperts::forward_into(const Experts& local, const ExpertsCall& call) const {
+  MOEKIT_CHECK_CODE(!call.routing, not_supported,
+                    "expert parallel: routing inside the call is not supported; route first and pass top_k_index");
   check_local(local, call);
   expert_parallel_state(local).ep_size = group_->size();  // what backends that need a group (megamoe) read
   const Device d = group_->device();

@@ -20,13 +20,18 @@ bool batched_uses_gemv(const CallContext& c) {
 // Two launches: the first projection per pair (gate fused), then the second projection with the routing
 // weights and the slot sum (pair_gemv_combine); or, for up to batched_one_launch_max_tokens() tokens on sm_90,
 // both in one launch (pair_fused, the same output bit for bit). All read the expert ids from top_k_index directly.
+//
+// With ExpertsCall::routing the two launches route their tokens themselves from the logits (pair_route_ok); any
+// other form routes first (route_first), then reads the ids it wrote.
 void run_batched_mm(const CallContext& c) {
+  const bool gemv = !c.fp8 && batched_uses_gemv(c);
+  if (c.call.routing && !gemv) route_first(c);
   if (c.fp8) {  // FP8 experts: quantized_fp8.cpp
     run_fp8(c);
     return;
   }
   namespace k = kernels;
-  if (!batched_uses_gemv(c)) {
+  if (!gemv) {
     run_grouped_mm(c);
     return;
   }
@@ -73,6 +78,22 @@ void run_batched_mm(const CallContext& c) {
   g2.routing_weight_type = c.weight_type;
   g2.out = c.call.out.data;
   g2.ldo = c.hidden;
+  if (const ExpertsRouting* r = c.call.routing) {
+    for (k::PairGemvArgs* g : {&g1, &g2}) {
+      g->route_logits = r->logits.ptr<float>();
+      g->route_kind = route_kind_code(r->kind);
+      g->route_norm = r->norm_topk_prob ? 1 : 0;
+      g->route_index_out = static_cast<int32_t*>(c.call.top_k_index.data);
+      g->route_weights_out = static_cast<float*>(c.call.top_k_weights.data);
+    }
+    if (k::pair_route_ok(g1, g2)) {
+      check_launch(k::pair_gemv(g1, c.stream), "pair_gemv (first projection, routing inside)");
+      check_launch(k::pair_gemv_combine(g2, c.tokens, c.stream), "pair_gemv_combine (second projection, routing inside)");
+      return;
+    }
+    route_first(c);  // then the ids as usual
+    for (k::PairGemvArgs* g : {&g1, &g2}) g->route_logits = nullptr;
+  }
   const int arch = c.device->arch();
   if (c.tokens <= batched_one_launch_max_tokens() && k::pair_fused_ok(g1, g2, c.tokens, arch)) {
     // Both projections in one launch; the grid barrier's words are the workspace's last two counters.

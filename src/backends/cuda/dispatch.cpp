@@ -231,6 +231,21 @@ void prepare(const Experts& experts) {
   state.repacked = true;
 }
 
+int route_kind_code(RouterKind kind) {
+  MOEKIT_CHECK_CODE(kind == RouterKind::softmax_topk || kind == RouterKind::topk_softmax, not_supported,
+                    "experts routing inside the call supports the softmax_topk and topk_softmax routers");
+  return kind == RouterKind::softmax_topk ? kRouteSoftmaxTopk : kRouteTopkSoftmax;
+}
+
+void route_first(const CallContext& c) {
+  const ExpertsRouting& r = *c.call.routing;
+  check_launch(kernels::route_logits(r.logits.ptr<float>(), c.tokens, c.experts_count, int(c.top_k),
+                                     route_kind_code(r.kind), r.norm_topk_prob,
+                                     static_cast<int32_t*>(c.call.top_k_index.data),
+                                     static_cast<float*>(c.call.top_k_weights.data), c.stream),
+               "route_logits (routing before the experts)");
+}
+
 void run(std::string_view backend, const Experts& experts, const ExpertsCall& call, KernelPath path) {
   const Support s = supports(backend, experts, call.hidden_states.dtype);
   MOEKIT_CHECK_CODE(s.ok, not_supported, s.reason);
@@ -321,6 +336,9 @@ void run(std::string_view backend, const Experts& experts, const ExpertsCall& ca
                       "FP4 scales of unexpected shape");
   }
 
+  // Routing inside the call: batched_mm decides for itself (its GEMVs route in their own launches); every other
+  // path reads ids written first.
+  if (call.routing && backend != "batched_mm") route_first(c);
   path(c);
 }
 

@@ -185,6 +185,11 @@ void second_projection_rows16(kernels::GroupedGemmArgs& g2);
 // Whether batched_mm runs its per-pair GEMV kernels for this call (else the grouped kernels).
 bool batched_uses_gemv(const CallContext& c);
 
+// ExpertsCall::routing on a path that does not route inside its kernels: writes top_k_index / top_k_weights from
+// the logits (kernels::route_logits) before the path reads them. route_kind_code: the kernels' code of a kind.
+int route_kind_code(RouterKind kind);
+void route_first(const CallContext& c);
+
 // Checks a kernel launcher's status, naming the kernel.
 void check_launch(cudaError_t err, const char* what);
 

@@ -211,6 +211,14 @@ __global__ void __launch_bounds__(kAttnThreads)
   }
 }
 
+// 16 bytes global -> shared, asynchronously (sm_80+), and the wait for all of a thread's copies.
+__device__ __forceinline__ void cp_async16(uint4* dst, const void* src) {
+  const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 // Eight 16-bit values of a 16-byte piece as f32.
 template <class T>
 __device__ __forceinline__ void unpack8(const uint4& u, float* f) {
@@ -264,7 +272,7 @@ template <class T, int P>
 __global__ void __launch_bounds__(kAttnThreads)
     decode_attention_vec_kernel(const T* __restrict__ q, int64_t ldq, DecodeSeqs seqs, T* __restrict__ out, int Hq,
                                 int Hkv, float scale, int64_t window, const void* sinks, int sink_t, int64_t chunk,
-                                float* __restrict__ part, QkFuse f) {
+                                float* __restrict__ part, QkFuse f, int prefetch) {
   constexpr int E = 8;                      // values per piece
   constexpr int D = P * E;
   constexpr int KPP = kAttnThreads / P;     // keys per pass (key slots)
@@ -275,22 +283,41 @@ __global__ void __launch_bounds__(kAttnThreads)
   __shared__ float red32[32];
   __shared__ __align__(16) T kn[D];  // fused: the new key and value
   __shared__ __align__(16) T vn[D];
-  cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
-  cuda::pdl_trigger();
+  extern __shared__ uint4 kv_pre[];  // prefetch: the split's keys [chunk][P] pieces, then its values
   const int bh = blockIdx.x, t = bh / Hq, h = bh % Hq, g = h / (Hq / Hkv);
   const int split = blockIdx.y, splits = gridDim.y;
   const int tid = threadIdx.x, slot = tid / P, pc = tid % P;
   const int sq = seqs.n == 1 ? 0 : t;
   const T* __restrict__ k = static_cast<const T*>(seqs.k_cache[sq]);
   const T* __restrict__ v = static_cast<const T*>(seqs.v_cache[sq]);
+  // The position was written two or more launches back (by the host, or by the step before's greedy_feed).
   const int64_t pos = position(seqs.pos_value[sq], seqs.pos_device[sq]) + (seqs.n == 1 ? t : 0);
   int64_t lo = window > 0 ? max(int64_t(0), pos - window + 1) : 0;
   int64_t hi = pos;  // last key, inclusive
   lo = max(lo, split * chunk);
   hi = min(hi, (split + 1) * chunk - 1);
+  const bool fresh = f.on && lo <= pos && pos <= hi;  // this block reads the new key (block-uniform)
+  const int64_t row = int64_t(Hkv) * D;  // elements from one key to the next
+  // Prefetch (only with f.on: the new row comes from the QKV row, every other cache row was written by an earlier
+  // step): the split's rows go to shared memory before the wait, overlapping the launches before this one.
+  const bool pre = prefetch && f.on;
+  if (pre) {
+    const int64_t nrows = hi >= lo ? hi + 1 - lo : 0;
+    const T* kb = k + lo * row + int64_t(g) * D;
+    const T* vb = v + lo * row + int64_t(g) * D;
+    for (int64_t i = tid; i < nrows * P; i += kAttnThreads) {
+      const int64_t j = i / P;
+      const int c = int(i % P);
+      if (fresh && lo + j == pos) continue;
+      cp_async16(&kv_pre[i], kb + j * row + c * E);
+      cp_async16(&kv_pre[chunk * P + i], vb + j * row + c * E);
+    }
+    cp_async_commit();
+  }
+  cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
+  cuda::pdl_trigger();
   const T* qrow = q + int64_t(t) * ldq;
   float qv[E];
-  const bool fresh = f.on && lo <= pos && pos <= hi;  // this block reads the new key (block-uniform)
   if (f.on) {
     constexpr int tc = type_code<T>();
     float ss = 0.0f;
@@ -338,7 +365,10 @@ __global__ void __launch_bounds__(kAttnThreads)
   float acc[E];
 #pragma unroll
   for (int e = 0; e < E; ++e) acc[e] = 0.0f;
-  const int64_t row = int64_t(Hkv) * D;  // elements from one key to the next
+  if (pre) {
+    cp_async_wait_all();
+    __syncthreads();  // every thread's copies are in
+  }
   constexpr int kWarps = kAttnThreads / 32;
   __shared__ float wmax[2][kWarps], wsum[2][kWarps];  // per warp, by tile parity (no third barrier per tile)
   const int warp = tid / 32;
@@ -348,17 +378,28 @@ __global__ void __launch_bounds__(kAttnThreads)
     const T* kt = k + j0 * row + int64_t(g) * D + pc * E;
     const T* vt = v + j0 * row + int64_t(g) * D + pc * E;
     uint4 kr[NP], vr[NP];  // the tile's key and value loads all go out before any is used
+    if (pre) {
+      const uint4* ks = kv_pre + (j0 - lo) * P + pc;
 #pragma unroll
-    for (int i = 0; i < NP; ++i) {
-      const int jj = i * KPP + slot;
-      const bool from_cache = jj < n && !(fresh && j0 + jj == pos);
-      kr[i] = from_cache ? *reinterpret_cast<const uint4*>(kt + jj * row) : make_uint4(0, 0, 0, 0);
-    }
+      for (int i = 0; i < NP; ++i) {
+        const int jj = i * KPP + slot;
+        const bool from_cache = jj < n && !(fresh && j0 + jj == pos);
+        kr[i] = from_cache ? ks[jj * P] : make_uint4(0, 0, 0, 0);
+        vr[i] = from_cache ? ks[(chunk + jj) * P] : make_uint4(0, 0, 0, 0);
+      }
+    } else {
 #pragma unroll
-    for (int i = 0; i < NP; ++i) {
-      const int jj = i * KPP + slot;
-      const bool from_cache = jj < n && !(fresh && j0 + jj == pos);
-      vr[i] = from_cache ? *reinterpret_cast<const uint4*>(vt + jj * row) : make_uint4(0, 0, 0, 0);
+      for (int i = 0; i < NP; ++i) {
+        const int jj = i * KPP + slot;
+        const bool from_cache = jj < n && !(fresh && j0 + jj == pos);
+        kr[i] = from_cache ? *reinterpret_cast<const uint4*>(kt + jj * row) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int i = 0; i < NP; ++i) {
+        const int jj = i * KPP + slot;
+        const bool from_cache = jj < n && !(fresh && j0 + jj == pos);
+        vr[i] = from_cache ? *reinterpret_cast<const uint4*>(vt + jj * row) : make_uint4(0, 0, 0, 0);
+      }
     }
     if (fresh && pos - j0 < kAttnTile) {  // the new key: from shared memory
 #pragma unroll
@@ -444,12 +485,19 @@ __global__ void __launch_bounds__(kAttnThreads)
 // Merges the splits of attention_kernel: one block per (query, head).
 template <class T>
 __global__ void attention_combine_kernel(const float* __restrict__ part, int splits, int Hq, int Dv, const void* sinks,
-                                         int sink_t, T* __restrict__ out) {
+                                         int sink_t, T* __restrict__ out, int early) {
   __shared__ float ms_s[kAttnMaxSplits], fs[kAttnMaxSplits], ls[kAttnMaxSplits];
   cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
   cuda::pdl_trigger();
   const int bh = blockIdx.x;
   const float* pp = part + int64_t(bh) * splits * (Dv + 2);
+  constexpr int kBatch = 8;  // value loads in flight per thread
+  // early: the first batch of splits' values of this thread's first column, loaded with the maxima and sums
+  // (every split writes its values, zeros where it saw no key), not after them.
+  float v0[kBatch];
+#pragma unroll
+  for (int i = 0; i < kBatch; ++i)
+    v0[i] = early && i < splits && int(threadIdx.x) < Dv ? pp[int64_t(i) * (Dv + 2) + 2 + threadIdx.x] : 0.0f;
   // Each split's max and sum loaded once, by one thread each (all in flight together), then the same arithmetic
   // in split order as one thread would do it.
   for (int s = threadIdx.x; s < splits; s += blockDim.x) {
@@ -465,14 +513,15 @@ __global__ void attention_combine_kernel(const float* __restrict__ part, int spl
   for (int s = 0; s < splits; ++s)
     if (ms_s[s] != -INFINITY) L += ls[s] * fs[s];
   const float inv = 1.0f / L;
-  constexpr int kBatch = 8;  // value loads in flight per thread
   for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
     float a = 0.0f;
     for (int s0 = 0; s0 < splits; s0 += kBatch) {
       float v[kBatch];
 #pragma unroll
       for (int i = 0; i < kBatch; ++i)
-        v[i] = s0 + i < splits && ms_s[s0 + i] != -INFINITY ? pp[int64_t(s0 + i) * (Dv + 2) + 2 + d] : 0.0f;
+        v[i] = early && s0 == 0 && d == int(threadIdx.x) ? v0[i]
+               : s0 + i < splits && ms_s[s0 + i] != -INFINITY ? pp[int64_t(s0 + i) * (Dv + 2) + 2 + d]
+                                                              : 0.0f;
 #pragma unroll
       for (int i = 0; i < kBatch; ++i)
         if (s0 + i < splits && ms_s[s0 + i] != -INFINITY) a += v[i] * fs[s0 + i];
@@ -568,8 +617,17 @@ cudaError_t attention(const AttentionArgs& a, cudaStream_t s) {
         E* oe = static_cast<E*>(a.out);
         auto kernel = a.Dk == 64 ? decode_attention_vec_kernel<E, 8>
                                  : a.Dk == 128 ? decode_attention_vec_kernel<E, 16> : decode_attention_vec_kernel<E, 32>;
-        err = cuda::launch_pdl(pdl, kernel, grid, dim3(kAttnThreads), 0, s, qe, ldq, seqs, oe, a.Hq, a.Hkv, a.scale,
-                               a.window, a.sinks, a.sink_t, a.chunk, a.part, f);
+        // The prefetch: the chunk's keys and values in shared memory (the host sized the chunk to fit).
+        const bool pre = a.prefetch && f.on;
+        const size_t pre_bytes = pre ? 2 * size_t(a.chunk) * size_t(a.Dk) * sizeof(E) : 0;
+        if (pre && (a.chunk > attention_prefetch_keys(a.Dk, sizeof(E)) || a.chunk % kAttnTile != 0))
+          return cudaErrorInvalidValue;
+        if (pre_bytes > 48 * 1024) {
+          err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(pre_bytes));
+          if (err != cudaSuccess) return err;
+        }
+        err = cuda::launch_pdl(pdl, kernel, grid, dim3(kAttnThreads), pre_bytes, s, qe, ldq, seqs, oe, a.Hq, a.Hkv,
+                               a.scale, a.window, a.sinks, a.sink_t, a.chunk, a.part, f, pre ? 1 : 0);
       }
     }
     if (!vec)
@@ -579,7 +637,7 @@ cudaError_t attention(const AttentionArgs& a, cudaStream_t s) {
     if (err != cudaSuccess || !a.part) return err;
     return cuda::launch_pdl(pdl, attention_combine_kernel<E>, dim3(unsigned(bh)), dim3(128), 0, s,
                             static_cast<const float*>(a.part), int(a.splits), a.Hq, a.Dv, a.sinks, a.sink_t,
-                            static_cast<E*>(a.out));
+                            static_cast<E*>(a.out), a.prefetch ? 1 : 0);
   };
   if (a.t == kF32) return run(float());
   if (a.t == kBF16) return run(bf16());

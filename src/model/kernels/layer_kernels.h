@@ -120,7 +120,17 @@ struct AttentionArgs {
   float eps = 0.0f;
   bool weight_before_cast = false;
   const RopeArgs* rope = nullptr;
+  // With the norms inside the 16-byte-load kernel: each block copies its split's cached keys and values (all but
+  // the new one) into shared memory before its PDL wait; the chunk must fit (attention_prefetch_keys). The merge
+  // of the splits then also loads its first values with the maxima and sums rather than after them.
+  bool prefetch = false;
 };
+// The shared memory the decode attention's prefetch may take per block, and the keys (with their values) of heads
+// of D dims, es bytes a value, that fit it.
+constexpr size_t kAttnPrefetchBytes = 192 * 1024;
+constexpr int64_t attention_prefetch_keys(int64_t D, size_t es) {
+  return D > 0 && es > 0 ? int64_t(kAttnPrefetchBytes / (2 * size_t(D) * es)) : 0;
+}
 // Causal attention of the T queries at positions pos .. pos + T - 1 (flash-decoding when splits > 1).
 cudaError_t attention(const AttentionArgs& a, cudaStream_t s);
 

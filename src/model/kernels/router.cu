@@ -1,49 +1,16 @@
 // The model's routers on the device: one warp per token; softmax then top-k, top-k then softmax, and
 // DeepSeek-V3's grouped sigmoid with a correction bias.
-#include <climits>
-
 #include "base/activation.h"
 #include "base/cuda_pdl.cuh"
+#include "base/cuda_route.cuh"
 #include "model/kernels/layer_device.cuh"
 
 namespace moekit::model::kernels {
 namespace {
 
-struct Best {
-  float v;
-  int i;
-};
-// An order-preserving key of a score: larger scores, larger keys (-0 counted as +0); NaN the lowest key, 0, below
-// -inf's, so that it is never chosen.
-__device__ __forceinline__ uint32_t order_key(float v) {
-  if (v != v) return 0u;
-  const uint32_t u = __float_as_uint(v + 0.0f);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-__device__ __forceinline__ float key_value(uint32_t k) {
-  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-// The warp's best of its values whose expert passes `keep` (experts e = lane + 32 * s, s < PER: unrolled, so that
-// the values stay in registers): the largest value, the lowest index among equal ones ({-inf, INT_MAX} when none
-// is a number), as ops_cpu.cpp's top_k_desc orders them. Two warp reductions (redux.sync), no shuffle tree.
-template <int PER, class Keep>
-__device__ __forceinline__ Best warp_best_of(const float (&vals)[PER], int E, Keep keep) {
-  const int lane = threadIdx.x % 32;
-  uint32_t lk = 0u;
-  int li = INT_MAX;
-#pragma unroll
-  for (int s = 0; s < PER; ++s) {  // ascending experts: the first of equal keys stays
-    const int e = lane + 32 * s;
-    if (e < E && keep(e)) {
-      const uint32_t k = order_key(vals[s]);
-      if (k > lk) lk = k, li = e;
-    }
-  }
-  const uint32_t mx = __reduce_max_sync(0xffffffffu, lk);
-  if (mx == 0u) return Best{-INFINITY, INT_MAX};
-  const int i = int(__reduce_min_sync(0xffffffffu, lk == mx ? uint32_t(li) : uint32_t(INT_MAX)));
-  return Best{key_value(mx), i};
-}
+static_assert(kRouteSoftmaxTopk == cuda::kRouteSoftmaxTopk && kRouteTopkSoftmax == cuda::kRouteTopkSoftmax &&
+                  kRouteGroupedSigmoid == cuda::kRouteGroupedSigmoid,
+              "one set of router codes");
 
 // One warp per token; PER >= E / 32 values per lane. Lane j ends with slot j's expert and weight (K <= 32).
 template <int PER>
@@ -54,91 +21,12 @@ __global__ void route_kernel(const float* logits, const float* bias, int64_t T, 
   const int lane = threadIdx.x % 32;
   const int64_t token = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   if (token >= T) return;
-  const float* l = logits + token * E;
-  float sel[PER], prob[PER];
-  float mx = -INFINITY;
-#pragma unroll
-  for (int s = 0; s < PER; ++s) {
-    const int e = lane + 32 * s;
-    const float x = e < E ? l[e] : -INFINITY;
-    prob[s] = x;
-    mx = fmaxf(mx, x);
-  }
-  if (kind == kRouteSoftmaxTopk) {
-    mx = warp_max(mx);
-    float sum = 0.0f;
-#pragma unroll
-    for (int s = 0; s < PER; ++s) {
-      prob[s] = lane + 32 * s < E ? expf(prob[s] - mx) : 0.0f;
-      sum += prob[s];
-    }
-    sum = warp_sum(sum);
-#pragma unroll
-    for (int s = 0; s < PER; ++s) sel[s] = prob[s] = prob[s] / sum;
-  } else if (kind == kRouteTopkSoftmax) {
-#pragma unroll
-    for (int s = 0; s < PER; ++s) sel[s] = prob[s];
-  } else {
-#pragma unroll
-    for (int s = 0; s < PER; ++s) {
-      const int e = lane + 32 * s;
-      prob[s] = act::sigmoid(prob[s]);
-      sel[s] = e < E ? prob[s] + (bias ? bias[e] : 0.0f) : -INFINITY;
-    }
-    // A group's score: the sum of its two best choice scores; keep the topk_group best groups.
-    const int per = E / G;
-    float gscore = -INFINITY;
-    for (int g = 0; g < G; ++g) {
-      const Best b1 = warp_best_of<PER>(sel, E, [&](int e) { return e / per == g; });
-      float s = b1.v;
-      if (per >= 2) s += warp_best_of<PER>(sel, E, [&](int e) { return e / per == g && e != b1.i; }).v;
-      if (lane == g) gscore = s;
-    }
-    unsigned keep = 0;
-    for (int r = 0; r < topk_group; ++r) {
-      const float gs[1] = {gscore};
-      const Best b = warp_best_of<1>(gs, G, [](int) { return true; });
-      if (b.i >= G) break;  // no group score is a number
-      keep |= 1u << b.i;
-      if (lane == b.i) gscore = -INFINITY;
-    }
-#pragma unroll
-    for (int s = 0; s < PER; ++s) {
-      const int e = lane + 32 * s;
-      if (e < E && !((keep >> (e / per)) & 1u)) sel[s] = -INFINITY;
-    }
-  }
-  int my_e = 0;
-  float my_w = 0.0f;
-  uint32_t taken = 0;  // bit s: this lane's expert lane + 32 * s is chosen already (never chosen twice)
-  for (int j = 0; j < K; ++j) {
-    const Best b = warp_best_of<PER>(sel, E, [&](int e) { return !((taken >> (e / 32)) & 1u); });
-    const int e = b.i < E ? b.i : E - 1;  // NaN scores select nothing; stay in bounds
-    // prob of the chosen expert, from its owner lane (every lane picks the same slot).
-    float pe = 0.0f;
-#pragma unroll
-    for (int s = 0; s < PER; ++s)
-      if (s == e / 32) pe = prob[s];
-    const float wj = __shfl_sync(0xffffffffu, pe, e % 32);
-    if (lane == j) my_e = e, my_w = wj;
-    if (lane == e % 32) taken |= 1u << (e / 32);
-  }
-  // The slot sums in slot order (as one thread adding them one by one).
-  if (kind == kRouteTopkSoftmax) {
-    const float top = __shfl_sync(0xffffffffu, my_w, 0);
-    const float ex = expf(my_w - top);
-    float sum = 0.0f;
-    for (int j = 0; j < K; ++j) sum += __shfl_sync(0xffffffffu, ex, j);
-    my_w = ex / sum;
-  } else if (norm) {
-    float sum = 0.0f;
-    for (int j = 0; j < K; ++j) sum += __shfl_sync(0xffffffffu, my_w, j);
-    if (kind == kRouteGroupedSigmoid) sum += 1e-20f;
-    my_w /= sum;
-  }
+  int my_e;
+  float my_w;
+  cuda::route_warp<PER>(logits + token * E, bias, E, K, kind, norm, scale, G, topk_group, K, my_e, my_w);
   if (lane < K) {
     index[token * K + lane] = my_e;
-    weights[token * K + lane] = kind == kRouteGroupedSigmoid ? my_w * scale : my_w;
+    weights[token * K + lane] = my_w;
   }
 }
 

@@ -19,10 +19,12 @@
 #include <climits>
 #include <cmath>
 #include <cstdlib>
+#include <type_traits>
 
 #include "backends/cuda/kernels/device_math.cuh"
 #include "base/cuda_device.h"
 #include "base/cuda_pdl.cuh"
+#include "base/cuda_route.cuh"
 #include "base/env.h"
 
 namespace moekit::cuda::kernels {
@@ -180,16 +182,43 @@ __device__ __forceinline__ void pair_gemv_store(const PairGemvArgs& args, const 
 // DIRECT (16-byte pieces only): the warps read the activation row in place (the block's warps share it through
 // L1) instead of staging it in shared memory first, so that their first weight loads go out with it rather than
 // after the staging's round trip and the barrier; the same sums as the staged form, bit for bit.
-template <class T, int VEC, int EPI, int MINB, bool DIRECT>
+//
+// ROUTE (ExpertsCall::routing): the block's first warp routes the pair's token from the router logits
+// (base/cuda_route.cuh, the model router's code) as far as the pair's slot, instead of reading top_k_index; the
+// token's slot-0 block of column block 0 routes it in full and writes top_k_index / top_k_weights (outputs).
+template <class T, int VEC, int EPI, int MINB, bool DIRECT, bool ROUTE = false>
 __global__ void __launch_bounds__(kGemvThreads, MINB) pair_gemv_kernel(PairGemvArgs args) {
   extern __shared__ __align__(16) unsigned char gemv_smem[];
   T* a_s = reinterpret_cast<T*>(gemv_smem);  // [k]
-  // Everything here reads what the kernels before wrote (the ids, the activations): wait first, then let the
-  // second projection start (it reads top_k_index before its own wait: done by the time any block gets here).
+  // Everything here reads what the kernels before wrote (the ids or logits, the activations): wait first, then let
+  // the second projection start (it reads top_k_index, or the logits, before its own wait: done by the time any
+  // block gets here).
   pdl_wait();
   pdl_trigger();
   const int64_t p = blockIdx.x;
-  const int e = pair_expert_of(args.index, args.index_type, p, args.top_k, args.experts, args.error);
+  int e;
+  if constexpr (ROUTE) {
+    __shared__ int routed_e;
+    const int K = args.top_k;
+    const int64_t tok = p / K;
+    const int slot = int(p % K);
+    const bool writer = blockIdx.y == 0 && slot == 0;
+    if (threadIdx.x < 32) {
+      int re;
+      float rw;
+      route_warp<kRouteInsidePerLane>(args.route_logits + tok * args.experts, nullptr, args.experts, K,
+                                      args.route_kind, args.route_norm, 1.0f, 1, 1, writer ? K : slot + 1, re, rw);
+      if (int(threadIdx.x) == slot) routed_e = re;
+      if (writer && int(threadIdx.x) < K) {
+        args.route_index_out[tok * K + threadIdx.x] = re;
+        args.route_weights_out[tok * K + threadIdx.x] = rw;
+      }
+    }
+    __syncthreads();
+    e = routed_e;
+  } else {
+    e = pair_expert_of(args.index, args.index_type, p, args.top_k, args.experts, args.error);
+  }
   if (e >= args.experts) return;  // sentinel or bad id: the row is never read
   const int64_t k = args.k;
   const T* a_row = static_cast<const T*>(args.a) + (p / args.a_row_div) * args.lda;
@@ -246,7 +275,7 @@ int pair_combine_min_blocks() {
 
 EnvSwitch g_pair_gemv_direct{"MOEKIT_PAIR_GEMV_DIRECT", true}, g_combine_stream{"MOEKIT_COMBINE_STREAM", true};
 
-template <class T, int VEC, int MINB, bool DIRECT>
+template <class T, int VEC, int MINB, bool DIRECT, bool ROUTE = false>
 cudaError_t launch_gemv_mb(const PairGemvArgs& a, cudaStream_t stream) {
   const int cols_per_warp = a.epilogue == kEpiGated ? kRowsPerWarp / 2 : kRowsPerWarp;
   const int64_t cols_per_block = int64_t(kGemvWarps) * cols_per_warp;
@@ -255,11 +284,15 @@ cudaError_t launch_gemv_mb(const PairGemvArgs& a, cudaStream_t stream) {
   const bool pdl = pdl_enabled();
   switch (a.epilogue) {
     case kEpiGated:
-      return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiGated, MINB, DIRECT>, grid, kGemvThreads, smem, stream, a);
+      return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiGated, MINB, DIRECT, ROUTE>, grid, kGemvThreads, smem,
+                        stream, a);
     case kEpiActOnly:
-      return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiActOnly, MINB, DIRECT>, grid, kGemvThreads, smem, stream, a);
+      return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiActOnly, MINB, DIRECT, ROUTE>, grid, kGemvThreads, smem,
+                        stream, a);
     case kEpiF32:
-      return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiF32, MINB, DIRECT>, grid, kGemvThreads, smem, stream, a);
+      if constexpr (!ROUTE)
+        return launch_pdl(pdl, pair_gemv_kernel<T, VEC, kEpiF32, MINB, DIRECT>, grid, kGemvThreads, smem, stream, a);
+      return cudaErrorInvalidValue;
     default: return cudaErrorInvalidValue;
   }
 }
@@ -267,9 +300,14 @@ cudaError_t launch_gemv_mb(const PairGemvArgs& a, cudaStream_t stream) {
 template <class T, int VEC>
 cudaError_t launch_gemv(const PairGemvArgs& a, cudaStream_t stream) {
   if constexpr (VEC > 1) {
+    if (a.route_logits) {  // pair_route_ok: the default form only
+      if (pair_gemv_min_blocks() == 4 || !pair_gemv_direct()) return cudaErrorInvalidValue;
+      return launch_gemv_mb<T, VEC, 0, true, true>(a, stream);
+    }
     if (pair_gemv_min_blocks() == 4) return launch_gemv_mb<T, VEC, 4, false>(a, stream);
     if (pair_gemv_direct()) return launch_gemv_mb<T, VEC, 0, true>(a, stream);
   }
+  if (a.route_logits) return cudaErrorInvalidValue;
   return launch_gemv_mb<T, VEC, 0, false>(a, stream);
 }
 
@@ -356,19 +394,37 @@ __global__ void __launch_bounds__(kGemvThreads, MINB)
 // each streamed as in the first form (same per-unit sums, so the same output bit for bit). The slots' expert ids
 // come from top_k_index before the PDL wait (written two launches back), and so does the first round of each
 // warp's first unit: those weight loads are in flight while the first projection finishes.
-template <class T, class W, int VEC>
+//
+// ROUTE (ExpertsCall::routing): the block's first warp routes token t from the router logits (written two launches
+// back, like top_k_index otherwise) before the wait; its slots' experts and weights replace top_k_index and the
+// routing weights (the same values: the model router's code, f32 weights).
+template <class T, class W, int VEC, bool ROUTE = false>
 __global__ void __launch_bounds__(kGemvThreads, 2)
     pair_combine_stream_kernel(PairGemvArgs args, int groups, int max_cols) {
   extern __shared__ __align__(16) unsigned char gemv_smem[];
   float* part = reinterpret_cast<float*>(gemv_smem);                // [K, max_cols]
   int* slot_e = reinterpret_cast<int*>(part + args.top_k * max_cols);  // [K]
+  float* slot_w = reinterpret_cast<float*>(slot_e + args.top_k);       // ROUTE: [K]
   const int64_t t = blockIdx.x;
   const int K = args.top_k;
   const int g0 = int(int64_t(groups) * blockIdx.y / gridDim.y), g1 = int(int64_t(groups) * (blockIdx.y + 1) / gridDim.y);
   const int ng = g1 - g0;
   const int64_t col_base = int64_t(g0) * kRowsPerWarp;
-  for (int s = threadIdx.x; s < K; s += kGemvThreads)
-    slot_e[s] = pair_expert_of(args.index, args.index_type, t * K + s, K, args.experts, args.error);
+  if constexpr (ROUTE) {
+    if (threadIdx.x < 32) {
+      int re;
+      float rw;
+      route_warp<kRouteInsidePerLane>(args.route_logits + t * args.experts, nullptr, args.experts, K,
+                                      args.route_kind, args.route_norm, 1.0f, 1, 1, K, re, rw);
+      if (int(threadIdx.x) < K) {
+        slot_e[threadIdx.x] = re;
+        slot_w[threadIdx.x] = rw;
+      }
+    }
+  } else {
+    for (int s = threadIdx.x; s < K; s += kGemvThreads)
+      slot_e[s] = pair_expert_of(args.index, args.index_type, t * K + s, K, args.experts, args.error);
+  }
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t k = args.k;
@@ -431,7 +487,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
       const int e = slot_e[s];
       if (e >= args.experts) continue;
       const float y = part[s * max_cols + j] + (bias2 ? to_f32(bias2[int64_t(e) * args.bias_expert_stride + c]) : 0.0f);
-      acc += to_f32(weights[t * K + s]) * y;
+      acc += (ROUTE ? slot_w[s] : to_f32(weights[t * K + s])) * y;
     }
     static_cast<T*>(args.out)[t * args.ldo + c] = from_f32<T>(acc);
   }
@@ -656,6 +712,16 @@ cudaError_t pair_gemv(const PairGemvArgs& a, cudaStream_t stream) {
   });
 }
 
+bool pair_route_ok(const PairGemvArgs& g1, const PairGemvArgs& g2) {
+  return g1.route_logits && g2.route_logits == g1.route_logits && g1.experts >= 1 &&
+         g1.experts <= 32 * kRouteInsidePerLane && g1.top_k >= 1 && g1.top_k <= 32 && g1.top_k <= g1.experts &&
+         g2.top_k == g1.top_k && g2.experts == g1.experts && g1.route_index_out && g1.route_weights_out &&
+         (g1.route_kind == kRouteSoftmaxTopk || g1.route_kind == kRouteTopkSoftmax) &&
+         (g1.epilogue == kEpiGated || g1.epilogue == kEpiActOnly) && g2.routing_weight_type == Elem::f32 &&
+         aligned16(g1) && aligned16(g2) && pair_gemv_direct() && pair_gemv_min_blocks() != 4 && combine_stream() &&
+         pair_combine_min_blocks() != 4;
+}
+
 bool pair_gemv_direct() { return g_pair_gemv_direct.on(); }
 bool set_pair_gemv_direct(bool on) { return g_pair_gemv_direct.set(on); }
 bool combine_stream() { return g_combine_stream.on(); }
@@ -693,7 +759,7 @@ cudaError_t pair_gemv_combine(const PairGemvArgs& a, int64_t tokens, cudaStream_
     size_t smem2 = 0;
     for (;;) {  // more blocks when a block's partial sums would not fit in shared memory
       max_cols = (col_groups + by - 1) / by * kRowsPerWarp;
-      smem2 = size_t(a.top_k) * size_t(max_cols) * sizeof(float) + size_t(a.top_k) * sizeof(int);
+      smem2 = size_t(a.top_k) * size_t(max_cols) * sizeof(float) + size_t(a.top_k) * (sizeof(int) + sizeof(float));
       if (smem2 <= kGemvMaxSmem || by == col_groups) break;
       by = std::min(col_groups, by * 2);
     }
@@ -703,11 +769,18 @@ cudaError_t pair_gemv_combine(const PairGemvArgs& a, int64_t tokens, cudaStream_
       using T = decltype(tag);
       return with_elem(a.routing_weight_type, [&](auto wtag) {
         using W = decltype(wtag);
+        if (a.route_logits) {  // the routing weights are f32 outputs
+          if constexpr (std::is_same_v<W, float>)
+            return launch_pdl(pdl, pair_combine_stream_kernel<T, W, 16 / sizeof(T), true>, grid2, kGemvThreads, smem2,
+                              stream, a, int(col_groups), int(max_cols));
+          return cudaErrorInvalidValue;
+        }
         return launch_pdl(pdl, pair_combine_stream_kernel<T, W, 16 / sizeof(T)>, grid2, kGemvThreads, smem2, stream, a,
                           int(col_groups), int(max_cols));
       });
     });
   }
+  if (a.route_logits) return cudaErrorInvalidValue;  // pair_route_ok: the streaming form only
   return with_elem(a.type, [&](auto tag) {
     using T = decltype(tag);
     return with_elem(a.routing_weight_type, [&](auto wtag) {

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "base/route_codes.h"
+
 namespace moekit::cuda::kernels {
 
 enum class Elem : int { f32 = 0, bf16 = 1, f16 = 2 };  // activations, weights, routing weights
@@ -63,6 +65,12 @@ struct RoutingBuffers {
   unsigned long long* error = nullptr;  // [1] sticky error word (see above)
 };
 
+// ExpertsCall::routing before a path that does not route inside its kernels: index [T, K] i32 and weights
+// [T, K] f32 from the logits [T, E] f32, as the model's router picks them (kind: kRouteSoftmaxTopk or
+// kRouteTopkSoftmax of base/cuda_route.cuh; E <= 32 * kRouteLogitsMaxPerLane, K <= 32).
+constexpr int kRouteLogitsMaxPerLane = 32;
+cudaError_t route_logits(const float* logits, int64_t tokens, int experts, int top_k, int kind, bool norm,
+                         int32_t* index, float* weights, cudaStream_t stream);
 // pair_expert only (no sort): for kernels that index the weights per pair.
 cudaError_t route_validate(const void* top_k_index, Index index_type, int64_t tokens, int top_k, int experts,
                            int32_t* pair_expert, unsigned long long* error, cudaStream_t stream);
@@ -225,7 +233,16 @@ struct PairGemvArgs {
   Elem routing_weight_type = Elem::f32;
   void* out = nullptr;  // pair_gemv: [P, ldo]; pair_gemv_combine: [tokens, ldo]
   int64_t ldo = 0;
+  // Routing inside (ExpertsCall::routing; both launches, pair_route_ok): the ids and weights from router logits
+  // [tokens, experts] f32 (kind kRouteSoftmaxTopk / kRouteTopkSoftmax, norm: renormalise) instead of index and
+  // routing_weights; pair_gemv also writes them to route_index_out / route_weights_out ([tokens, top_k]).
+  const float* route_logits = nullptr;
+  int route_kind = 0, route_norm = 0;
+  int32_t* route_index_out = nullptr;
+  float* route_weights_out = nullptr;
 };
+// The most experts per lane of the routing inside the pair kernels (E <= 32 * kRouteInsidePerLane).
+constexpr int kRouteInsidePerLane = 8;
 // Whether pair_gemv serves these sizes (the A row is staged in shared memory).
 bool pair_gemv_ok(Elem type, int64_t k);
 // out[p, :] = epilogue(W[e_p] A[p / a_row_div]) for every pair.
@@ -233,6 +250,10 @@ cudaError_t pair_gemv(const PairGemvArgs& a, cudaStream_t stream);
 // The second projection with the combine: out[t, :] = sum over slots s in order of
 // w[t * K + s] * (W[e] A[t * K + s] + bias[e]), in f32, rounded once to `type` (K = top_k, e the slot's expert).
 bool pair_gemv_combine_ok(int top_k);
+// Whether pair_gemv then pair_gemv_combine route inside for these arguments (g1 / g2 with route_logits set): their
+// default forms (16-byte rows, the direct first form, the streaming combine), a gated or activation-only first
+// epilogue, f32 routing weights, E <= 32 * kRouteInsidePerLane, top_k <= 32.
+bool pair_route_ok(const PairGemvArgs& g1, const PairGemvArgs& g2);
 cudaError_t pair_gemv_combine(const PairGemvArgs& a, int64_t tokens, cudaStream_t stream);
 // The small-T kernels' forms (A/B switches, same results bit for bit): pair_gemv reads the activation row in place
 // (default) or stages it in shared memory first (MOEKIT_PAIR_GEMV_DIRECT=0 in the environment, read once);

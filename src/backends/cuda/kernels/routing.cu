@@ -13,6 +13,7 @@
 
 #include "backends/cuda/kernels/device_math.cuh"
 #include "base/cuda_pdl.cuh"
+#include "base/cuda_route.cuh"
 #include "base/env.h"
 
 namespace moekit::cuda::kernels {
@@ -244,7 +245,45 @@ cudaError_t route_sort_typed(const IdxT* index, int64_t tokens, int top_k, int e
   return cudaGetLastError();
 }
 
+// ExpertsCall::routing for the paths that do not route inside their kernels: one warp per token, the model
+// router's code (base/cuda_route.cuh).
+template <int PER>
+__global__ void route_logits_kernel(const float* logits, int64_t T, int E, int K, int kind, int norm, int32_t* index,
+                                     float* weights) {
+  pdl_wait();
+  pdl_trigger();
+  const int64_t token = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
+  if (token >= T) return;
+  int e;
+  float w;
+  route_warp<PER>(logits + token * E, nullptr, E, K, kind, norm, 1.0f, 1, 1, K, e, w);
+  const int lane = threadIdx.x % 32;
+  if (lane < K) {
+    index[token * K + lane] = e;
+    weights[token * K + lane] = w;
+  }
+}
+
 }  // namespace
+
+cudaError_t route_logits(const float* logits, int64_t tokens, int experts, int top_k, int kind, bool norm,
+                         int32_t* index, float* weights, cudaStream_t stream) {
+  if (experts < 1 || experts > 32 * kRouteLogitsMaxPerLane || top_k < 1 || top_k > 32 || top_k > experts ||
+      (kind != kRouteSoftmaxTopk && kind != kRouteTopkSoftmax))
+    return cudaErrorInvalidValue;
+  if (tokens == 0) return cudaSuccess;
+  constexpr int kWarps = 4;
+  const dim3 grid(unsigned((tokens + kWarps - 1) / kWarps)), block(32 * kWarps);
+  auto go = [&](auto kernel) {
+    return launch_pdl(pdl_enabled(), kernel, grid, block, 0, stream, logits, tokens, experts, top_k, kind,
+                      norm ? 1 : 0, index, weights);
+  };
+  if (experts <= 32) return go(route_logits_kernel<1>);
+  if (experts <= 64) return go(route_logits_kernel<2>);
+  if (experts <= 128) return go(route_logits_kernel<4>);
+  if (experts <= 256) return go(route_logits_kernel<8>);
+  return go(route_logits_kernel<kRouteLogitsMaxPerLane>);
+}
 
 cudaError_t route_validate(const void* index, Index index_type, int64_t tokens, int top_k, int experts,
                            int32_t* pair_expert, unsigned long long* error, cudaStream_t stream) {
