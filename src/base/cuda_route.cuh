@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "base/activation.h"
+#include "base/cuda_warp.cuh"
 #include "base/route_codes.h"
 
 namespace moekit::cuda {
@@ -29,14 +30,6 @@ __device__ __forceinline__ uint32_t route_order_key(float v) {
 }
 __device__ __forceinline__ float route_key_value(uint32_t k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-__device__ __forceinline__ float route_warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float route_warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
 }
 // The warp's best of its values whose expert passes `keep` (experts e = lane + 32 * s, s < PER: unrolled, so that
 // the values stay in registers): the largest value, the lowest index among equal ones ({-inf, INT_MAX} when none
@@ -78,14 +71,14 @@ __device__ __forceinline__ void route_warp(const float* l, const float* bias, in
     mx = fmaxf(mx, x);
   }
   if (kind == kRouteSoftmaxTopk) {
-    mx = route_warp_max(mx);
+    mx = cuda::warp_max(mx);
     float sum = 0.0f;
 #pragma unroll
     for (int s = 0; s < PER; ++s) {
       prob[s] = lane + 32 * s < E ? expf(prob[s] - mx) : 0.0f;
       sum += prob[s];
     }
-    sum = route_warp_sum(sum);
+    sum = cuda::warp_sum(sum);
 #pragma unroll
     for (int s = 0; s < PER; ++s) sel[s] = prob[s] = prob[s] / sum;
   } else if (kind == kRouteTopkSoftmax) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "base/cuda_elem.cuh"
+#include "base/cuda_warp.cuh"
 #include "model/kernels/layer_kernels.h"
 
 namespace moekit::model::kernels {
@@ -37,14 +38,8 @@ __device__ __forceinline__ float round_as(int t, float v) {
 __device__ __forceinline__ int64_t position(int64_t value, const int64_t* device) {
   return device ? *device : value;
 }
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
+using cuda::warp_max;
+using cuda::warp_sum;
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
 __device__ inline float block_sum(float v, float* red) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
