@@ -15,6 +15,7 @@
 #include "base/cuda_pdl.cuh"
 #include "model/kernels/layer_kernels.h"
 #endif
+#include "moekit/interface.h"
 #include "moekit/model.h"
 #include "moekit/safetensors.h"
 #include "test_argmax_case.h"
@@ -631,6 +632,14 @@ TEST_F(CudaModelOps, ExpertsRoutingInsideTheCallIsTheRouterThenTheCall) {
   EXPECT_THROW(ge.forward_into(ExpertsCall{x.view(), i.view(), w.view(), out.view(), nullptr, &narrow}), Error);
   const ExpertsRouting ok{l.view(), RouterKind::softmax_topk, false};
   EXPECT_THROW(ge.forward_into(ExpertsCall{x.view(), i64.view(), w.view(), out.view(), nullptr, &ok}), Error);
+  // A backend of the user's own is not asked to route: refused before it runs.
+  ExpertsInterface::global().register_backend(
+      "routing_test_fn", [](const Experts&, const ExpertsCall&) { ADD_FAILURE() << "ran with routing"; },
+      {DeviceType::cuda});
+  Experts fe = ge;
+  fe.set_implementation("routing_test_fn");
+  EXPECT_THROW(fe.forward_into(ExpertsCall{x.view(), i.view(), w.view(), out.view(), nullptr, &ok}), Error);
+  ExpertsInterface::global().unregister_backend("routing_test_fn");
   const Tensor cx = on_cpu(x), cl = on_cpu(l);
   Tensor co = Tensor::empty({2, pc.H}, DType::bf16), ci = Tensor::empty({2, 2}, DType::i32);
   Tensor cw = Tensor::empty({2, 2}, DType::f32);

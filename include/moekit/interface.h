@@ -57,6 +57,9 @@ class ExpertsBackend {
   virtual int default_rank() const { return 0; }
   // The backend that replaces it for the decode steps of GPU generation (SPEC section 4); "" keeps it.
   virtual std::string_view decode_backend() const { return {}; }
+  // Whether its run() honours ExpertsCall::routing on CUDA (writes top_k_index / top_k_weights from the router
+  // logits before or while using them). Calls with routing to a backend that says no are refused.
+  virtual bool routes_calls() const { return false; }
   // Bytes of device memory one forward of `tokens` tokens moves in its own plan (the weights of the
   // `experts_touched` experts hit, the activations, and each intermediate it writes and reads back), so that
   // `moekit bench` can show the IO of each backend beside its time; 0 when it does not say.

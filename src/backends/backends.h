@@ -102,6 +102,7 @@ class CpuCudaBackend : public ExpertsBackend {
   void prepare(const Experts& experts) const override {
     if (experts.device().is_cuda()) cuda::prepare(experts);
   }
+  bool routes_calls() const override { return true; }  // cuda::run routes first where the path does not
 };
 
 // Base of a backend that is registered (its name is known, and selecting it explains itself) but runs nothing

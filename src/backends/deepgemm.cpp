@@ -21,6 +21,7 @@ class DeepgemmBackend final : public ExpertsBackend {
            "intermediate sizes multiples of 8, built-in gates";
   }
   bool graph_capturable() const override { return true; }
+  bool routes_calls() const override { return true; }  // cuda::run routes first
   // The padded copy of the routed rows, f32 down rows (padding rows left out).
   double bytes_moved(const ExpertsSpec& s, int64_t tokens, int64_t top_k, double touched, DType dt) const override {
     return routed_bytes(s, tokens, top_k, touched, dt, /*gathered_copy=*/true, /*down_row_bytes=*/4);

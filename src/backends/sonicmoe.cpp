@@ -38,6 +38,7 @@ class SonicmoeBackend final : public ExpertsBackend {
            "hidden and intermediate sizes multiples of 8";
   }
   bool graph_capturable() const override { return true; }
+  bool routes_calls() const override { return true; }  // cuda::run routes first
   double bytes_moved(const ExpertsSpec& s, int64_t tokens, int64_t top_k, double touched, DType dt) const override {
     return routed_bytes(s, tokens, top_k, touched, dt, /*gathered_copy=*/false, /*down_row_bytes=*/dtype_bits(dt) / 8);
   }

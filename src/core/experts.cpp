@@ -279,6 +279,8 @@ void Experts::forward_with(std::string_view name, const ExpertsCall& call) const
   MOEKIT_CHECK_CODE(s.ok, not_supported, "experts implementation '", name, "' cannot run these experts (",
                     dtype_name(weight_dtype()), " weights on ", device().to_string(), ", ",
                     dtype_name(call.hidden_states.dtype), " activations): ", s.reason);
+  MOEKIT_CHECK_CODE(!call.routing || backend->routes_calls(), not_supported, "experts implementation '", name,
+                    "' does not route inside the call; route first and pass top_k_index / top_k_weights");
   if (call.tokens() == 0) return;
   prepare_once(backend);
   backend->run(*this, call);
