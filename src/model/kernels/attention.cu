@@ -290,18 +290,23 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int sq = seqs.n == 1 ? 0 : t;
   const T* __restrict__ k = static_cast<const T*>(seqs.k_cache[sq]);
   const T* __restrict__ v = static_cast<const T*>(seqs.v_cache[sq]);
-  // The position was written two or more launches back (by the host, or by the step before's greedy_feed).
-  const int64_t pos = position(seqs.pos_value[sq], seqs.pos_device[sq]) + (seqs.n == 1 ? t : 0);
-  int64_t lo = window > 0 ? max(int64_t(0), pos - window + 1) : 0;
-  int64_t hi = pos;  // last key, inclusive
-  lo = max(lo, split * chunk);
-  hi = min(hi, (split + 1) * chunk - 1);
-  const bool fresh = f.on && lo <= pos && pos <= hi;  // this block reads the new key (block-uniform)
   const int64_t row = int64_t(Hkv) * D;  // elements from one key to the next
+  // The block's keys [lo, hi] (inclusive) up to the new one at pos; fresh: they include it (block-uniform).
+  int64_t pos = 0, lo = 0, hi = -1;
+  bool fresh = false;
+  auto locate = [&] {
+    pos = position(seqs.pos_value[sq], seqs.pos_device[sq]) + (seqs.n == 1 ? t : 0);
+    lo = max(window > 0 ? max(int64_t(0), pos - window + 1) : int64_t(0), split * chunk);
+    hi = min(pos, (split + 1) * chunk - 1);
+    fresh = f.on && lo <= pos && pos <= hi;
+  };
   // Prefetch (only with f.on: the new row comes from the QKV row, every other cache row was written by an earlier
-  // step): the split's rows go to shared memory before the wait, overlapping the launches before this one.
+  // step): the split's rows go to shared memory before the wait, overlapping the launches before this one. The
+  // position is read before the wait then: it was written two or more launches back (by the host, or by the step
+  // before's greedy_feed). Without the prefetch it is read after the wait, as it always was.
   const bool pre = prefetch && f.on;
   if (pre) {
+    locate();
     const int64_t nrows = hi >= lo ? hi + 1 - lo : 0;
     const T* kb = k + lo * row + int64_t(g) * D;
     const T* vb = v + lo * row + int64_t(g) * D;
@@ -316,6 +321,7 @@ __global__ void __launch_bounds__(kAttnThreads)
   }
   cuda::pdl_wait();  // PDL: everything below reads what the kernels before wrote
   cuda::pdl_trigger();
+  if (!pre) locate();
   const T* qrow = q + int64_t(t) * ldq;
   float qv[E];
   if (f.on) {
