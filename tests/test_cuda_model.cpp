@@ -589,7 +589,9 @@ TEST_F(CudaModelOps, ExpertsRoutingInsideTheCallIsTheRouterThenTheCall) {
           Tensor want = poisoned({c.T, pc.H}, DType::bf16, kDev);
           e.forward_into(ExpertsCall{x.view(), ri.view(), rw.view(), want.view(), nullptr});
           Tensor got = poisoned({c.T, pc.H}, DType::bf16, kDev);
-          Tensor gi = poisoned({c.T, c.K}, DType::i32, kDev), gw = poisoned({c.T, c.K}, DType::f32, kDev);
+          Tensor bad_ids = Tensor::empty({c.T, c.K}, DType::i32);
+          bad_ids.fill_(-1);  // no expert
+          Tensor gi = on_gpu(bad_ids), gw = poisoned({c.T, c.K}, DType::f32, kDev);
           const ExpertsCall call{x.view(), gi.view(), gw.view(), got.view(), nullptr, &routing};
           if (graph) {
             const Stream st = stream_create(kDev);
@@ -601,7 +603,8 @@ TEST_F(CudaModelOps, ExpertsRoutingInsideTheCallIsTheRouterThenTheCall) {
               auto g = gpu().capture([&] { e.forward_into(on); });
               stream_synchronize(st, kDev);
               test::poison(got);
-              test::poison(gi);
+              memcpy_any(gi.data(), kDev, bad_ids.data(), Device::cpu(), bad_ids.nbytes(), st);
+              stream_synchronize(st, kDev);
               test::poison(gw);
               g->replay();
               stream_synchronize(st, kDev);

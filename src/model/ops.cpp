@@ -184,7 +184,9 @@ namespace {
 EnvSwitch g_fused_decode{"MOEKIT_FUSED_DECODE", true};
 EnvSwitch g_vector_decode_attention{"MOEKIT_VEC_DECODE_ATTENTION", true};
 EnvSwitch g_fused_qk_attention{"MOEKIT_ATTN_FUSE_QK", true};
-EnvSwitch g_attention_prefetch{"MOEKIT_ATTN_PREFETCH", false};
+// On: the H100's decode step of the 4-layer Qwen3-30B-A3B-shaped model, 346.8 -> 341.3 us (128 prompt ids) and
+// 361.2 -> 353.0 (1024), the same tokens.
+EnvSwitch g_attention_prefetch{"MOEKIT_ATTN_PREFETCH", true};
 EnvSwitch g_route_in_experts{"MOEKIT_ROUTE_IN_EXPERTS", false};
 constexpr int64_t kSplitKeysDefault = 64;
 std::atomic<int64_t> g_attention_split_keys{-1};  // -1: not read yet

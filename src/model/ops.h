@@ -225,15 +225,16 @@ bool fused_qk_attention();
 void set_fused_qk_attention(bool on);
 // Whether the CUDA decode_attention of the 16-byte-load kernel with its norms fused copies each block's cached
 // keys and values into shared memory before its PDL wait (they were written by earlier steps), so that the loads
-// overlap the QKV projection and the tile loop reads shared memory; its splits then also fit that memory. Off
-// unless MOEKIT_ATTN_PREFETCH=1 (read once) or set_attention_prefetch says otherwise (tests; a recorded decode
+// overlap the QKV projection and the tile loop reads shared memory; its splits then also fit that memory. On
+// unless MOEKIT_ATTN_PREFETCH=0 (read once) or set_attention_prefetch says otherwise (tests; a recorded decode
 // graph keeps its kernels).
 bool attention_prefetch();
 void set_attention_prefetch(bool on);
 // Whether the model's MoE blocks on CUDA let the experts route the tokens from the router logits
 // (ExpertsCall::routing: batched_mm's decode GEMVs route inside their own launches, the route launch goes) for
 // the softmax_topk and topk_softmax routers. Off unless MOEKIT_ROUTE_IN_EXPERTS=1 (read once) or
-// set_route_in_experts says otherwise (tests; a recorded decode graph keeps its kernels).
+// set_route_in_experts says otherwise (tests; a recorded decode graph keeps its kernels). Measured slower: the
+// H100's decode step 346.8 -> 358.5 us (the second projection's blocks route before their first weight loads).
 bool route_in_experts();
 void set_route_in_experts(bool on);
 // The fewest keys a split of the CUDA decode attention takes (rounded up to whole tiles of 64): 64 unless
